@@ -1,0 +1,50 @@
+# The few commands the README names. Each one installs what it needs into .venv first.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ASSIGNMENT ?= 01_attention
+SUBMISSIONS ?=
+OUT ?= grades
+
+.DEFAULT_GOAL := help
+.PHONY: help install book lab test lint release sync grade clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 (or run make PYTHON=/path/to/python3.11)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP) ## create .venv and install the course and its tools
+
+book: $(STAMP) ## build the site into _build/html and print the page to open
+	$(BIN)/jupyter-book build . --warningiserror --keep-going
+	@echo "Open: file://$(CURDIR)/_build/html/index.html"
+
+lab: $(STAMP) ## open JupyterLab on the student exercises
+	$(BIN)/jupyter lab exercises/
+
+test: $(STAMP) ## run the whole test suite (what CI runs)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
+
+lint: $(STAMP) ## ruff on the library, the tests and the notebooks
+	$(BIN)/ruff check .
+
+sync: $(STAMP) ## copy library functions into the solution cells, then regenerate exercises/
+	$(BIN)/stepformer-course sync
+	$(BIN)/stepformer-course release
+
+release: $(STAMP) ## regenerate exercises/ from solutions/ with nbgrader
+	$(BIN)/stepformer-course release
+
+grade: $(STAMP) ## grade SUBMISSIONS (a folder or a .zip) for ASSIGNMENT into OUT
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=<folder or zip> [ASSIGNMENT=01_attention] [OUT=grades]"; exit 2; }
+	$(BIN)/stepformer-course grade "$(SUBMISSIONS)" --assignment $(ASSIGNMENT) --out "$(OUT)"
+
+clean: ## remove the built site and grading work folders (keeps .venv)
+	rm -rf _build autograder/work

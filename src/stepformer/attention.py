@@ -1,0 +1,75 @@
+"""Chapter 01: scaled dot-product attention, and how to measure what scaling does to it."""
+
+import math
+
+import torch
+from beartype import beartype
+from einops import einsum, reduce
+from jaxtyping import Bool, Float, jaxtyped
+from torch import Tensor
+
+
+@jaxtyped(typechecker=beartype)
+def scaled_dot_product_attention(
+    q: Float[Tensor, "*batch q_len d_k"],
+    k: Float[Tensor, "*batch k_len d_k"],
+    v: Float[Tensor, "*batch k_len d_v"],
+    mask: Bool[Tensor, "*#batch #q_len #k_len"] | None = None,
+) -> tuple[Float[Tensor, "*batch q_len d_v"], Float[Tensor, "*batch q_len k_len"]]:
+    """Attention(Q, K, V) = softmax(Q Kᵀ / sqrt(d_k)) V, with an optional mask.
+
+    Leading axes (``*batch``: batch, heads, ...) are carried through unchanged.
+    ``mask`` is boolean with ``True`` = "this query may attend to this key" (the convention
+    of ``torch.nn.functional.scaled_dot_product_attention``); it broadcasts against
+    ``(*batch, q_len, k_len)``. A query row whose keys are all masked gets zero weights and
+    a zero output instead of NaN.
+
+    Returns ``(output, weights)``: ``weights[..., i, j]`` is how much query ``i`` reads key
+    ``j``; each unmasked row sums to 1 over ``k_len``.
+    """
+    d_k = q.shape[-1]
+    # Dividing by sqrt(d_k) keeps the scores' variance near 1 whatever d_k is, so the
+    # softmax does not saturate and its gradient does not vanish.
+    scores = einsum(q, k, "... q_len d_k, ... k_len d_k -> ... q_len k_len") / math.sqrt(d_k)
+    if mask is not None:
+        # -inf gives masked keys exactly zero weight. A row with no key left would be
+        # softmax(all -inf) = NaN, so such rows are softmaxed as zeros and then zeroed.
+        has_key = mask.any(dim=-1, keepdim=True)
+        scores = scores.masked_fill(~mask, -math.inf).masked_fill(~has_key, 0.0)
+    weights = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        weights = weights.masked_fill(~has_key, 0.0)
+    output = einsum(weights, v, "... q_len k_len, ... k_len d_v -> ... q_len d_v")
+    return output, weights
+
+
+@jaxtyped(typechecker=beartype)
+def attention_entropy(weights: Float[Tensor, "*batch q_len k_len"]) -> Float[Tensor, "*batch q_len"]:
+    """The entropy, in nats, of each query's attention distribution over the keys.
+
+    ``log(k_len)`` means the query reads every key equally; 0 means it reads a single key.
+    Zero weights contribute nothing (0 · log 0 = 0), so masked keys and fully masked rows
+    are fine.
+    """
+    plogp = torch.where(weights > 0, weights * weights.log(), 0.0)
+    return -reduce(plogp, "... q_len k_len -> ... q_len", "sum")
+
+
+def mean_attention_entropy(
+    d_k: int, *, scale: bool, q_len: int = 16, k_len: int = 16, samples: int = 64, seed: int = 0
+) -> float:
+    """Mean attention entropy for random unit-variance queries and keys of width ``d_k``.
+
+    With ``scale=False`` the scores are divided by 1 instead of sqrt(d_k). The mean runs over
+    ``samples`` independent draws of ``q_len`` queries and ``k_len`` keys.
+    """
+    if d_k < 1:
+        raise ValueError(f"d_k must be a positive integer, got {d_k}")
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(samples, q_len, d_k, generator=generator, dtype=torch.float64)
+    k = torch.randn(samples, k_len, d_k, generator=generator, dtype=torch.float64)
+    v = torch.zeros(samples, k_len, 1, dtype=torch.float64)
+    # Undo the library's division by sqrt(d_k) to see the unscaled softmax.
+    q = q if scale else q * math.sqrt(d_k)
+    _, weights = scaled_dot_product_attention(q, k, v)
+    return attention_entropy(weights).mean().item()

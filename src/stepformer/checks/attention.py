@@ -1,0 +1,189 @@
+"""Checks for chapter 01: scaled dot-product attention and attention entropy."""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from stepformer.checks._core import CheckFailure, call, close, expect_tensor, passed, show
+
+AXES = ("batch", "heads", "q_len", "k_len", "d_k", "d_v")
+
+
+def _sizes(seed: int) -> dict[str, int]:
+    """Pairwise-distinct sizes, so that a swapped axis changes a shape and cannot pass."""
+    if seed == 0:
+        return dict(zip(AXES, (2, 3, 5, 7, 4, 6), strict=True))
+    picks = torch.randperm(8, generator=torch.Generator().manual_seed(seed))[: len(AXES)] + 2
+    return dict(zip(AXES, picks.tolist(), strict=True))
+
+
+def _qkv(seed: int, dtype: torch.dtype, scale: float = 1.0) -> tuple[dict[str, int], Tensor, Tensor, Tensor]:
+    s = _sizes(seed)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s["batch"], s["heads"], s["q_len"], s["d_k"], generator=g, dtype=dtype) * scale
+    k = torch.randn(s["batch"], s["heads"], s["k_len"], s["d_k"], generator=g, dtype=dtype) * scale
+    v = torch.randn(s["batch"], s["heads"], s["k_len"], s["d_v"], generator=g, dtype=dtype)
+    return s, q, k, v
+
+
+def _result(fn: Callable[..., Any], s: dict[str, int], dtype: torch.dtype, *args: Any) -> tuple[Tensor, Tensor]:
+    result = call(fn, *args)
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise CheckFailure(
+            f"scaled_dot_product_attention should return a pair (output, weights), got {type(result).__name__}."
+        )
+    b, h, q_len, k_len, d_v = s["batch"], s["heads"], s["q_len"], s["k_len"], s["d_v"]
+    output = expect_tensor(result[0], "output", (b, h, q_len, d_v), "batch heads q_len d_v", dtype)
+    weights = expect_tensor(result[1], "weights", (b, h, q_len, k_len), "batch heads q_len k_len", dtype)
+    return output, weights
+
+
+def _diagnose(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tensor, weights: Tensor) -> str:
+    """Name the likely mistake by comparing with the oracle under each common error."""
+    dtype, d_k = q.dtype, q.shape[-1]
+    if torch.isnan(weights).any() or torch.isnan(output).any():
+        return (
+            "Your result contains NaN. If you wrote exp() yourself, subtract each row's maximum "
+            "first (or use torch.softmax); a row with every key masked must give zeros, not NaN."
+        )
+    sums_k, sums_q = weights.sum(-1), weights.sum(-2)
+    if mask is None and not close(sums_k, torch.ones_like(sums_k), dtype):
+        if close(sums_q, torch.ones_like(sums_q), dtype):
+            return "Your weights sum to 1 over the query axis: take the softmax over k_len (dim=-1), not q_len."
+        return "Each row of your weights should sum to 1 over k_len: is softmax applied at all?"
+    variants = {
+        "You did not divide the scores by sqrt(d_k).": dict(scale=1.0),
+        "You divided the scores by d_k: divide by sqrt(d_k).": dict(scale=1.0 / d_k),
+        "You multiplied the scores by sqrt(d_k): divide by it instead.": dict(scale=math.sqrt(d_k)),
+    }
+    if mask is not None:
+        variants["Your mask is inverted: True means 'may attend', so fill the scores where the mask is False."] = dict(
+            attn_mask=~mask
+        )
+    for hint, kwargs in variants.items():
+        expected = F.scaled_dot_product_attention(q, k, v, **{"attn_mask": mask, **kwargs})
+        if close(output, expected, dtype):
+            return hint
+    return "Compare your scores with q @ k.transpose(-2, -1) / sqrt(d_k) on a small example."
+
+
+def check_attention_shapes(fn: Callable[..., Any], seed: int = 0) -> None:
+    """output is (batch, heads, q_len, d_v) and weights (batch, heads, q_len, k_len)."""
+    for dtype in (torch.float32, torch.float64):
+        s, q, k, v = _qkv(seed, dtype)
+        _result(fn, s, dtype, q, k, v)
+    passed("shapes and dtypes are right")
+
+
+def check_attention_values(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Equal to torch.nn.functional.scaled_dot_product_attention without a mask, large scores included."""
+    for scale, label in ((1.0, "random"), (30.0, "large")):
+        s, q, k, v = _qkv(seed, dtype, scale)
+        output, weights = _result(fn, s, dtype, q, k, v)
+        expected = F.scaled_dot_product_attention(q, k, v)
+        if not close(output, expected, dtype):
+            raise CheckFailure(
+                f"With {label} scores, your output differs from PyTorch's: {_diagnose(q, k, v, None, output, weights)}"
+            )
+        expected_weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(s["d_k"]), dim=-1)
+        if not close(weights, expected_weights, dtype):
+            raise CheckFailure(
+                "Your output is right but the weights you return are not softmax(q kᵀ / sqrt(d_k)): "
+                "return the weights that you multiplied v by."
+            )
+    passed(f"equal to torch.nn.functional.scaled_dot_product_attention ({str(dtype).removeprefix('torch.')})")
+
+
+def check_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Masked keys get zero weight, masks broadcast, and a fully masked row gives zeros, not NaN."""
+    s, q, k, v = _qkv(seed, dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    b, h, q_len, k_len = s["batch"], s["heads"], s["q_len"], s["k_len"]
+    full = torch.rand(b, h, q_len, k_len, generator=g) < 0.6
+    full[..., 0] = True  # at least one key per row, so the oracle is well defined
+    lengths = torch.randint(1, k_len + 1, (b,), generator=g)
+    padding = torch.arange(k_len).expand(b, 1, 1, k_len) < lengths.view(b, 1, 1, 1)
+    causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    for name, mask in (("a random (batch, heads, q_len, k_len)", full), ("a padding (batch, 1, 1, k_len)", padding),
+                       ("a causal (q_len, k_len)", causal)):
+        output, weights = _result(fn, s, dtype, q, k, v, mask)
+        if not close(output, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), dtype):
+            raise CheckFailure(f"With {name} mask: {_diagnose(q, k, v, mask, output, weights)}")
+        leaked = weights.masked_select(~mask.expand_as(weights))
+        if leaked.numel() and leaked.abs().max() != 0:
+            raise CheckFailure(
+                f"With {name} mask, masked keys got weight up to {leaked.abs().max().item():.3g}; "
+                "they must get exactly 0 (fill their scores with -inf before the softmax)."
+            )
+    blind = full.clone()
+    blind[:, :, 1, :] = False
+    output, weights = _result(fn, s, dtype, q, k, v, blind)
+    row_out, row_w = output[:, :, 1], weights[:, :, 1]
+    if torch.isnan(row_out).any() or torch.isnan(row_w).any():
+        raise CheckFailure(
+            "A query whose keys are all masked gives NaN (softmax of all -inf). Give such rows zero "
+            "weights and a zero output: e.g. find them with mask.any(dim=-1, keepdim=True)."
+        )
+    if row_out.abs().max() != 0 or row_w.abs().max() != 0:
+        raise CheckFailure(
+            "A query whose keys are all masked should get zero weights and a zero output, "
+            f"got weights {show(row_w[0, 0])}."
+        )
+    passed("masks: masked keys get 0, masks broadcast, a fully masked row gives zeros")
+
+
+def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
+    """Equal to torch.distributions.Categorical's entropy; 0·log 0 counts as 0."""
+    s = _sizes(seed)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(s["batch"], s["heads"], s["q_len"], s["k_len"], generator=g, dtype=torch.float64)
+    weights = torch.softmax(logits, dim=-1)
+    expected = torch.distributions.Categorical(probs=weights).entropy()
+    got = expect_tensor(call(fn, weights), "entropy", tuple(expected.shape), "batch heads q_len", torch.float64)
+    if not close(got, expected, torch.float64):
+        if close(got, -expected, torch.float64):
+            raise CheckFailure("Your entropy has the wrong sign: H = -Σ p log p is never negative.")
+        if close(got, expected / math.log(2), torch.float64):
+            raise CheckFailure("You used log base 2: the course measures entropy in nats (natural log).")
+        raise CheckFailure("Your entropy differs from -Σ_k p log p summed over the k_len axis.")
+    one_hot = torch.zeros_like(weights)
+    one_hot[..., 0] = 1.0
+    got = call(fn, one_hot)
+    if torch.isnan(got).any() or not close(got, torch.zeros_like(got), torch.float64):
+        raise CheckFailure(
+            "Weights with zeros give NaN or a nonzero entropy: 0·log 0 must count as 0 "
+            "(torch.where(p > 0, p * p.log(), 0.0))."
+        )
+    passed("equal to torch.distributions.Categorical(probs=weights).entropy()")
+
+
+def check_entropy_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
+    """Unscaled entropy collapses as d_k grows; scaled entropy stays put; both agree with a fresh sample."""
+    k_len = 16
+    table = {}
+    for d_k in (4, 64, 256):
+        for scale in (True, False):
+            value = call(fn, d_k, scale=scale, q_len=12, k_len=k_len, samples=48, seed=seed)
+            if type(value) is not float:
+                raise CheckFailure(f"mean_attention_entropy should return a Python float (use .item()), got {type(value).__name__}.")
+            if not 0.0 <= value <= math.log(k_len) + 1e-9:
+                raise CheckFailure(f"An entropy over {k_len} keys lies in [0, log {k_len}] = [0, {math.log(k_len):.3f}], got {value:.3f}.")
+            table[d_k, scale] = value
+    g = torch.Generator().manual_seed(seed + 7)
+    for (d_k, scale), value in table.items():
+        q = torch.randn(256, 12, d_k, generator=g, dtype=torch.float64)
+        k = torch.randn(256, k_len, d_k, generator=g, dtype=torch.float64)
+        scores = q @ k.transpose(-2, -1) / (math.sqrt(d_k) if scale else 1.0)
+        reference = torch.distributions.Categorical(logits=scores).entropy().mean().item()
+        if abs(value - reference) > 0.15:
+            hint = "Did you divide by sqrt(d_k) only when scale=True?" if scale is False else "Are q and k unit-variance (torch.randn)?"
+            raise CheckFailure(
+                f"For d_k={d_k}, scale={scale} you measured {value:.3f} nats; a fresh sample gives "
+                f"about {reference:.3f}. {hint}"
+            )
+    passed("unscaled entropy falls from {:.2f} to {:.2f} nats as d_k goes 4 → 256; scaled stays near {:.2f}".format(
+        table[4, False], table[256, False], table[256, True]))

@@ -1,0 +1,65 @@
+"""``stepformer-course``: the instructor's commands (sync, release, grade)."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from stepformer.course.paths import CourseNotFound, course_root
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stepformer-course", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    sync_cmd = commands.add_parser("sync", help="fill the solution cells from the library in src/")
+    sync_cmd.add_argument("--check", action="store_true", help="change nothing; fail if a cell is stale")
+
+    release_cmd = commands.add_parser("release", help="regenerate exercises/ with nbgrader generate_assignment")
+    release_cmd.add_argument("--check", action="store_true", help="change nothing; fail if exercises/ is stale")
+
+    grade_cmd = commands.add_parser("grade", help="autograde submissions and write feedback and grades")
+    grade_cmd.add_argument("submissions", type=Path, help="a folder (one sub-folder per student) or a .zip of one")
+    grade_cmd.add_argument("--assignment", default=None, help="assignment name, e.g. 01_attention")
+    grade_cmd.add_argument("--out", type=Path, default=Path("grades"), help="where feedback and grades.csv go")
+    grade_cmd.add_argument("--workdir", type=Path, default=None,
+                           help="nbgrader's working folder (default: autograder/work/<assignment>)")
+
+    args = parser.parse_args(argv)
+    try:
+        root = course_root()
+    except CourseNotFound as error:
+        print(error, file=sys.stderr)
+        return 2
+
+    if args.command == "sync":
+        from stepformer.course.sync import describe, sync
+
+        stale = sync(root, check=args.check)
+        if stale and args.check:
+            print("Solution cells out of step with the library (run `make sync`):\n" + describe(stale))
+            return 1
+        print(f"{len(stale)} solution cell(s) updated" if stale else "solution cells match the library")
+        return 0
+
+    if args.command == "release":
+        from stepformer.course.release import differences, replace_release
+
+        if args.check:
+            found = differences(root)
+            if found:
+                print("exercises/ is not a fresh nbgrader release (run `make release`):")
+                print("\n".join(f"  {line}" for line in found))
+                return 1
+            print("exercises/ matches a fresh release")
+            return 0
+        replace_release(root)
+        print(f"released into {root / 'exercises'}")
+        return 0
+
+    from stepformer.course.grade import grade_command
+
+    return grade_command(root, args.submissions, args.assignment, args.out, args.workdir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

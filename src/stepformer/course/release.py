@@ -1,0 +1,62 @@
+"""The student release: ``exercises/`` is nbgrader's ``generate_assignment`` of ``solutions/``."""
+
+import filecmp
+import shutil
+import tempfile
+from pathlib import Path
+
+from stepformer.course.nbgrader_setup import api, load_config
+from stepformer.course.paths import assignments
+
+
+class ReleaseError(RuntimeError):
+    """nbgrader could not generate an assignment."""
+
+
+def release(root: Path, target: Path | None = None, names: list[str] | None = None) -> Path:
+    """Generate the release of ``names`` (default: all) into ``target`` (default: exercises/)."""
+    target = (target or root / "exercises").resolve()
+    with tempfile.TemporaryDirectory(prefix="stepformer-release-") as work:
+        config = load_config(
+            root,
+            root=str(root),
+            release_directory=str(target),
+            db_url=f"sqlite:///{Path(work) / 'gradebook.db'}",
+        )
+        grader = api(config)
+        for name in names or assignments(root):
+            result = grader.generate_assignment(name, force=True)
+            if not result["success"]:
+                raise ReleaseError(f"nbgrader generate_assignment {name} failed:\n{result['error']}\n{result['log']}")
+    return target
+
+
+def differences(root: Path) -> list[str]:
+    """Files where the committed exercises/ differ from a fresh release (empty: in sync)."""
+    with tempfile.TemporaryDirectory(prefix="stepformer-fresh-") as fresh:
+        release(root, Path(fresh))
+        return _diff(Path(fresh), root / "exercises")
+
+
+def _diff(a: Path, b: Path, prefix: str = "") -> list[str]:
+    if not b.is_dir():
+        return [f"{prefix or 'exercises/'} is missing"]
+    comparison = filecmp.dircmp(a, b, ignore=["__pycache__", ".ipynb_checkpoints"])
+    found = [f"{prefix}{name}: only in the fresh release" for name in comparison.left_only]
+    found += [f"{prefix}{name}: not produced by nbgrader" for name in comparison.right_only]
+    found += [
+        f"{prefix}{name}: differs from a fresh release"
+        for name in comparison.common_files
+        if (a / name).read_bytes() != (b / name).read_bytes()
+    ]
+    for name in comparison.common_dirs:
+        found += _diff(a / name, b / name, f"{prefix}{name}/")
+    return found
+
+
+def replace_release(root: Path) -> None:
+    """Regenerate exercises/ completely, so that files removed from solutions/ go too."""
+    with tempfile.TemporaryDirectory(prefix="stepformer-release-") as fresh:
+        release(root, Path(fresh) / "exercises")
+        shutil.rmtree(root / "exercises", ignore_errors=True)
+        shutil.copytree(Path(fresh) / "exercises", root / "exercises")
