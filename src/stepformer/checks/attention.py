@@ -169,9 +169,14 @@ def check_entropy_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
         for scale in (True, False):
             value = call(fn, d_k, scale=scale, q_len=12, k_len=k_len, samples=48, seed=seed)
             if type(value) is not float:
-                raise CheckFailure(f"mean_attention_entropy should return a Python float (use .item()), got {type(value).__name__}.")
+                raise CheckFailure(
+                    f"mean_attention_entropy should return a Python float (use .item()), got {type(value).__name__}."
+                )
             if not 0.0 <= value <= math.log(k_len) + 1e-9:
-                raise CheckFailure(f"An entropy over {k_len} keys lies in [0, log {k_len}] = [0, {math.log(k_len):.3f}], got {value:.3f}.")
+                raise CheckFailure(
+                    f"An entropy over {k_len} keys lies in [0, log {k_len}] = [0, {math.log(k_len):.3f}], "
+                    f"got {value:.3f}."
+                )
             table[d_k, scale] = value
     g = torch.Generator().manual_seed(seed + 7)
     for (d_k, scale), value in table.items():
@@ -180,10 +185,15 @@ def check_entropy_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
         scores = q @ k.transpose(-2, -1) / (math.sqrt(d_k) if scale else 1.0)
         reference = torch.distributions.Categorical(logits=scores).entropy().mean().item()
         if abs(value - reference) > 0.15:
-            hint = "Did you divide by sqrt(d_k) only when scale=True?" if scale is False else "Are q and k unit-variance (torch.randn)?"
+            hint = (
+                "Did you divide by sqrt(d_k) only when scale=True?" if not scale
+                else "Are q and k unit-variance (torch.randn)?"
+            )
             raise CheckFailure(
                 f"For d_k={d_k}, scale={scale} you measured {value:.3f} nats; a fresh sample gives "
                 f"about {reference:.3f}. {hint}"
             )
-    passed("unscaled entropy falls from {:.2f} to {:.2f} nats as d_k goes 4 → 256; scaled stays near {:.2f}".format(
-        table[4, False], table[256, False], table[256, True]))
+    passed(
+        f"unscaled entropy falls from {table[4, False]:.2f} to {table[256, False]:.2f} nats as d_k goes 4 → 256; "
+        f"scaled stays near {table[256, True]:.2f}"
+    )

@@ -1,0 +1,170 @@
+"""stepformer.attention against torch.nn.functional.scaled_dot_product_attention, on random shapes."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jaxtyping import TypeCheckError
+
+from stepformer.attention import attention_entropy, mean_attention_entropy, scaled_dot_product_attention
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-6}
+
+shapes = st.fixed_dictionaries({
+    "batch": st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    "q_len": st.integers(1, 9),
+    "k_len": st.integers(1, 9),
+    "d_k": st.integers(1, 16),
+    "d_v": st.integers(1, 16),
+    "seed": st.integers(0, 2**31 - 1),
+    "dtype": st.sampled_from([torch.float32, torch.float64]),
+})
+
+
+def _inputs(s):
+    g = torch.Generator().manual_seed(s["seed"])
+    batch, dtype = s["batch"], s["dtype"]
+    q = torch.randn(*batch, s["q_len"], s["d_k"], generator=g, dtype=dtype)
+    k = torch.randn(*batch, s["k_len"], s["d_k"], generator=g, dtype=dtype)
+    v = torch.randn(*batch, s["k_len"], s["d_v"], generator=g, dtype=dtype)
+    return g, q, k, v
+
+
+def _assert_close(actual, expected, dtype):
+    torch.testing.assert_close(actual, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes)
+def test_matches_pytorch_without_mask(s):
+    _, q, k, v = _inputs(s)
+    output, weights = scaled_dot_product_attention(q, k, v)
+    _assert_close(output, F.scaled_dot_product_attention(q, k, v), s["dtype"])
+    _assert_close(weights.sum(-1), torch.ones_like(weights.sum(-1)), s["dtype"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes, st.data())
+def test_matches_pytorch_with_random_broadcast_masks(s, data):
+    g, q, k, v = _inputs(s)
+    full_shape = (*s["batch"], s["q_len"], s["k_len"])
+    # Any axis of the mask may be 1 (broadcast); leading axes may be dropped.
+    keep = data.draw(st.lists(st.booleans(), min_size=len(full_shape), max_size=len(full_shape)))
+    drop = data.draw(st.integers(0, len(s["batch"])))
+    mask_shape = tuple(n if kept else 1 for n, kept in zip(full_shape, keep, strict=True))[drop:]
+    mask = torch.rand(mask_shape, generator=g) < data.draw(st.floats(0.0, 1.0))
+    output, weights = scaled_dot_product_attention(q, k, v, mask)
+    _assert_close(output, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), s["dtype"])
+    assert not torch.isnan(output).any() and not torch.isnan(weights).any()
+    full_mask = mask.expand(full_shape)
+    assert (weights.masked_select(~full_mask) == 0).all(), "masked keys must get exactly zero weight"
+    blind = ~full_mask.any(-1)
+    assert (output[blind] == 0).all() and (weights[blind] == 0).all(), "fully masked rows give zeros"
+
+
+def test_float64_agrees_to_1e6_on_random_masks():
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        sizes = torch.randint(1, 10, (5,), generator=g).tolist()
+        b, h, q_len, k_len, d = sizes
+        q = torch.randn(b, h, q_len, d, generator=g, dtype=torch.float64)
+        k = torch.randn(b, h, k_len, d, generator=g, dtype=torch.float64)
+        v = torch.randn(b, h, k_len, d + 1, generator=g, dtype=torch.float64)
+        mask = torch.rand(b, h, q_len, k_len, generator=g) < 0.5
+        output, _ = scaled_dot_product_attention(q, k, v, mask)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert (output - expected).abs().max() <= 1e-6
+
+
+def test_fully_masked_rows_are_zero_and_gradients_finite():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 7, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 7, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(2, 5, 7, generator=g) < 0.5
+    mask[:, 2] = False
+    output, weights = scaled_dot_product_attention(q, k, v, mask)
+    assert (output[:, 2] == 0).all() and (weights[:, 2] == 0).all()
+    output.sum().backward()
+    for tensor in (q, k, v):
+        assert torch.isfinite(tensor.grad).all()
+    assert (q.grad[:, 2] == 0).all(), "a query that reads nothing gets no gradient"
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gradients_match_pytorch(masked):
+    g = torch.Generator().manual_seed(11)
+    inputs = [torch.randn(3, 2, n, d, generator=g, dtype=torch.float64) for n, d in ((5, 4), (6, 4), (6, 7))]
+    mask = (torch.rand(3, 1, 5, 6, generator=g) < 0.7) | torch.eye(5, 6, dtype=torch.bool) if masked else None
+    ours = [x.clone().requires_grad_() for x in inputs]
+    theirs = [x.clone().requires_grad_() for x in inputs]
+    upstream = torch.randn(3, 2, 5, 7, generator=g, dtype=torch.float64)
+    (scaled_dot_product_attention(*ours, mask)[0] * upstream).sum().backward()
+    (F.scaled_dot_product_attention(*theirs, attn_mask=mask) * upstream).sum().backward()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-9)
+    assert torch.autograd.gradcheck(lambda *x: scaled_dot_product_attention(*x, mask)[0],
+                                    [x.clone().requires_grad_() for x in inputs])
+
+
+def test_large_scores_do_not_overflow():
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(4, 6, 8, generator=g) * 100 for _ in range(2))
+    v = torch.randn(4, 6, 3, generator=g)
+    output, weights = scaled_dot_product_attention(q, k, v)
+    assert torch.isfinite(output).all()
+    _assert_close(output, F.scaled_dot_product_attention(q, k, v), torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "k_shape", "v_shape", "axis"),
+    [
+        ((2, 5, 4), (2, 7, 3), (2, 7, 6), "d_k"),
+        ((2, 5, 4), (2, 7, 4), (2, 8, 6), "k_len"),
+        ((2, 5, 4), (3, 7, 4), (3, 7, 6), "batch"),
+    ],
+)
+def test_wrong_shapes_fail_naming_the_axis(q_shape, k_shape, v_shape, axis):
+    q, k, v = torch.randn(q_shape), torch.randn(k_shape), torch.randn(v_shape)
+    with pytest.raises(TypeCheckError, match=rf"{axis}="):
+        scaled_dot_product_attention(q, k, v)
+
+
+def test_non_boolean_mask_is_refused():
+    q, k, v = torch.randn(5, 4), torch.randn(7, 4), torch.randn(7, 2)
+    with pytest.raises(TypeCheckError, match="mask"):
+        scaled_dot_product_attention(q, k, v, torch.ones(5, 7))
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_entropy_matches_categorical(s):
+    g, q, k, _ = _inputs(s)
+    weights = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+    expected = torch.distributions.Categorical(probs=weights).entropy()
+    _assert_close(attention_entropy(weights), expected, s["dtype"])
+
+
+def test_entropy_of_one_hot_and_uniform_rows():
+    one_hot = torch.eye(4, 6)
+    assert (attention_entropy(one_hot) == 0).all()
+    uniform = torch.full((3, 6), 1 / 6)
+    torch.testing.assert_close(attention_entropy(uniform), torch.full((3,), math.log(6)))
+    assert attention_entropy(torch.zeros(2, 5)).eq(0).all(), "a fully masked row has zero entropy"
+
+
+def test_mean_entropy_collapses_without_scaling_and_holds_with_it():
+    k_len = 16
+    scaled = [mean_attention_entropy(d, scale=True, k_len=k_len) for d in (4, 64, 1024)]
+    unscaled = [mean_attention_entropy(d, scale=False, k_len=k_len) for d in (4, 64, 1024)]
+    assert max(scaled) - min(scaled) < 0.1 * math.log(k_len)
+    assert unscaled[0] > unscaled[1] > unscaled[2] and unscaled[2] < 0.1 * math.log(k_len)
+    assert mean_attention_entropy(1, scale=True) == mean_attention_entropy(1, scale=False)
+
+
+def test_mean_entropy_refuses_bad_width():
+    with pytest.raises(ValueError, match="d_k"):
+        mean_attention_entropy(0, scale=True)

@@ -1,0 +1,83 @@
+"""Solution notebooks run and pass; exercises are a fresh nbgrader release with nothing leaked."""
+
+import json
+import time
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pytest
+
+from stepformer.course.paths import assignments
+from stepformer.course.release import differences
+from stepformer.course.sync import BEGIN, sync
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSIGNMENTS = assignments(ROOT)
+pytestmark = pytest.mark.slow
+
+
+def _notebooks(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).glob("*/*.ipynb"))
+
+
+@pytest.mark.parametrize("path", _notebooks("solutions"), ids=lambda p: p.parent.name)
+def test_solution_notebook_runs_and_passes_every_check_in_a_minute(path):
+    nb = nbformat.read(path, as_version=4)
+    started = time.perf_counter()
+    client = nbclient.NotebookClient(nb, timeout=60, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
+    client.execute()  # raises CellExecutionError on the first failing cell
+    elapsed = time.perf_counter() - started
+    assert elapsed < 60, f"{path.name} took {elapsed:.0f} s"
+    graded = [c for c in nb.cells if c.get("metadata", {}).get("nbgrader", {}).get("grade")]
+    assert graded, "a graded notebook needs graded cells"
+    for cell in graded:
+        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
+        assert "✔" in text, f"{cell.metadata.nbgrader.grade_id} printed no pass line"
+        assert not [o for o in cell.outputs if o.output_type == "stream" and o.name == "stderr"], \
+            f"{cell.metadata.nbgrader.grade_id} wrote to stderr, which nbgrader scores as a failure"
+
+
+def test_solution_cells_are_the_library_code():
+    stale = sync(ROOT, check=True)
+    assert not stale, "run `make sync`: " + ", ".join(f"{s.notebook}:{s.library}" for s in stale)
+
+
+def test_exercises_are_a_fresh_nbgrader_release():
+    assert differences(ROOT) == []
+
+
+@pytest.mark.parametrize("path", _notebooks("exercises"), ids=lambda p: p.parent.name)
+def test_exercises_leak_no_solution_and_no_hidden_test(path):
+    text = path.read_text()
+    for marker in ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"):
+        assert marker not in text
+    source = nbformat.read(ROOT / "solutions" / path.parent.name / path.name, as_version=4)
+    released = nbformat.read(path, as_version=4)
+    released_code = "\n".join(c.source for c in released.cells)
+    for cell in source.cells:
+        lines = cell.source.splitlines()
+        if BEGIN in cell.source:
+            body = lines[lines.index(next(x for x in lines if x.strip() == BEGIN)) + 1:]
+            hidden = [x.strip() for x in body if x.strip() and not x.strip().startswith(("#", '"""', ")"))]
+            leaked = [x for x in hidden[:-1] if len(x) > 12 and x in released_code]
+            assert not leaked, f"solution lines in the release: {leaked}"
+    stubs = [c for c in released.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    assert stubs and all("raise NotImplementedError()" in c.source for c in stubs)
+
+
+@pytest.mark.parametrize("path", _notebooks("solutions") + _notebooks("exercises"), ids=str)
+def test_notebooks_are_stored_without_outputs(path):
+    nb = json.loads(path.read_text())
+    assert not [c for c in nb["cells"] if c["cell_type"] == "code" and (c["outputs"] or c["execution_count"])]
+
+
+@pytest.mark.parametrize("path", _notebooks("solutions"), ids=lambda p: p.parent.name)
+def test_every_graded_exercise_states_difficulty_and_time(path):
+    nb = nbformat.read(path, as_version=4)
+    headings = [c.source for c in nb.cells if c.cell_type == "markdown" and c.source.startswith("## Exercise")]
+    assert len(headings) >= 3
+    for heading in headings:
+        first = heading.splitlines()[0]
+        assert "★" in first and "min" in first and "point" in first, first
