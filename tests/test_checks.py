@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from stepformer.attention import attention_entropy, mean_attention_entropy, scaled_dot_product_attention
+import stepformer.attention
 from stepformer.checks import (
     CheckFailure,
     check_attention_entropy,
@@ -14,6 +14,7 @@ from stepformer.checks import (
     check_attention_values,
     check_entropy_measurement,
 )
+from tests.fixtures.student import student_copy
 
 ATTENTION_CHECKS = [check_attention_shapes, check_attention_values, check_attention_mask]
 
@@ -22,51 +23,65 @@ def stub(*args, **kwargs):
     raise NotImplementedError()
 
 
-def softmax_over_queries(q, k, v, mask=None):
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    weights = torch.softmax(scores, dim=-2)
+def attention(q, k, v, mask=None, *, scale=None, softmax_dim=-1, invert_mask=False, safe_rows=True, naive=False):
+    """A standalone attention with switches for the usual mistakes (not the library's code)."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale
+    if mask is not None:
+        mask = ~mask if invert_mask else mask
+        scores = scores.masked_fill(~mask, -math.inf)
+        if safe_rows:
+            scores = scores.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    if naive:
+        scores = scores.exp()
+        weights = scores / scores.sum(-1, keepdim=True)
+    else:
+        weights = torch.softmax(scores, dim=softmax_dim)
+    if mask is not None and safe_rows:
+        weights = weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)
     return weights @ v, weights
+
+
+student = student_copy(stepformer.attention)
+correct = attention
+
+
+def softmax_over_queries(q, k, v, mask=None):
+    return attention(q, k, v, mask, softmax_dim=-2)
 
 
 def no_scale(q, k, v, mask=None):
-    return scaled_dot_product_attention(q * math.sqrt(q.shape[-1]), k, v, mask)
+    return attention(q, k, v, mask, scale=1.0)
 
 
 def divide_by_d_k(q, k, v, mask=None):
-    return scaled_dot_product_attention(q / math.sqrt(q.shape[-1]), k, v, mask)
+    return attention(q, k, v, mask, scale=1 / q.shape[-1])
 
 
 def inverted_mask(q, k, v, mask=None):
-    return scaled_dot_product_attention(q, k, v, None if mask is None else ~mask)
+    return attention(q, k, v, mask, invert_mask=True)
 
 
 def nan_on_blind_rows(q, k, v, mask=None):
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf)
-    weights = torch.softmax(scores, dim=-1)
-    return weights @ v, weights
+    return attention(q, k, v, mask, safe_rows=False)
 
 
 def naive_exp(q, k, v, mask=None):
-    scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).exp()
-    weights = scores / scores.sum(-1, keepdim=True)
-    return weights @ v, weights
+    return attention(q, k, v, mask, naive=True)
 
 
 def swapped_results(q, k, v, mask=None):
-    output, weights = scaled_dot_product_attention(q, k, v, mask)
+    output, weights = attention(q, k, v, mask)
     return weights, output
 
 
 def weights_before_normalising(q, k, v, mask=None):
-    output, weights = scaled_dot_product_attention(q, k, v, mask)
+    output, weights = attention(q, k, v, mask)
     return output, weights * 2
 
 
 def float32_always(q, k, v, mask=None):
-    output, weights = scaled_dot_product_attention(q.float(), k.float(), v.float(), mask)
-    return output, weights
+    return attention(q.float(), k.float(), v.float(), mask)
 
 
 class AlwaysEqual(torch.Tensor):
@@ -75,14 +90,15 @@ class AlwaysEqual(torch.Tensor):
 
 
 def impostor(q, k, v, mask=None):
-    output, weights = scaled_dot_product_attention(q, k, v, mask)
+    output, weights = attention(q, k, v, mask)
     return output.as_subclass(AlwaysEqual), weights
 
 
 @pytest.mark.parametrize("check", ATTENTION_CHECKS)
-def test_attention_checks_pass_on_the_library(check, capsys):
-    check(scaled_dot_product_attention)
-    check(scaled_dot_product_attention, seed=17)
+def test_attention_checks_pass_on_the_solution(check, capsys):
+    check(student.scaled_dot_product_attention)
+    check(student.scaled_dot_product_attention, seed=17)
+    check(correct, seed=5)
     assert "✔" in capsys.readouterr().out
 
 
@@ -121,13 +137,13 @@ def test_sizes_are_pairwise_distinct_for_every_seed():
 
 
 def test_entropy_check():
-    check_attention_entropy(attention_entropy)
+    check_attention_entropy(student.attention_entropy)
     with pytest.raises(CheckFailure, match="not implemented"):
         check_attention_entropy(stub)
     with pytest.raises(CheckFailure, match="log base 2"):
-        check_attention_entropy(lambda w: attention_entropy(w) / math.log(2))
+        check_attention_entropy(lambda w: student.attention_entropy(w) / math.log(2))
     with pytest.raises(CheckFailure, match="wrong sign"):
-        check_attention_entropy(lambda w: -attention_entropy(w))
+        check_attention_entropy(lambda w: -student.attention_entropy(w))
     with pytest.raises(CheckFailure, match="0·log 0"):
         check_attention_entropy(lambda w: -(w * w.log()).sum(-1))
     with pytest.raises(CheckFailure, match="summed over the k_len axis"):
@@ -135,18 +151,112 @@ def test_entropy_check():
 
 
 def test_measurement_check():
-    check_entropy_measurement(mean_attention_entropy)
+    check_entropy_measurement(student.mean_attention_entropy)
     with pytest.raises(CheckFailure, match="not implemented"):
         check_entropy_measurement(stub)
 
     def ignores_scale(d_k, *, scale, **kwargs):
-        return mean_attention_entropy(d_k, scale=True, **kwargs)
+        return student.mean_attention_entropy(d_k, scale=True, **kwargs)
 
     with pytest.raises(CheckFailure, match="scale=False"):
         check_entropy_measurement(ignores_scale)
 
     def returns_tensor(d_k, *, scale, **kwargs):
-        return torch.tensor(mean_attention_entropy(d_k, scale=scale, **kwargs))
+        return torch.tensor(student.mean_attention_entropy(d_k, scale=scale, **kwargs))
 
     with pytest.raises(CheckFailure, match="Python float"):
         check_entropy_measurement(returns_tensor)
+
+
+# -- own work -----------------------------------------------------------------------------
+
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.functional import scaled_dot_product_attention as captured_before  # noqa: E402
+
+
+def calls_pytorch(q, k, v, mask=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask), None
+
+
+def calls_captured_alias(q, k, v, mask=None):
+    output = captured_before(q, k, v, attn_mask=mask)
+    return output, attention(q, k, v, mask)[1]
+
+
+def calls_through_default(q, k, v, mask=None, _hidden=F.scaled_dot_product_attention):
+    return _hidden(q, k, v, attn_mask=mask), attention(q, k, v, mask)[1]
+
+
+def calls_by_name(q, k, v, mask=None):
+    module = __import__("importlib").import_module("torch.nn." + "functional")
+    output = getattr(module, "scaled_dot_" + "product_attention")(q, k, v, attn_mask=mask)
+    return output, attention(q, k, v, mask)[1]
+
+
+def calls_the_library(q, k, v, mask=None):
+    import stepformer.attention as reference
+
+    return reference.scaled_dot_product_attention(q, k, v, mask)
+
+
+@pytest.mark.parametrize(
+    "cheat", [calls_pytorch, calls_captured_alias, calls_through_default, calls_by_name, calls_the_library,
+              stepformer.attention.scaled_dot_product_attention],
+)
+def test_using_the_reference_is_not_own_work(cheat):
+    with pytest.raises(CheckFailure, match="Not your own work"):
+        check_attention_values(cheat)
+
+
+def test_tripwires_are_removed_afterwards():
+    original = F.scaled_dot_product_attention
+    with pytest.raises(CheckFailure):
+        check_attention_values(calls_by_name)
+    assert F.scaled_dot_product_attention is original
+
+
+# -- record and replay ----------------------------------------------------------------------
+
+from stepformer.checks._core import RECORD_ENV, _key_file, replaying  # noqa: E402
+
+
+def _record(monkeypatch, tmp_path, fn):
+    monkeypatch.setenv(RECORD_ENV, str(tmp_path))
+    try:
+        check_attention_values(fn, seed=3)
+    except CheckFailure:
+        pass
+    monkeypatch.delenv(RECORD_ENV)
+
+
+def test_replay_gives_the_recorded_verdict_without_calling_anything(monkeypatch, tmp_path):
+    _record(monkeypatch, tmp_path, student.scaled_dot_product_attention)
+    with replaying(tmp_path):
+        check_attention_values(object(), seed=3)  # the object is never called
+    _record(monkeypatch, tmp_path / "wrong", no_scale)
+    with replaying(tmp_path / "wrong"), pytest.raises(CheckFailure, match="did not divide"):
+        check_attention_values(object(), seed=3)
+
+
+def test_patching_in_the_student_process_does_not_reach_the_replay(monkeypatch, tmp_path):
+    # A submission that makes every comparison succeed while its answer is recorded...
+    monkeypatch.setattr(torch, "allclose", lambda *a, **k: True)
+    _record(monkeypatch, tmp_path, no_scale)
+    monkeypatch.undo()
+    # ...is judged in a process where torch.allclose is the real one.
+    with replaying(tmp_path), pytest.raises(CheckFailure, match="did not divide"):
+        check_attention_values(object(), seed=3)
+
+
+def test_replay_without_records_or_with_forged_ones_fails(monkeypatch, tmp_path):
+    with replaying(tmp_path), pytest.raises(CheckFailure, match="left no result"):
+        check_attention_values(object(), seed=3)
+    _record(monkeypatch, tmp_path, student.scaled_dot_product_attention)
+    # A record for seed 3 passed off as the answer to seed 4: the inputs' fingerprints differ.
+    (tmp_path / f"{_key_file('check_attention_values(seed=3)')}-0.pt").rename(
+        tmp_path / f"{_key_file('check_attention_values(seed=4)')}-0.pt")
+    with replaying(tmp_path), pytest.raises(CheckFailure, match="does not match"):
+        check_attention_values(object(), seed=4)
+    _record(monkeypatch, tmp_path / "impostor", impostor)
+    with replaying(tmp_path / "impostor"), pytest.raises(CheckFailure, match="torch.Tensor|plain tensors"):
+        check_attention_values(object(), seed=3)

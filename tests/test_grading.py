@@ -8,11 +8,15 @@ from pathlib import Path
 import pytest
 
 from stepformer.course.grade import SubmissionsError, grade
+from stepformer.course.sandbox import sandbox_problem
 from tests.fixtures.submissions import ATTENTION, write_submissions
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSIGNMENT, NOTEBOOK = "01_attention", "attention.ipynb"
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("grading")]
+# The sample submissions are honest: they grade the same with or without the sandbox, so
+# these tests also run where bubblewrap is missing (the adversarial corpus does not).
+SANDBOX = sandbox_problem() is None
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +27,7 @@ def graded(tmp_path_factory):
     (folder / "untouched").mkdir()
     shutil.copy(ROOT / "exercises" / ASSIGNMENT / NOTEBOOK, folder / "untouched" / NOTEBOOK)
     out = tmp_path_factory.mktemp("grades")
-    results = grade(ROOT, folder, ASSIGNMENT, out, tmp_path_factory.mktemp("work"), progress=False)
+    results = grade(ROOT, folder, ASSIGNMENT, out, tmp_path_factory.mktemp("work"), progress=False, sandbox=SANDBOX)
     return {r.student: r for r in results}, out
 
 
@@ -64,12 +68,12 @@ def test_a_zip_with_a_top_level_folder_grades_the_same(tmp_path):
     with zipfile.ZipFile(archive, "w") as zf:
         for path in folder.rglob("*.ipynb"):
             zf.write(path, Path("class") / path.relative_to(folder))
-    results = grade(ROOT, archive, ASSIGNMENT, tmp_path / "out", tmp_path / "work", progress=False)
+    results = grade(ROOT, archive, ASSIGNMENT, tmp_path / "out", tmp_path / "work", progress=False, sandbox=SANDBOX)
     assert [(r.student, r.score) for r in results] == [("correct", 9)]
 
 
 def test_unknown_assignment_and_missing_folder_are_clear_errors(tmp_path):
     with pytest.raises(SubmissionsError, match="unknown assignment"):
-        grade(ROOT, tmp_path, "99_nothing", tmp_path / "out", tmp_path / "work", progress=False)
+        grade(ROOT, tmp_path, "99_nothing", tmp_path / "out", tmp_path / "work", progress=False, sandbox=SANDBOX)
     with pytest.raises(SubmissionsError, match="does not exist"):
-        grade(ROOT, tmp_path / "absent", ASSIGNMENT, tmp_path / "out", tmp_path / "work", progress=False)
+        grade(ROOT, tmp_path / "absent", ASSIGNMENT, tmp_path / "out", tmp_path / "work", sandbox=SANDBOX)

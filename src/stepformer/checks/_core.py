@@ -1,28 +1,315 @@
-"""What every check shares: calling the student's code, and failing with a useful message."""
+"""What every check shares: calling the student's code, and failing with a useful message.
 
-from collections.abc import Callable
+Every interaction of a check with the student's code goes through :func:`call`. That single
+door gives three things:
+
+- **own work**: while the student's code runs, the course library and the PyTorch built-ins
+  that an exercise asks students to write are replaced by tripwires, and the student's function
+  is searched for references to them; using one fails the check;
+- **record**: when ``STEPFORMER_RECORD`` names a folder (the grader sets it), each call's
+  result is saved there;
+- **replay**: the grader re-runs the same checks in its own process, where no student code ever
+  ran, with :func:`replaying`: ``call`` then returns the recorded results instead of calling
+  anything. Whatever a submission patched in its kernel (``torch.allclose``, this module,
+  ``builtins``, ``sys.modules``) cannot reach that process, so a wrong answer stays wrong.
+"""
+
+import contextlib
+import functools
+import hashlib
+import importlib
+import io
+import os
+import types
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+RECORD_ENV = "STEPFORMER_RECORD"
 
 
 class CheckFailure(AssertionError):
     """A check found a mistake; the message says which and where to look."""
 
 
+# What students write themselves: using any of these inside a graded function scores zero.
+FORBIDDEN = {
+    "torch.nn.functional.scaled_dot_product_attention": "PyTorch's built-in attention",
+    "torch.nn.functional.multi_head_attention_forward": "PyTorch's built-in multi-head attention",
+    "torch.nn.MultiheadAttention": "PyTorch's built-in multi-head attention",
+}
+FORBIDDEN_LIBRARY = ("stepformer.attention",)  # the course's reference modules
+
+
+def check(fn: Callable[..., None]) -> Callable[..., None]:
+    """Mark a check: its calls of student code are recorded or replayed under one key."""
+
+    @functools.wraps(fn)
+    def wrapper(student: Any, *args: Any, **kwargs: Any) -> None:
+        key = fn.__name__ + "(" + ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]) + ")"
+        with _session(key):
+            fn(student, *args, **kwargs)
+
+    return wrapper
+
+
 def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call the student's ``fn``; turn whatever it raises into a failure that names the call."""
+    session = _current()
+    if isinstance(session, _Replay):
+        return session.next(_digest(args, kwargs))
     try:
-        return fn(*args, **kwargs)
+        result = _call_own_work(fn, args, kwargs)
+    except CheckFailure as failure:
+        if isinstance(session, _Record):
+            session.add(_digest(args, kwargs), {"failure": str(failure)})
+        raise
+    if isinstance(session, _Record):
+        session.add(_digest(args, kwargs), {"result": result})
+    return result
+
+
+def _call_own_work(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    used = _references_to_forbidden(fn)
+    if used:
+        raise CheckFailure(_own_work_message(fn, used[0]))
+    tripped: list[str] = []
+    try:
+        with _tripwires(tripped):
+            result = fn(*args, **kwargs)
     except NotImplementedError as error:
         raise CheckFailure(f"{_name(fn)} is not implemented yet (it raised NotImplementedError).") from error
     except Exception as error:
         shown = ", ".join(describe(a) for a in (*args, *kwargs.values()))
-        raise CheckFailure(
-            f"{_name(fn)}({shown}) raised {type(error).__name__}: {error}"
-        ) from error
+        raise CheckFailure(f"{_name(fn)}({shown}) raised {type(error).__name__}: {error}") from error
+    if tripped:
+        raise CheckFailure(_own_work_message(fn, tripped[0]))
+    return result
 
+
+def _own_work_message(fn: Callable[..., Any], what: str) -> str:
+    return (
+        f"Not your own work: {_name(fn)} uses {what}. This exercise asks you to write it yourself; "
+        "a function that calls the reference scores zero."
+    )
+
+
+def _forbidden_objects() -> dict[int, str]:
+    found = {}
+    for dotted, label in FORBIDDEN.items():
+        module, _, attr = dotted.rpartition(".")
+        with contextlib.suppress(ImportError, AttributeError):
+            found[id(getattr(importlib.import_module(module), attr))] = f"{dotted} ({label})"
+    for module_name in FORBIDDEN_LIBRARY:
+        module = importlib.import_module(module_name)
+        for name, value in vars(module).items():
+            if callable(value) and getattr(value, "__module__", None) == module_name:
+                found[id(value)] = f"{module_name}.{name} (the course's reference library)"
+    return found
+
+
+def _references_to_forbidden(fn: Any) -> list[str]:
+    """Forbidden objects that ``fn`` reaches through its globals, defaults, closure or attributes.
+
+    Catches a reference taken before the tripwires were set, e.g. ``from torch.nn.functional
+    import scaled_dot_product_attention as sdpa`` at the top of a cell.
+    """
+    forbidden = _forbidden_objects()
+    if id(fn) in forbidden:
+        return [forbidden[id(fn)]]
+    function = getattr(fn, "__wrapped__", fn)
+    functions = [function]
+    if isinstance(fn, type) or not isinstance(function, types.FunctionType):
+        functions = [v for v in vars(type(fn) if not isinstance(fn, type) else fn).values()
+                     if isinstance(v, types.FunctionType)]
+    found = []
+    for f in functions:
+        if id(f) in forbidden:
+            found.append(forbidden[id(f)])
+            continue
+        names = set(_names(f.__code__))
+        candidates = [f.__globals__.get(n) for n in names]
+        candidates += list(f.__defaults__ or ()) + list((f.__kwdefaults__ or {}).values())
+        candidates += [c.cell_contents for c in (f.__closure__ or ()) if _has_contents(c)]
+        for value in candidates:
+            if id(value) in forbidden:
+                found.append(forbidden[id(value)])
+            elif isinstance(value, types.ModuleType):
+                for name in names:
+                    attr = getattr(value, name, None)
+                    if attr is not None and id(attr) in forbidden and attr is not function:
+                        found.append(forbidden[id(attr)])
+    return found
+
+
+def _names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises ValueError)
+    except ValueError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _tripwires(tripped: list[str]) -> Iterator[None]:
+    """Replace forbidden module attributes by wrappers that note their use, then put them back."""
+    saved = []
+    targets = [(dotted.rpartition(".")[0], dotted.rpartition(".")[2], f"{dotted} ({label})")
+               for dotted, label in FORBIDDEN.items()]
+    for module_name in FORBIDDEN_LIBRARY:
+        module = importlib.import_module(module_name)
+        targets += [(module_name, name, f"{module_name}.{name} (the course's reference library)")
+                    for name, value in vars(module).items()
+                    if callable(value) and getattr(value, "__module__", None) == module_name]
+    for module_name, attr, label in targets:
+        with contextlib.suppress(ImportError, AttributeError):
+            module = importlib.import_module(module_name)
+            original = getattr(module, attr)
+            saved.append((module, attr, original))
+            setattr(module, attr, _wire(original, label, tripped))
+    try:
+        yield
+    finally:
+        for module, attr, original in reversed(saved):
+            setattr(module, attr, original)
+
+
+def _wire(original: Any, label: str, tripped: list[str]) -> Any:
+    if isinstance(original, type):
+        class Wired(original):  # a subclass, so isinstance checks elsewhere keep working
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                tripped.append(label)
+                super().__init__(*args, **kwargs)
+
+        Wired.__name__ = Wired.__qualname__ = original.__name__
+        return Wired
+
+    @functools.wraps(original)
+    def wired(*args: Any, **kwargs: Any) -> Any:
+        tripped.append(label)
+        return original(*args, **kwargs)
+
+    return wired
+
+
+# -- record and replay ---------------------------------------------------------------------
+
+class _Record:
+    def __init__(self, folder: Path, key: str, occurrence: int) -> None:
+        self.path = folder / f"{_key_file(key)}-{occurrence}.pt"
+        self.entries: list[dict[str, Any]] = []
+
+    def add(self, digest: str, entry: dict[str, Any]) -> None:
+        self.entries.append({"digest": digest, **entry})
+
+    def close(self) -> None:
+        buffer = io.BytesIO()
+        try:
+            torch.save(self.entries, buffer)
+        except Exception as error:  # an unpicklable result: replay will report it
+            buffer = io.BytesIO()
+            torch.save([{"digest": "", "failure": f"the result could not be saved ({type(error).__name__})"}], buffer)
+        self.path.write_bytes(buffer.getvalue())
+
+
+class _Replay:
+    def __init__(self, folder: Path, key: str, occurrence: int) -> None:
+        path = folder / f"{_key_file(key)}-{occurrence}.pt"
+        self.entries: list[dict[str, Any]] | None = None
+        self.problem = ""
+        if not path.is_file():
+            self.problem = "the graded run of your notebook left no result for this check (did it run to the end?)"
+            return
+        try:
+            self.entries = torch.load(path, weights_only=True)
+        except Exception:
+            # weights_only refuses anything but plain tensors and containers: a tensor subclass
+            # or any other object was returned, which a check never accepts.
+            self.problem = "your function returned something other than plain tensors and numbers"
+
+    def next(self, digest: str) -> Any:
+        if self.entries is None:
+            raise CheckFailure(self.problem)
+        if not self.entries:
+            raise CheckFailure("the graded run of your notebook recorded fewer calls than this check makes")
+        entry = self.entries.pop(0)
+        if "failure" in entry:
+            raise CheckFailure(entry["failure"])
+        if entry["digest"] != digest:
+            raise CheckFailure("the recorded call does not match this check's inputs (was the check changed?)")
+        return entry["result"]
+
+
+_state: dict[str, Any] = {"session": None, "replay": None, "counts": defaultdict(int)}
+
+
+def _current() -> _Record | _Replay | None:
+    return _state["session"]
+
+
+@contextlib.contextmanager
+def _session(key: str) -> Iterator[None]:
+    folder = _state["replay"] or os.environ.get(RECORD_ENV)
+    # Occurrences are counted per folder: the n-th run of a check in a notebook is replayed
+    # against the n-th record.
+    count = _state["counts"][str(folder), key]
+    _state["counts"][str(folder), key] += 1
+    if _state["replay"] is not None:
+        session: _Record | _Replay | None = _Replay(_state["replay"], key, count)
+    elif folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        session = _Record(Path(folder), key, count)
+    else:
+        session = None
+    previous, _state["session"] = _state["session"], session
+    try:
+        yield
+    finally:
+        _state["session"] = previous
+        if isinstance(session, _Record):
+            session.close()
+
+
+@contextlib.contextmanager
+def replaying(folder: Path) -> Iterator[None]:
+    """Within this block, checks read the student's results from ``folder`` and call nothing."""
+    saved = dict(_state)
+    _state.update(session=None, replay=Path(folder), counts=defaultdict(int))
+    try:
+        yield
+    finally:
+        _state.clear()
+        _state.update(saved)
+
+
+def _key_file(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _digest(args: tuple, kwargs: dict) -> str:
+    """A fingerprint of a call's inputs, so replay can tell that it answers the same question."""
+    h = hashlib.sha256()
+    for value in (*args, *sorted(kwargs.items())):
+        if isinstance(value, Tensor):
+            h.update(f"T{tuple(value.shape)}{value.dtype}".encode())
+            h.update(value.detach().cpu().contiguous().numpy().tobytes())
+        else:
+            h.update(repr(value).encode())
+    return h.hexdigest()
+
+
+# -- helpers for writing checks ------------------------------------------------------------
 
 def describe(x: Any) -> str:
     """A short description of an argument: shape and dtype for a tensor, repr otherwise."""

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from stepformer.checks._core import CheckFailure, call, close, expect_tensor, passed, show
+from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, passed, show
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_k", "d_v")
 
@@ -71,6 +71,7 @@ def _diagnose(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tens
     return "Compare your scores with q @ k.transpose(-2, -1) / sqrt(d_k) on a small example."
 
 
+@check
 def check_attention_shapes(fn: Callable[..., Any], seed: int = 0) -> None:
     """output is (batch, heads, q_len, d_v) and weights (batch, heads, q_len, k_len)."""
     for dtype in (torch.float32, torch.float64):
@@ -79,6 +80,7 @@ def check_attention_shapes(fn: Callable[..., Any], seed: int = 0) -> None:
     passed("shapes and dtypes are right")
 
 
+@check
 def check_attention_values(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """Equal to torch.nn.functional.scaled_dot_product_attention without a mask, large scores included."""
     for scale, label in ((1.0, "random"), (30.0, "large")):
@@ -98,6 +100,7 @@ def check_attention_values(fn: Callable[..., Any], seed: int = 0, dtype: torch.d
     passed(f"equal to torch.nn.functional.scaled_dot_product_attention ({str(dtype).removeprefix('torch.')})")
 
 
+@check
 def check_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """Masked keys get zero weight, masks broadcast, and a fully masked row gives zeros, not NaN."""
     s, q, k, v = _qkv(seed, dtype)
@@ -136,6 +139,7 @@ def check_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
     passed("masks: masked keys get 0, masks broadcast, a fully masked row gives zeros")
 
 
+@check
 def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
     """Equal to torch.distributions.Categorical's entropy; 0·log 0 counts as 0."""
     s = _sizes(seed)
@@ -161,6 +165,7 @@ def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
     passed("equal to torch.distributions.Categorical(probs=weights).entropy()")
 
 
+@check
 def check_entropy_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
     """Unscaled entropy collapses as d_k grows; scaled entropy stays put; both agree with a fresh sample."""
     k_len = 16

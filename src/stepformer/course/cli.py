@@ -22,7 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     grade_cmd.add_argument("--assignment", default=None, help="assignment name, e.g. 01_attention")
     grade_cmd.add_argument("--out", type=Path, default=Path("grades"), help="where feedback and grades.csv go")
     grade_cmd.add_argument("--workdir", type=Path, default=None,
-                           help="nbgrader's working folder (default: autograder/work/<assignment>)")
+                           help="nbgrader's working folder, kept for resuming (default: autograder/work/<assignment>)")
+    grade_cmd.add_argument("--workers", type=int, default=None, help="students graded at once (default: cores)")
+    grade_cmd.add_argument("--roster", type=Path, default=None, help="CSV with a 'student' column, or one id a line")
+    grade_cmd.add_argument("--fresh", action="store_true", help="forget earlier runs and grade everyone again")
+    grade_cmd.add_argument("--no-sandbox", action="store_true",
+                           help="run student code without the sandbox: only for submissions you trust")
 
     args = parser.parse_args(argv)
     try:
@@ -58,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from stepformer.course.grade import grade_command
 
-    return grade_command(root, args.submissions, args.assignment, args.out, args.workdir)
+    return grade_command(root, args.submissions, args.assignment, args.out, args.workdir, workers=args.workers,
+                         sandbox=not args.no_sandbox, roster=args.roster, fresh=args.fresh)
 
 
 if __name__ == "__main__":

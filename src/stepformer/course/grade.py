@@ -1,31 +1,37 @@
-"""Autograde a folder (or zip) of submissions with nbgrader; write feedback and grades.csv.
+"""Autograde a folder (or zip) of submissions: sandboxed, parallel, resumable.
 
-Layout of SUBMISSIONS (the layout of nbgrader's ``submitted/``)::
-
-    SUBMISSIONS/<student_id>/<assignment>/<notebook>.ipynb
-    SUBMISSIONS/<student_id>/<notebook>.ipynb          (the assignment folder may be left out)
-
-A .zip holding that layout (optionally inside one top-level folder) works the same.
-Each student is graded on their own: one that crashes costs only its own points.
+``stepformer-course grade SUBMISSIONS --assignment A`` reads the submissions (``intake``),
+grades every student in a worker process of its own (``worker``: nbgrader autograde in the
+sandbox kernel, the grader's re-check, feedback), W at a time, and writes ``grades.csv``,
+each student's feedback and a summary table. A run that is stopped half-way resumes where it
+was: a student whose ``done/<student>.json`` exists is not graded again, and nbgrader's
+gradebook keeps one grade per student and cell, so nothing is lost or counted twice.
 """
 
 import csv
+import dataclasses
+import hashlib
+import json
+import os
 import shutil
+import subprocess
 import sys
-import tempfile
 import warnings
-import zipfile
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from tqdm import tqdm
 
-from stepformer.course.nbgrader_setup import api, load_config
+from stepformer.course.intake import Intake, SubmissionsError, load_roster, read_submissions
 from stepformer.course.paths import assignments
+from stepformer.course.sandbox import Limits, install_kernelspec, sandbox_problem
+
+__all__ = ["SubmissionsError", "StudentResult", "grade", "grade_command"]
 
 
-class SubmissionsError(ValueError):
-    """The submissions cannot be read at all (a single student's problem never raises this)."""
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot start here and the instructor did not opt out of it."""
 
 
 @dataclass
@@ -38,148 +44,175 @@ class StudentResult:
     cells: dict[str, float] = field(default_factory=dict)
 
 
-def unpack(submissions: Path, into: Path) -> Path:
-    """The folder holding one sub-folder per student (a zip is extracted into ``into``)."""
-    if not submissions.exists():
-        raise SubmissionsError(f"{submissions} does not exist")
-    if submissions.is_file():
-        if not zipfile.is_zipfile(submissions):
-            raise SubmissionsError(f"{submissions} is neither a folder nor a .zip file")
-        with zipfile.ZipFile(submissions) as archive:
-            for member in archive.namelist():
-                parts = PurePosixPath(member).parts
-                if PurePosixPath(member).is_absolute() or ".." in parts:
-                    raise SubmissionsError(f"{submissions}: unsafe path in the zip: {member!r}")
-            archive.extractall(into)
-        folder = into
-    else:
-        folder = submissions
-    entries = [p for p in folder.iterdir() if not p.name.startswith((".", "__MACOSX"))]
-    # A zip of the folder itself holds one top-level folder whose children are the students.
-    if len(entries) == 1 and entries[0].is_dir() and all(c.is_dir() for c in entries[0].iterdir()) \
-            and any(d.is_dir() for c in entries[0].iterdir() for d in c.iterdir()):
-        folder = entries[0]
-    return folder
+def _fingerprint(root: Path, assignment: str) -> str:
+    """What the grades depend on: the assignment's source and the checks' code."""
+    h = hashlib.sha256()
+    for folder in (root / "solutions" / assignment, Path(__file__).resolve().parents[1] / "checks"):
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
 
 
-def student_notebooks(student_dir: Path, assignment: str) -> list[Path]:
-    inner = student_dir / assignment
-    return sorted((inner if inner.is_dir() else student_dir).glob("*.ipynb"))
+def _prepare(root: Path, assignment: str, workdir: Path, fresh: bool) -> None:
+    """The work folder: nbgrader's course layout and gradebook, kept between runs."""
+    stamp = workdir / "fingerprint"
+    fingerprint = _fingerprint(root, assignment)
+    if fresh or (stamp.exists() and stamp.read_text() != fingerprint):
+        shutil.rmtree(workdir, ignore_errors=True)
+    if stamp.exists():
+        return
+    from stepformer.course.nbgrader_setup import api
+    from stepformer.course.worker import course_config
 
-
-def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Path,
-          progress: bool = True) -> list[StudentResult]:
-    """Grade every student in ``submissions``; feedback and grades.csv go to ``out``."""
-    # nbgrader's own session handling warns on every submission; the warning is harmless noise.
-    warnings.filterwarnings("ignore", message=".*not in session.*")
-    if assignment not in assignments(root):
-        raise SubmissionsError(f"unknown assignment {assignment!r}; known: {', '.join(assignments(root))}")
     shutil.rmtree(workdir, ignore_errors=True)
     (workdir / "source").mkdir(parents=True)
     shutil.copytree(root / "solutions" / assignment, workdir / "source" / assignment)
-    config = load_config(
-        root, root=str(workdir), source_directory="source", release_directory="release",
-        submitted_directory="submitted", autograded_directory="autograded",
-        feedback_directory="feedback", db_url=f"sqlite:///{workdir / 'gradebook.db'}",
-    )
-    grader = api(config)
-    generated = grader.generate_assignment(assignment, force=True)
+    generated = api(course_config(root, workdir)).generate_assignment(assignment, force=True)
     if not generated["success"]:
         raise RuntimeError(f"nbgrader could not generate {assignment}:\n{generated['log']}")
-    expected = sorted(p.name for p in (workdir / "release" / assignment).glob("*.ipynb"))
+    stamp.write_text(fingerprint)
 
-    results = []
-    with tempfile.TemporaryDirectory(prefix="stepformer-unzip-") as scratch:
-        folder = unpack(submissions, Path(scratch))
-        students = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-        if not students:
-            raise SubmissionsError(f"{submissions}: no student folders found (expected <student_id>/...)")
-        for student_dir in tqdm(students, desc=f"grading {assignment}", unit="student", disable=not progress):
-            results.append(_grade_one(grader, workdir, assignment, student_dir, expected, out))
-    _write_csv(workdir, assignment, results, out / "grades.csv")
+
+def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Path, *,
+          workers: int | None = None, sandbox: bool = True, limits: Limits | None = None,
+          roster: list[str] | None = None, fresh: bool = False, progress: bool = True) -> list[StudentResult]:
+    """Grade every student in ``submissions``; feedback and grades.csv go to ``out``."""
+    warnings.filterwarnings("ignore", message=".*not in session.*")  # nbgrader's own, harmless
+    if assignment not in assignments(root):
+        raise SubmissionsError(f"unknown assignment {assignment!r}; known: {', '.join(assignments(root))}")
+    limits = limits or Limits()
+    kernel = None
+    if sandbox:
+        if problem := sandbox_problem():
+            raise SandboxUnavailable(
+                f"the sandbox for student code cannot start: {problem}. Fix that, or grade without it "
+                "(--no-sandbox) only for submissions you trust."
+            )
+    workdir, out = workdir.resolve(), out.resolve()
+    _prepare(root, assignment, workdir, fresh)
+    if sandbox:
+        kernel = install_kernelspec(workdir / "jupyter" / "kernels", limits=limits,
+                                    hidden=[root, workdir, out, submissions.resolve().parent])
+    expected = sorted(p.name for p in (workdir / "release" / assignment).glob("*.ipynb"))
+    intakes, warnings_ = read_submissions(submissions, assignment, expected, workdir / "intake", roster)
+    for line in warnings_:
+        print(f"warning: {line}", file=sys.stderr)
+    if not intakes:
+        raise SubmissionsError(f"{submissions}: no student submissions found (expected <student_id>/...)")
+
+    pending = []
+    for intake in intakes:
+        if not (workdir / "done" / f"{intake.student}.json").exists():
+            if intake.notebooks:
+                _submit(workdir, assignment, intake)
+                pending.append(intake)
+            else:
+                from stepformer.course.worker import write_done
+
+                write_done(workdir, {"student": intake.student, "status": intake.status, "detail": "", "notes": []})
+    workers = max(1, workers or os.cpu_count() or 1)
+    env = dict(os.environ, JUPYTER_PATH=os.pathsep.join([str(workdir / "jupyter"), os.environ.get("JUPYTER_PATH", "")]))
+    with ThreadPoolExecutor(workers) as pool:
+        jobs = [pool.submit(_run_worker, root, workdir, assignment, i.student, limits, kernel, env) for i in pending]
+        for job in tqdm(as_completed(jobs), total=len(jobs), desc=f"grading {assignment}", unit="student",
+                        disable=not progress):
+            job.result()
+    results = _collect(workdir, assignment, intakes)
+    _write_outputs(workdir, assignment, results, out)
     return results
 
 
-def _grade_one(grader, workdir: Path, assignment: str, student_dir: Path, expected: list[str],
-               out: Path) -> StudentResult:
-    student = student_dir.name
-    result = StudentResult(student)
-    notebooks = {p.name: p for p in student_notebooks(student_dir, assignment)}
-    missing = [name for name in expected if name not in notebooks]
-    target = workdir / "submitted" / student / assignment
-    target.mkdir(parents=True, exist_ok=True)
-    for name, path in notebooks.items():
+def _submit(workdir: Path, assignment: str, intake: Intake) -> None:
+    """Copy the student's notebooks into nbgrader's submitted/ and register the student."""
+    from nbgrader.api import Gradebook
+
+    target = workdir / "submitted" / intake.student / assignment
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for name, path in intake.notebooks.items():
         shutil.copy2(path, target / name)
-    if missing and len(missing) == len(expected):
-        result.status, result.detail = "missing", f"no {', '.join(expected)} found"
-        return result
-    if missing:
-        result.detail = f"missing {', '.join(missing)}"
-    with grader.gradebook as gb:
-        gb.update_or_create_student(student)
-    graded = grader.autograde(assignment, student, force=True, create=True)
-    if not graded["success"]:
-        result.status = "error"
-        result.detail = _last_error(graded)
-        return result
-    feedback = grader.generate_feedback(assignment, student, force=True)
-    if feedback["success"]:
-        source = workdir / "feedback" / student / assignment
-        shutil.copytree(source, out / "feedback" / student / assignment, dirs_exist_ok=True)
-    else:
-        result.detail = "feedback could not be generated: " + _last_error(feedback)
-    return result
+    with Gradebook(f"sqlite:///{workdir / 'gradebook.db'}") as gb:
+        gb.update_or_create_student(intake.student)
 
 
-def _last_error(result: dict) -> str:
-    lines = [line for line in (result.get("log") or result.get("error") or "").splitlines() if line.strip()]
-    errors = [line for line in lines if "[ERROR]" in line] or lines
-    return errors[-1].strip()[:200] if errors else "unknown error"
+def _run_worker(root: Path, workdir: Path, assignment: str, student: str, limits: Limits, kernel: str | None,
+                env: dict[str, str]) -> None:
+    from stepformer.course.worker import write_done
+
+    command = [sys.executable, "-m", "stepformer.course.worker", "--root", str(root), "--workdir", str(workdir),
+               "--assignment", assignment, "--student", student, "--limits", json.dumps(dataclasses.asdict(limits))]
+    if kernel:
+        command += ["--kernel", kernel]
+    # The worker's own limit: every notebook's budget plus kernel starts and feedback.
+    wall = limits.notebook_seconds * 2 + 120
+    log = workdir / "logs" / f"{student}.log"
+    log.parent.mkdir(exist_ok=True)
+    with log.open("w") as handle:
+        try:
+            finished = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=wall)
+            failure = f"the grading process failed (exit {finished.returncode})" if finished.returncode else ""
+        except subprocess.TimeoutExpired:
+            failure = f"grading took longer than {wall} s and was stopped"
+    if failure and not (workdir / "done" / f"{student}.json").exists():
+        write_done(workdir, {"student": student, "status": "error", "detail": f"{failure}; see {log}", "notes": []})
 
 
-def _write_csv(workdir: Path, assignment: str, results: list[StudentResult], path: Path) -> None:
+def _collect(workdir: Path, assignment: str, intakes: list[Intake]) -> list[StudentResult]:
     from nbgrader.api import Gradebook, MissingEntry
 
+    results = []
     with Gradebook(f"sqlite:///{workdir / 'gradebook.db'}") as gb:
-        cells = sorted(
-            {(nb.name, cell.name) for nb in gb.find_assignment(assignment).notebooks for cell in nb.grade_cells}
-        )
-        maximum = gb.find_assignment(assignment).max_score
-        for result in results:
-            result.max_score = maximum
-            if result.status in ("missing", "error"):
-                result.cells = {f"{nb}:{cell}": 0.0 for nb, cell in cells}
-                continue
-            try:
-                submission = gb.find_submission(assignment, result.student)
-            except MissingEntry:
-                result.status, result.detail = "error", result.detail or "nbgrader recorded no submission"
-                continue
-            result.score = submission.score
+        nbgrader_assignment = gb.find_assignment(assignment)
+        cells = sorted((nb.name, cell.name) for nb in nbgrader_assignment.notebooks for cell in nb.grade_cells)
+        for intake in intakes:
+            done = json.loads((workdir / "done" / f"{intake.student}.json").read_text())
+            notes = [*intake.problems, *done.get("notes", []), *([done["detail"]] if done.get("detail") else [])]
+            result = StudentResult(intake.student, max_score=nbgrader_assignment.max_score, status=done["status"],
+                                   detail="; ".join(notes))
+            if intake.status == "not-on-roster":
+                result.status = "not-on-roster" if done["status"] == "graded" else done["status"]
             for nb_name, cell in cells:
                 try:
-                    result.cells[f"{nb_name}:{cell}"] = gb.find_grade(cell, nb_name, assignment, result.student).score
+                    score = gb.find_grade(cell, nb_name, assignment, intake.student).score if done["status"] in (
+                        "graded",) else 0.0
                 except MissingEntry:
-                    result.cells[f"{nb_name}:{cell}"] = 0.0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    columns = [f"{nb}:{cell}" for nb, cell in cells]
-    with path.open("w", newline="") as handle:
+                    score = 0.0
+                result.cells[f"{nb_name}:{cell}"] = float(score or 0.0)
+            result.score = sum(result.cells.values())
+            results.append(result)
+    return results
+
+
+def _write_outputs(workdir: Path, assignment: str, results: list[StudentResult], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for result in results:
+        source = workdir / "feedback" / result.student / assignment
+        if source.is_dir():
+            shutil.copytree(source, out / "feedback" / result.student / assignment, dirs_exist_ok=True)
+    columns = sorted({c for r in results for c in r.cells})
+    tmp = out / ".grades.csv.tmp"
+    with tmp.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["student", "assignment", "score", "max_score", "status", "detail", *columns])
         for r in results:
             writer.writerow([r.student, assignment, f"{r.score:g}", f"{r.max_score:g}", r.status, r.detail,
                              *(f"{r.cells.get(c, 0.0):g}" for c in columns)])
+    os.replace(tmp, out / "grades.csv")
 
 
 def summary_table(results: list[StudentResult]) -> str:
     width = max([7, *(len(r.student) for r in results)])
-    lines = [f"{'student':<{width}}  {'score':>11}  status   detail", "-" * (width + 40)]
+    lines = [f"{'student':<{width}}  {'score':>11}  {'status':<13}  detail", "-" * (width + 50)]
     for r in results:
-        lines.append(f"{r.student:<{width}}  {r.score:>5g} / {r.max_score:<3g}  {r.status:<7}  {r.detail}")
+        detail = r.detail if len(r.detail) <= 90 else r.detail[:87] + "..."
+        lines.append(f"{r.student:<{width}}  {r.score:>5g} / {r.max_score:<3g}  {r.status:<13}  {detail}")
     return "\n".join(lines)
 
 
-def grade_command(root: Path, submissions: Path, assignment: str | None, out: Path, workdir: Path | None) -> int:
+def grade_command(root: Path, submissions: Path, assignment: str | None, out: Path, workdir: Path | None, *,
+                  workers: int | None = None, sandbox: bool = True, roster: Path | None = None,
+                  fresh: bool = False) -> int:
     names = assignments(root)
     if assignment is None:
         if len(names) != 1:
@@ -187,12 +220,12 @@ def grade_command(root: Path, submissions: Path, assignment: str | None, out: Pa
             return 2
         assignment = names[0]
     workdir = (workdir or root / "autograder" / "work" / assignment).resolve()
-    out = out.resolve()
     try:
-        results = grade(root, submissions.resolve(), assignment, out, workdir)
-    except SubmissionsError as error:
+        results = grade(root, submissions.resolve(), assignment, out, workdir, workers=workers, sandbox=sandbox,
+                        roster=load_roster(roster) if roster else None, fresh=fresh)
+    except (SubmissionsError, SandboxUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(summary_table(results))
-    print(f"\ngrades: {out / 'grades.csv'}\nfeedback: {out / 'feedback'}/<student>/{assignment}/")
+    print(f"\ngrades: {out.resolve() / 'grades.csv'}\nfeedback: {out.resolve() / 'feedback'}/<student>/{assignment}/")
     return 0

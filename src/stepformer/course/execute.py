@@ -1,0 +1,107 @@
+"""nbgrader's Execute, made to survive what student notebooks do to kernels.
+
+- A cell that kills the kernel (``os._exit``, a segfault, the memory killer) gets an error
+  output saying so; the kernel is restarted, the cells before it are run again silently, and
+  grading goes on, so only the checks that need that cell lose their points.
+- A cell's output is capped (``max_output_bytes``); the rest is dropped with a note, so a
+  submission that prints gigabytes cannot exhaust the grader's memory.
+- The whole notebook has a time budget (``notebook_timeout``) on top of nbgrader's per-cell
+  ``timeout``; cells past it are not run and say so.
+- Before each graded cell the kernel is told, silently, where the checks should record the
+  student's results (``STEPFORMER_RECORD``), so that the grader can re-run the checks in its
+  own process (see ``stepformer.checks._core``).
+"""
+
+import time
+from pathlib import Path
+
+from jupyter_core.utils import run_sync
+from nbclient.exceptions import DeadKernelError
+from nbformat import NotebookNode
+from nbgrader import utils
+from nbgrader.preprocessors import Execute
+from traitlets import Bool, Integer
+
+from stepformer.checks._core import RECORD_ENV
+
+
+class GradingExecute(Execute):
+    max_output_bytes = Integer(1_000_000, help="Largest output one cell may keep, in bytes").tag(config=True)
+    notebook_timeout = Integer(600, help="Seconds the whole notebook may run").tag(config=True)
+    record = Bool(True, help="Have the checks record the student's results for the grader's re-check").tag(config=True)
+
+    def preprocess(self, nb, resources=None, km=None):
+        self._started = time.monotonic()
+        self._killers: set[int] = set()
+        self._output_bytes: dict[int, int] = {}
+        # Records go beside the notebook: the only folder the sandboxed kernel may write.
+        self._records = records_folder(Path((resources or {}).get("metadata", {}).get("path") or "."),
+                                       (resources or {}).get("unique_key") or "notebook")
+        return super().preprocess(nb, resources, km)
+
+    def preprocess_cell(self, cell, resources, index):
+        if cell.cell_type != "code":
+            return cell, resources
+        if time.monotonic() - self._started > self.notebook_timeout:
+            cell.outputs = [_error("NotebookTimeLimit", f"not run: the notebook used up its {self.notebook_timeout} s")]
+            return cell, resources
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id") if utils.is_grade(cell) else None
+        if grade_id and self.record:
+            self._silent(f"__import__('os').environ[{RECORD_ENV!r}] = {str(self._records / grade_id)!r}")
+        try:
+            return super().preprocess_cell(cell, resources, index)
+        except DeadKernelError:
+            self._killers.add(index)
+            cell.outputs.append(_error(
+                "KernelDied",
+                "the kernel died while running this cell (os._exit, a crash, or too much memory); "
+                "it was restarted and the cells before this one were run again",
+            ))
+            self._restart(index)
+            return cell, resources
+        finally:
+            if grade_id and self.record and self._alive():
+                self._silent(f"__import__('os').environ.pop({RECORD_ENV!r}, None)")
+
+    def output(self, outs, msg, display_id, cell_index):
+        size = len(str(msg.get("content", "")))
+        used = self._output_bytes.get(cell_index, 0)
+        self._output_bytes[cell_index] = used + size
+        if used + size > self.max_output_bytes:
+            if used <= self.max_output_bytes:
+                outs.append(NotebookNode(output_type="stream", name="stdout",
+                                         text=f"\n[output cut: more than {self.max_output_bytes} bytes]\n"))
+                self._output_bytes[cell_index] = self.max_output_bytes + 1
+            return None
+        return super().output(outs, msg, display_id, cell_index)
+
+    def _alive(self) -> bool:
+        try:
+            return bool(run_sync(self.km.is_alive)())
+        except Exception:
+            return False
+
+    def _silent(self, code: str) -> None:
+        msg_id = self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+        self.wait_for_reply(msg_id)
+
+    def _restart(self, index: int) -> None:
+        run_sync(self.km.restart_kernel)(now=True)
+        run_sync(self.kc.wait_for_ready)(timeout=self.startup_timeout)
+        for earlier, cell in enumerate(self.nb.cells[:index]):
+            if cell.cell_type == "code" and earlier not in self._killers and cell.source.strip():
+                try:
+                    self._silent(cell.source)
+                except (DeadKernelError, TimeoutError):
+                    run_sync(self.km.restart_kernel)(now=True)
+                    run_sync(self.kc.wait_for_ready)(timeout=self.startup_timeout)
+                    self._killers.add(earlier)
+
+
+def records_folder(notebook_folder: Path, notebook: str) -> Path:
+    """Where the checks of ``notebook`` record results during grading."""
+    return notebook_folder.resolve() / ".stepformer-records" / notebook
+
+
+def _error(name: str, message: str) -> NotebookNode:
+    return NotebookNode(output_type="error", ename=name, evalue=message, traceback=[f"{name}: {message}"])

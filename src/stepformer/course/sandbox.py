@@ -1,0 +1,294 @@
+"""A bubblewrap sandbox for the Jupyter kernel that runs untrusted student notebooks while grading.
+
+``install_kernelspec`` writes a kernelspec whose argv starts this file as a launcher; nbgrader then
+starts every grading kernel through it (``Execute.kernel_name``). The launcher runs ``bwrap`` so
+that the kernel:
+
+* sees the whole filesystem read-only, with the ``--hide`` folders (the course repository with
+  ``solutions/``, the grading work folder with the gradebook and every student's files, the
+  grader's home) covered by empty tmpfs; the Python environment and the ``stepformer`` package are
+  re-exposed read-only where they lie under a hidden folder;
+* may write only to its working folder (the student's notebook folder), to the folder holding the
+  ipc sockets, and to a size-limited tmpfs on ``/tmp`` (and ``/dev/shm``);
+* has no network (``--unshare-net``: the kernel must use the ipc transport), its own pid, ipc,
+  uts and user namespaces, no capabilities, and an environment of a few fixed variables;
+* runs under rlimits (address space, processes, file size, CPU time, no core dumps) and a
+  wall-clock limit on its whole life.
+
+The launcher itself imports only the standard library and is started as ``python -I sandbox.py``:
+``-m stepformer.course.sandbox`` would import ``stepformer`` (and with it torch, ~2 s) on every
+kernel start. Both forms run the same ``main()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BWRAP = "bwrap"
+# The package folder (src/stepformer or site-packages/stepformer), found without importing it.
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+# Tasks that the sandbox needs besides the student's: `timeout`, bwrap's monitor and its pid-1 init.
+_OVERHEAD_TASKS = 3
+# Size of the tmpfs that covers a hidden folder: it only holds the mount points bwrap creates.
+_HIDDEN_TMPFS_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one sandboxed kernel.
+
+    ``cell_seconds`` is for the grader (nbgrader's ``Execute.timeout``); ``notebook_seconds`` is
+    the kernel's whole wall-clock life (the launcher kills it after that); the others are enforced
+    inside the sandbox. ``memory_bytes`` is address space (RLIMIT_AS, per process), not resident
+    memory: a kernel that has imported torch and run a matmul maps ~0.8 GiB (one thread per
+    library; every extra thread reserves a 64 MiB malloc arena), so 4 GiB leaves ~3 GiB of data.
+    """
+
+    cell_seconds: int = 60
+    notebook_seconds: int = 600
+    memory_bytes: int = 4 * 2**30
+    processes: int = 64  # tasks, threads included (RLIMIT_NPROC and pids.max both count threads)
+    file_bytes: int = 64 * 2**20
+    tmp_bytes: int = 256 * 2**20
+    cpu_seconds: int | None = None  # None: 2 * notebook_seconds
+
+    @property
+    def cpu_limit(self) -> int:
+        """CPU seconds per process (RLIMIT_CPU): a backstop should the wall-clock limit fail."""
+        return self.cpu_seconds if self.cpu_seconds is not None else 2 * self.notebook_seconds
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Limits:
+        return cls(**json.loads(text))
+
+
+@functools.cache
+def sandbox_problem() -> str | None:
+    """None when a bwrap sandbox starts on this machine (tried once per process), else why not and what to do."""
+    bwrap = shutil.which(BWRAP)
+    if bwrap is None:
+        return "bubblewrap is not installed: apt-get install bubblewrap (or dnf install bubblewrap)"
+    # The same options as the kernel's sandbox, so that an old bwrap (--size and --disable-userns
+    # need 0.8) fails here, not in the middle of grading.
+    command = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+               "--cap-drop", "ALL", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+               "--size", "1048576", "--tmpfs", "/tmp", "--remount-ro", "/dev", "--", "true"]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"bubblewrap ({bwrap}) cannot be run: {error}"
+    if result.returncode == 0:
+        return None
+    message = " ".join(result.stderr.split()) or f"exit status {result.returncode}"
+    if any(hint in message for hint in ("Operation not permitted", "No permission", "setting up uid map",
+                                         "Permission denied", "namespace")):
+        return (f"bubblewrap cannot create a user namespace ({message}): enable unprivileged user namespaces "
+                "(sysctl kernel.unprivileged_userns_clone=1 on Debian; on Ubuntu 23.10+ allow bwrap in AppArmor "
+                "or sysctl kernel.apparmor_restrict_unprivileged_userns=0; user.max_user_namespaces must be > 0)")
+    return f"bubblewrap does not start a sandbox here: {message}"
+
+
+def install_kernelspec(kernels_dir: Path, *, limits: Limits, hidden: list[Path], name: str = "stepformer-sandbox",
+                       hide_home: bool = True) -> str:
+    """Write ``kernels_dir/<name>/kernel.json`` for a sandboxed Python kernel; return the kernel name.
+
+    ``hidden``: folders the kernel must not see (course repository, grading work folder). The
+    grader's home is hidden too unless ``hide_home`` is false (it holds keys that a student could
+    print into the feedback). Put ``kernels_dir.parent`` on JUPYTER_PATH.
+    """
+    folders = [Path(p).resolve() for p in hidden]
+    if hide_home:
+        folders.append(Path.home().resolve())
+    argv = [sys.executable, "-I", str(Path(__file__).resolve()), "--limits", limits.to_json()]
+    for folder in folders:
+        argv += ["--hide", str(folder)]
+    argv += ["--", "{connection_file}"]
+    spec = {
+        "argv": argv,
+        "display_name": "Python 3 (stepformer sandbox)",
+        "language": "python",
+        # bwrap --new-session puts the kernel in its own session, so a SIGINT sent to the launcher's
+        # process group never reaches it; ipykernel interrupts itself on an interrupt_request.
+        "interrupt_mode": "message",
+        "metadata": {"debugger": False},
+    }
+    folder = Path(kernels_dir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "kernel.json").write_text(json.dumps(spec, indent=1) + "\n")
+    return name
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _environment() -> dict[str, str]:
+    """The kernel's whole environment (nothing of the grader's leaks in but NBGRADER_EXECUTION)."""
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": "/tmp",
+        "LANG": "C.UTF-8",
+        "MPLCONFIGDIR": "/tmp",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",  # else debugpy warns on stderr at start
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    # One kernel must not take every core (several students are graded at once), and each thread
+    # counts against the process limit.
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                     "VECLIB_MAXIMUM_THREADS"):
+        env[variable] = "1"
+    # Notebooks may skip slow work while autograded; nbgrader sets this in the grader.
+    if "NBGRADER_EXECUTION" in os.environ:
+        env["NBGRADER_EXECUTION"] = os.environ["NBGRADER_EXECUTION"]
+    return env
+
+
+def bwrap_command(limits: Limits, hidden: list[Path], connection_file: Path, cwd: Path) -> list[str]:
+    """The bwrap command line that runs the kernel of ``connection_file`` in the sandbox."""
+    connection_file = connection_file.resolve()
+    info = json.loads(connection_file.read_text())
+    hidden = [Path(p).resolve() for p in hidden]
+    readable = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), PACKAGE_DIR,
+                Path(sys.executable).resolve().parent, connection_file}
+    writable = {cwd.resolve()}
+    if info.get("transport") == "ipc":
+        # jupyter_client names the sockets "<ip>-<port>", so the kernel creates them in ip's folder.
+        writable.add((cwd / info["ip"]).resolve().parent)
+    # Mounts go in order of depth so that a path re-exposed inside a hidden folder, or a folder
+    # hidden inside a re-exposed one, ends up on top; at equal depth hiding goes first.
+    mounts: list[tuple[int, int, list[str]]] = []
+    for folder in hidden:
+        if folder.is_dir():
+            mounts.append((len(folder.parts), 0, ["--size", str(_HIDDEN_TMPFS_BYTES), "--tmpfs", str(folder)]))
+    covered = [*hidden, Path("/tmp")]  # a venv under /tmp vanishes under the sandbox's own /tmp
+    for path in readable - writable:
+        if path.exists() and any(_within(path, folder) for folder in covered) \
+                and not any(_within(path, other) for other in writable):
+            mounts.append((len(path.parts), 1, ["--ro-bind", str(path), str(path)]))
+    for path in writable:
+        mounts.append((len(path.parts), 1, ["--bind", str(path), str(path)]))
+    command = [shutil.which(BWRAP) or BWRAP,
+               "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+               "--cap-drop", "ALL",
+               "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+               "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
+               "--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm"]
+    for _, _, arguments in sorted(mounts, key=lambda m: (m[0], m[1])):
+        command += arguments
+    # The empty tmpfs over hidden folders and bwrap's /dev would otherwise be writable (unbounded
+    # memory); --remount-ro is not recursive, so the binds and /dev/shm inside them stay as they are.
+    for folder in hidden:
+        if folder.is_dir() and folder not in writable:  # remounting would hit a bind on the same path
+            command += ["--remount-ro", str(folder)]
+    command += ["--remount-ro", "/dev", "--clearenv"]
+    for variable, value in _environment().items():
+        command += ["--setenv", variable, value]
+    command += ["--chdir", str(cwd.resolve()), "--",
+                sys.executable, "-I", str(Path(__file__).resolve()), "--inside", "--limits", limits.to_json(),
+                "--", str(connection_file)]
+    return command
+
+
+def _pids_cgroup(limit: int) -> str | None:
+    """Move this process into a new pids cgroup limited to ``limit`` tasks; None on success, else why not.
+
+    Needed when the grader runs as root: the kernel then runs as kernel uid 0 inside its user
+    namespace, and Linux never applies RLIMIT_NPROC to uid 0 (copy_process exempts INIT_USER), so
+    only a pids cgroup stops a fork bomb. Cgroups left empty by earlier kernels are removed here.
+    """
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError as error:
+        return str(error)
+    base = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "pids" in controllers.split(","):  # cgroup v1
+            base = Path("/sys/fs/cgroup/pids") / path.lstrip("/")
+            break
+        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():  # cgroup v2
+            base = Path("/sys/fs/cgroup") / path.lstrip("/")
+            # v2 enables a controller for children only in a cgroup without processes of its own
+            # (our session's cgroup has some): use the nearest ancestor that already delegates pids.
+            for ancestor in [base, *base.parents]:
+                try:
+                    if "pids" in (ancestor / "cgroup.subtree_control").read_text().split():
+                        base = ancestor
+                        break
+                except OSError:
+                    break
+    if base is None or not base.is_dir():
+        return "no pids cgroup controller found"
+    try:
+        for stale in base.glob("stepformer-kernel-*"):
+            try:
+                stale.rmdir()  # fails (EBUSY) while a kernel still runs in it
+            except OSError:
+                pass
+        control = base / "cgroup.subtree_control"
+        if control.exists() and "pids" not in control.read_text().split():
+            control.write_text("+pids")
+        group = base / f"stepformer-kernel-{os.getpid()}"
+        group.mkdir(exist_ok=True)
+        (group / "pids.max").write_text(str(limit))
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as error:
+        return f"{base}: {error}"
+    return None
+
+
+def _run_kernel(limits: Limits, connection_file: str) -> None:
+    """Inside the sandbox: apply the rlimits, then become the ipykernel."""
+    import resource
+
+    for limit, value in ((resource.RLIMIT_AS, limits.memory_bytes), (resource.RLIMIT_NPROC, limits.processes),
+                         (resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_CPU, limits.cpu_limit),
+                         (resource.RLIMIT_CORE, 0)):
+        # Hard limit too, so that student code cannot raise it back.
+        resource.setrlimit(limit, (value, value))
+    # Python ignores SIGXFSZ, so a too-large write raises OSError (EFBIG) instead of killing the kernel.
+    os.execv(sys.executable, [sys.executable, "-m", "ipykernel_launcher", "-f", connection_file,
+                              "--HistoryManager.hist_file=:memory:"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Launcher: ``sandbox.py --limits JSON [--hide DIR]... -- CONNECTION_FILE`` execs bwrap (under timeout)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limits", type=Limits.from_json, default=Limits())
+    parser.add_argument("--hide", type=Path, action="append", default=[])
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("connection_file")
+    args = parser.parse_args(argv)
+    limits: Limits = args.limits
+    if args.inside:
+        _run_kernel(limits, args.connection_file)
+        return
+    problem = sandbox_problem()
+    if problem:
+        sys.exit(f"stepformer sandbox: {problem}")
+    command = bwrap_command(limits, args.hide, Path(args.connection_file), Path.cwd())
+    if os.geteuid() == 0:
+        why = _pids_cgroup(limits.processes + _OVERHEAD_TASKS)
+        if why:
+            print(f"stepformer sandbox: WARNING: no process limit (running as root, {why})", file=sys.stderr)
+    timeout = shutil.which("timeout")
+    if timeout:
+        # The kernel's whole life; coreutils timeout forwards SIGTERM/SIGINT from jupyter_client to bwrap.
+        command = [timeout, "-s", "KILL", str(limits.notebook_seconds), *command]
+    os.execv(command[0], command)
+
+
+if __name__ == "__main__":
+    main()

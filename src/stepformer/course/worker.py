@@ -1,0 +1,137 @@
+"""Grade one student, in a process of its own: ``python -m stepformer.course.worker ARGS``.
+
+The grading command starts one worker per student, so a submission that brings a worker down
+(or outlasts its time) costs only that student, and W workers grade W students at once.
+The worker autogrades with nbgrader (student code in the sandbox kernel), re-checks every
+graded cell in its own process (``trusted``), lowers the points that the re-check or the
+own-work rule refuse, writes the feedback, and last of all writes ``done/<student>.json``:
+a student with that file is finished and is never graded again by a resumed run.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+
+from stepformer.course.execute import records_folder
+from stepformer.course.nbgrader_setup import api, load_config
+from stepformer.course.trusted import exercise_of, recheck, reference_use
+
+PREPROCESSORS = [
+    "stepformer.course.execute.GradingExecute",
+    "nbgrader.preprocessors.IgnorePattern",
+    "nbconvert.preprocessors.ClearMetadataPreprocessor",
+    "nbgrader.preprocessors.LimitOutput",
+    "nbgrader.preprocessors.SaveAutoGrades",
+    "nbgrader.preprocessors.AssignLatePenalties",
+    "nbgrader.preprocessors.CheckCellMetadata",
+]
+
+
+def course_config(root: Path, workdir: Path):
+    """nbgrader's configuration for a grading work folder."""
+    return load_config(
+        root, root=str(workdir), source_directory="source", release_directory="release",
+        submitted_directory="submitted", autograded_directory="autograded",
+        feedback_directory="feedback", db_url=f"sqlite:///{workdir / 'gradebook.db'}",
+    )
+
+
+def grade_student(root: Path, workdir: Path, assignment: str, student: str, limits: dict,
+                  kernel: str | None) -> dict:
+    from traitlets.utils.importstring import import_item
+
+    config = course_config(root, workdir)
+    config.Autograde.autograde_preprocessors = [import_item(name) for name in PREPROCESSORS]
+    # A deleted check cell is put back and graded, rather than silently skipped.
+    config.OverwriteCells.add_missing_cells = True
+    config.GradingExecute.timeout = limits["cell_seconds"]
+    config.GradingExecute.notebook_timeout = limits["notebook_seconds"]
+    if kernel:
+        runtime = workdir / "runtime" / student
+        runtime.mkdir(parents=True, exist_ok=True)
+        os.environ["JUPYTER_RUNTIME_DIR"] = str(runtime)
+        config.GradingExecute.kernel_name = kernel
+        # ipc sockets in a folder the sandbox binds: the kernel needs no network at all.
+        config.KernelManager.transport = "ipc"
+        config.KernelManager.ip = str(runtime / "kernel")
+    grader = api(config)
+    result = {"student": student, "status": "graded", "detail": "", "notes": []}
+    graded = grader.autograde(assignment, student, force=True, create=False)
+    if not graded["success"]:
+        result.update(status="error", detail=_last_error(graded))
+        return result
+
+    autograded = workdir / "autograded" / student / assignment
+    with grader.gradebook as gb:
+        for path in sorted(autograded.glob("*.ipynb")):
+            verdicts = recheck(path, records_folder(autograded, path.stem))
+            findings = reference_use(path)
+            zero_all = next((f for f in findings if f.kind == "tampering"), None)
+            refused = {f.exercise: f for f in findings if f.kind == "reference"}
+            result["notes"] += [f"{path.stem}: a cell outside the exercises uses {f.what}"
+                                for f in findings if f.kind == "review"]
+            nb = nbformat.read(path, as_version=4)
+            for cell in nb.cells:
+                meta = cell.get("metadata", {}).get("nbgrader", {})
+                if cell.cell_type != "code" or not meta.get("grade"):
+                    continue
+                grade_id = meta["grade_id"]
+                grade = gb.find_grade(grade_id, path.stem, assignment, student)
+                reason = None
+                if zero_all:
+                    reason = f"Points withheld: a cell of yours {zero_all.what}, which no solution needs."
+                elif exercise_of(grade_id) in refused:
+                    f = refused[exercise_of(grade_id)]
+                    reason = f"Not your own work: your solution uses {f.what}; write it yourself."
+                elif grade_id in verdicts and not verdicts[grade_id].passed and (grade.auto_score or 0) > 0:
+                    reason = f"The grader's re-run of this check failed: {verdicts[grade_id].reason}"
+                if reason and (grade.score or 0) > 0:
+                    grade.manual_score = 0.0
+                    cell.outputs.append(nbformat.v4.new_output(
+                        "error", ename="GradingCheck", evalue=reason, traceback=[f"GradingCheck: {reason}"]))
+                    result["notes"].append(f"{grade_id}: {reason.split(':')[0]}")
+            nbformat.write(nb, path)
+        gb.db.commit()
+
+    feedback = grader.generate_feedback(assignment, student, force=True)
+    if not feedback["success"]:
+        result["notes"].append("feedback could not be generated: " + _last_error(feedback))
+    return result
+
+
+def _last_error(result: dict) -> str:
+    lines = [line for line in (result.get("log") or result.get("error") or "").splitlines() if line.strip()]
+    errors = [line for line in lines if "[ERROR]" in line] or lines
+    return errors[-1].strip()[:300] if errors else "unknown error"
+
+
+def write_done(workdir: Path, result: dict) -> None:
+    """Atomically: a half-written file must never mark a student as finished."""
+    done = workdir / "done"
+    done.mkdir(exist_ok=True)
+    tmp = done / f".{result['student']}.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, done / f"{result['student']}.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--assignment", required=True)
+    parser.add_argument("--student", required=True)
+    parser.add_argument("--limits", required=True, help="JSON of stepformer.course.sandbox.Limits")
+    parser.add_argument("--kernel", default=None, help="kernel name (the sandbox's); default: plain python3")
+    args = parser.parse_args(argv)
+    result = grade_student(args.root, args.workdir, args.assignment, args.student, json.loads(args.limits),
+                           args.kernel)
+    write_done(args.workdir, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""The grading sandbox: a real kernel started through its kernelspec, probed from inside.
+
+One kernel serves most tests (starting one takes about a second); each test runs cells in it
+the way nbgrader does and checks what student code can and cannot do.
+"""
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from stepformer.course.sandbox import Limits, install_kernelspec, sandbox_problem
+
+_problem = sandbox_problem()
+pytestmark = pytest.mark.skipif(_problem is not None, reason=f"no bubblewrap sandbox here: {_problem}")
+
+jupyter_client = pytest.importorskip("jupyter_client")
+
+LIMITS = Limits(notebook_seconds=300, memory_bytes=3 * 2**30, processes=64, file_bytes=8 * 2**20,
+                tmp_bytes=16 * 2**20)
+
+
+def _layout(root: Path) -> dict[str, Path]:
+    """A course repository, a grading work folder and a home, each with a secret in it."""
+    paths = {"repo": root / "repo", "work": root / "work", "home": root / "home"}
+    (paths["repo"] / "solutions").mkdir(parents=True)
+    (paths["repo"] / "solutions" / "secret.ipynb").write_text("the solution")
+    (paths["work"] / "gradebook.db").parent.mkdir(parents=True)
+    (paths["work"] / "gradebook.db").write_text("grades")
+    (paths["work"] / "autograded" / "other" / "a1").mkdir(parents=True)
+    (paths["work"] / "autograded" / "other" / "a1" / "answers.ipynb").write_text("another student")
+    paths["cwd"] = paths["work"] / "autograded" / "student" / "a1"
+    paths["cwd"].mkdir(parents=True)
+    paths["runtime"] = paths["work"] / "runtime" / "student"
+    paths["runtime"].mkdir(parents=True)
+    paths["home"].mkdir()
+    (paths["home"] / "id_rsa").write_text("private key")
+    return paths
+
+
+def _start(paths: dict[str, Path], limits: Limits, monkeypatch) -> tuple:
+    """Start a sandboxed kernel the way the grader does; return (manager, client)."""
+    monkeypatch.setenv("HOME", str(paths["home"]))
+    monkeypatch.setenv("STEPFORMER_GRADER_SECRET", "x")
+    monkeypatch.setenv("JUPYTER_PATH", str(paths["work"] / "jupyter"))
+    name = install_kernelspec(paths["work"] / "jupyter" / "kernels", limits=limits,
+                              hidden=[paths["repo"], paths["work"]])
+    manager = jupyter_client.KernelManager(kernel_name=name, transport="ipc", ip=str(paths["runtime"] / "ipc"),
+                                           connection_file=str(paths["runtime"] / "kernel.json"))
+    manager.start_kernel(cwd=str(paths["cwd"]))
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+    except RuntimeError:
+        manager.shutdown_kernel(now=True)
+        raise
+    return manager, client
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    paths = _layout(tmp_path_factory.mktemp("sandbox"))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        manager, client = _start(paths, LIMITS, monkeypatch)
+
+    def run(code: str, timeout: float = 30) -> dict:
+        """Run one cell; return its status, stdout and error name."""
+        stdout = []
+
+        def hook(message):
+            if message["header"]["msg_type"] == "stream" and message["content"]["name"] == "stdout":
+                stdout.append(message["content"]["text"])
+
+        reply = client.execute_interactive(code, timeout=timeout, output_hook=hook)
+        return {"status": reply["content"]["status"], "stdout": "".join(stdout),
+                "ename": reply["content"].get("ename")}
+
+    run.paths = paths
+    run.manager = manager
+    run.client = client
+    yield run
+    client.stop_channels()
+    manager.shutdown_kernel(now=False)
+
+
+def _alive(kernel) -> None:
+    assert kernel("print(6 * 7)")["stdout"] == "42\n"
+
+
+def test_hidden_folders_cannot_be_read(kernel):
+    paths = kernel.paths
+    secrets = [paths["repo"] / "solutions" / "secret.ipynb", paths["work"] / "gradebook.db",
+               paths["work"] / "autograded" / "other" / "a1" / "answers.ipynb", paths["home"] / "id_rsa"]
+    result = kernel(f"""
+import json
+found = []
+for path in {json.dumps([str(p) for p in secrets])}:
+    try:
+        open(path).read()
+        found.append(path)
+    except (FileNotFoundError, PermissionError):
+        pass
+print(json.dumps(found))
+""")
+    assert result["status"] == "ok", result
+    assert json.loads(result["stdout"]) == []
+
+
+def test_writes_only_to_cwd_and_tmp(kernel):
+    paths = kernel.paths
+    forbidden = [paths["repo"] / "x", paths["work"] / "x", paths["cwd"].parent / "x", paths["home"] / "x",
+                 Path("/etc/stepformer-x"), Path("/var/tmp/stepformer-x"), Path("/dev/x")]
+    result = kernel(f"""
+import json, os
+written = []
+for path in {json.dumps([str(p) for p in forbidden])}:
+    try:
+        open(path, "w").write("x")
+        written.append(path)
+    except OSError:
+        pass
+open("answer.txt", "w").write("ok")
+open("/tmp/scratch.txt", "w").write("ok")
+print(json.dumps(written), os.getcwd())
+""")
+    assert result["status"] == "ok", result
+    written, cwd = result["stdout"].split()
+    assert json.loads(written) == []
+    assert cwd == str(paths["cwd"].resolve())
+    assert (paths["cwd"] / "answer.txt").read_text() == "ok"
+    assert not any(p.exists() for p in forbidden)
+
+
+def test_no_network(kernel):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.5)
+        port = listener.getsockname()[1]
+        result = kernel(f"""
+import socket
+for host, port in [("127.0.0.1", {port}), ("1.1.1.1", 53), ("example.com", 80)]:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        print("connected", host)
+    except OSError:
+        pass
+""")
+        assert result["status"] == "ok", result
+        assert result["stdout"] == ""
+        with pytest.raises(TimeoutError):
+            listener.accept()
+
+
+def test_environment_is_clean(kernel):
+    result = kernel("import os, json; print(json.dumps(dict(os.environ)))")
+    env = json.loads(result["stdout"])
+    assert "STEPFORMER_GRADER_SECRET" not in env
+    assert "JPY_PARENT_PID" not in env
+    assert env["HOME"] == "/tmp"
+    assert env["OMP_NUM_THREADS"] == "1"
+
+
+def test_torch_and_stepformer_import(kernel):
+    result = kernel("""
+import torch, stepformer
+a = torch.ones(256, 256)
+print(float((a @ a)[0, 0]), stepformer.scaled_dot_product_attention.__name__)
+""")
+    assert result["status"] == "ok", result
+    assert result["stdout"] == "256.0 scaled_dot_product_attention\n"
+
+
+def test_rlimits_are_set_and_cannot_be_raised(kernel):
+    result = kernel("""
+import resource
+names = ["RLIMIT_AS", "RLIMIT_NPROC", "RLIMIT_FSIZE", "RLIMIT_CPU", "RLIMIT_CORE"]
+print(*[resource.getrlimit(getattr(resource, n))[1] for n in names])
+try:
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print("raised")
+except (ValueError, OSError):
+    pass
+""")
+    assert result["status"] == "ok", result
+    expected = [LIMITS.memory_bytes, LIMITS.processes, LIMITS.file_bytes, LIMITS.cpu_limit, 0]
+    assert result["stdout"] == " ".join(map(str, expected)) + "\n"
+
+
+def test_memory_bomb_raises_memory_error(kernel):
+    result = kernel(f"x = bytearray({LIMITS.memory_bytes + 2**30})")
+    assert result["ename"] == "MemoryError"
+    result = kernel("chunks = []\nwhile True: chunks.append(bytearray(2**28))")
+    assert result["ename"] == "MemoryError"
+    kernel("del chunks")
+    _alive(kernel)
+
+
+def test_fork_bomb_hits_process_limit(kernel):
+    # Bounded so that it cannot hurt the machine even without a limit: 300 children that sleep
+    # briefly and exit; the parent reaps them all before the cell ends.
+    result = kernel("""
+import os, time
+children, error = [], None
+for _ in range(300):
+    try:
+        pid = os.fork()
+    except OSError as e:
+        error = type(e).__name__
+        break
+    if pid == 0:
+        time.sleep(0.5)
+        os._exit(0)
+    children.append(pid)
+for pid in children:
+    os.waitpid(pid, 0)
+print(error, len(children))
+""")
+    assert result["status"] == "ok", result
+    error, count = result["stdout"].split()
+    assert error == "BlockingIOError", result
+    assert int(count) < LIMITS.processes
+    _alive(kernel)
+
+
+def test_large_files_fail(kernel):
+    result = kernel(f"with open('big.bin', 'wb') as f: f.write(bytes({LIMITS.file_bytes + 1}))")
+    assert result["ename"] == "OSError"  # EFBIG: Python ignores SIGXFSZ
+    # /tmp is a tmpfs of tmp_bytes: several files under file_bytes still fill it.
+    result = kernel(f"""
+for i in range(4):
+    with open(f"/tmp/fill{{i}}", "wb") as f:
+        f.write(bytes({LIMITS.file_bytes - 1}))
+""")
+    assert result["ename"] == "OSError"
+    kernel("import glob, os\nfor f in glob.glob('/tmp/fill*') + ['big.bin']: os.remove(f)")
+    _alive(kernel)
+
+
+def test_interrupt_reaches_the_kernel(kernel):
+    client, manager = kernel.client, kernel.manager
+    msg_id = client.execute("import time\ntime.sleep(30)")
+    time.sleep(1)
+    manager.interrupt_kernel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        reply = client.get_shell_msg(timeout=10)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    _alive(kernel)
+
+
+def test_kernel_is_killed_after_notebook_seconds(tmp_path, monkeypatch):
+    paths = _layout(tmp_path)
+    manager, client = _start(paths, Limits(notebook_seconds=3), monkeypatch)
+    try:
+        deadline = time.monotonic() + 15
+        while manager.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not manager.is_alive()
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def test_kernelspec_argv(tmp_path):
+    name = install_kernelspec(tmp_path, limits=Limits(), hidden=[tmp_path / "repo"], name="k", hide_home=False)
+    spec = json.loads((tmp_path / "k" / "kernel.json").read_text())
+    assert name == "k"
+    assert spec["argv"][-2:] == ["--", "{connection_file}"]
+    assert spec["argv"][spec["argv"].index("--hide") + 1] == str((tmp_path / "repo").resolve())
+    assert Limits.from_json(spec["argv"][spec["argv"].index("--limits") + 1]) == Limits()
+    assert spec["interrupt_mode"] == "message"
+    assert os.path.isabs(spec["argv"][0])
