@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 ASSIGNMENT ?= 01_attention
 SUBMISSIONS ?=
 OUT ?= grades
+# Extra options for `make grade`, e.g. GRADE_FLAGS="--workers 8 --roster roster.csv"
+GRADE_FLAGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help install book lab test lint release sync grade clean
@@ -43,8 +45,8 @@ release: $(STAMP) ## regenerate exercises/ from solutions/ with nbgrader
 	$(BIN)/stepformer-course release
 
 grade: $(STAMP) ## grade SUBMISSIONS (a folder or a .zip) for ASSIGNMENT into OUT
-	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=<folder or zip> [ASSIGNMENT=01_attention] [OUT=grades]"; exit 2; }
-	$(BIN)/stepformer-course grade "$(SUBMISSIONS)" --assignment $(ASSIGNMENT) --out "$(OUT)"
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=<folder or zip> [ASSIGNMENT=01_attention] [OUT=grades] [GRADE_FLAGS=...]"; exit 2; }
+	$(BIN)/stepformer-course grade "$(SUBMISSIONS)" --assignment $(ASSIGNMENT) --out "$(OUT)" $(GRADE_FLAGS)
 
 clean: ## remove the built site and grading work folders (keeps .venv)
 	rm -rf _build autograder/work

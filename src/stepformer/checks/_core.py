@@ -36,50 +36,93 @@ class CheckFailure(AssertionError):
     """A check found a mistake; the message says which and where to look."""
 
 
-# What students write themselves: using any of these inside a graded function scores zero.
-FORBIDDEN = {
-    "torch.nn.functional.scaled_dot_product_attention": "PyTorch's built-in attention",
-    "torch.nn.functional.multi_head_attention_forward": "PyTorch's built-in multi-head attention",
-    "torch.nn.MultiheadAttention": "PyTorch's built-in multi-head attention",
-}
-FORBIDDEN_LIBRARY = ("stepformer.attention",)  # the course's reference modules
+def check(fn: Callable[..., None] | None = None, *, forbid: dict[str, str] | None = None):
+    """Mark a check: its calls of student code are recorded or replayed under one key.
 
-
-def check(fn: Callable[..., None]) -> Callable[..., None]:
-    """Mark a check: its calls of student code are recorded or replayed under one key."""
+    ``forbid`` maps dotted names of built-ins that the exercise asks students to write
+    themselves (``"torch.nn.functional.layer_norm": "PyTorch's layer norm"``) to a label; the
+    course's own library is always forbidden. Use as ``@check`` or ``@check(forbid={...})``.
+    """
+    if fn is None:
+        return functools.partial(check, forbid=forbid)
 
     @functools.wraps(fn)
     def wrapper(student: Any, *args: Any, **kwargs: Any) -> None:
         key = fn.__name__ + "(" + ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]) + ")"
-        with _session(key):
+        with _session(key, forbid or {}):
             fn(student, *args, **kwargs)
 
+    wrapper.forbid = dict(forbid or {})
     return wrapper
 
 
+def library_modules() -> list[str]:
+    """The course's reference modules (every ``stepformer`` module but the checks and the tools)."""
+    import stepformer
+
+    folder = Path(stepformer.__file__).parent
+    return [f"stepformer.{p.stem}" for p in sorted(folder.glob("*.py")) if not p.stem.startswith("_")]
+
+
 def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call the student's ``fn``; turn whatever it raises into a failure that names the call."""
+    """Call the student's ``fn``; turn whatever it raises into a failure that names the call.
+
+    Every touch of a student object goes through here (constructing it, calling it, loading
+    weights into it with a helper), so that it can be recorded and replayed. A result that is
+    not plain data (a module, say) is replayed as an opaque stand-in, which a check may only
+    hand back to ``call``.
+    """
     session = _current()
+    forbid = session.forbid if session else {}
     if isinstance(session, _Replay):
         return session.next(_digest(args, kwargs))
     try:
-        result = _call_own_work(fn, args, kwargs)
+        result = _call_own_work(fn, args, kwargs, forbid)
     except CheckFailure as failure:
         if isinstance(session, _Record):
             session.add(_digest(args, kwargs), {"failure": str(failure)})
         raise
     if isinstance(session, _Record):
-        session.add(_digest(args, kwargs), {"result": result})
+        session.add(_digest(args, kwargs), {"result": result} if _plain(result) else {"opaque": kind(result)})
     return result
 
 
-def _call_own_work(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    used = _references_to_forbidden(fn)
+class Opaque:
+    """What replay returns for a student object that was not plain data."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"<{self.kind}>"
+
+
+def kind(value: Any) -> str:
+    """What a value is, for messages: ``Tensor``, ``tuple of (AlwaysEqual, Tensor)``, ..."""
+    if isinstance(value, Opaque):
+        return value.kind
+    if type(value) in (tuple, list):
+        return f"{type(value).__name__} of ({', '.join(kind(v) for v in value)})"
+    return type(value).__name__
+
+
+def _plain(value: Any) -> bool:
+    if value is None or type(value) in (bool, int, float, str, Tensor, torch.dtype, torch.Size):
+        return True
+    if type(value) in (tuple, list):
+        return all(_plain(v) for v in value)
+    if type(value) is dict:
+        return all(type(k) is str and _plain(v) for k, v in value.items())
+    return False
+
+
+def _call_own_work(fn: Callable[..., Any], args: tuple, kwargs: dict, forbid: dict[str, str]) -> Any:
+    used = _references_to_forbidden(fn, forbid)
     if used:
         raise CheckFailure(_own_work_message(fn, used[0]))
     tripped: list[str] = []
     try:
-        with _tripwires(tripped):
+        with _tripwires(tripped, forbid):
             result = fn(*args, **kwargs)
     except NotImplementedError as error:
         raise CheckFailure(f"{_name(fn)} is not implemented yet (it raised NotImplementedError).") from error
@@ -98,13 +141,13 @@ def _own_work_message(fn: Callable[..., Any], what: str) -> str:
     )
 
 
-def _forbidden_objects() -> dict[int, str]:
+def _forbidden_objects(forbid: dict[str, str]) -> dict[int, str]:
     found = {}
-    for dotted, label in FORBIDDEN.items():
+    for dotted, label in forbid.items():
         module, _, attr = dotted.rpartition(".")
         with contextlib.suppress(ImportError, AttributeError):
             found[id(getattr(importlib.import_module(module), attr))] = f"{dotted} ({label})"
-    for module_name in FORBIDDEN_LIBRARY:
+    for module_name in library_modules():
         module = importlib.import_module(module_name)
         for name, value in vars(module).items():
             if callable(value) and getattr(value, "__module__", None) == module_name:
@@ -112,38 +155,54 @@ def _forbidden_objects() -> dict[int, str]:
     return found
 
 
-def _references_to_forbidden(fn: Any) -> list[str]:
+def _references_to_forbidden(fn: Any, forbid: dict[str, str]) -> list[str]:
     """Forbidden objects that ``fn`` reaches through its globals, defaults, closure or attributes.
 
     Catches a reference taken before the tripwires were set, e.g. ``from torch.nn.functional
-    import scaled_dot_product_attention as sdpa`` at the top of a cell.
+    import scaled_dot_product_attention as sdpa`` at the top of a cell, also when it is used
+    by another of the student's functions that ``fn`` calls.
     """
-    forbidden = _forbidden_objects()
-    if id(fn) in forbidden:
-        return [forbidden[id(fn)]]
-    function = getattr(fn, "__wrapped__", fn)
-    functions = [function]
-    if isinstance(fn, type) or not isinstance(function, types.FunctionType):
-        functions = [v for v in vars(type(fn) if not isinstance(fn, type) else fn).values()
-                     if isinstance(v, types.FunctionType)]
-    found = []
-    for f in functions:
-        if id(f) in forbidden:
-            found.append(forbidden[id(f)])
+    forbidden = _forbidden_objects(forbid)
+    found: list[str] = []
+    seen: set[int] = set()
+    pending = [fn]
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
             continue
-        names = set(_names(f.__code__))
-        candidates = [f.__globals__.get(n) for n in names]
-        candidates += list(f.__defaults__ or ()) + list((f.__kwdefaults__ or {}).values())
-        candidates += [c.cell_contents for c in (f.__closure__ or ()) if _has_contents(c)]
-        for value in candidates:
-            if id(value) in forbidden:
-                found.append(forbidden[id(value)])
-            elif isinstance(value, types.ModuleType):
-                for name in names:
-                    attr = getattr(value, name, None)
-                    if attr is not None and id(attr) in forbidden and attr is not function:
-                        found.append(forbidden[id(attr)])
+        seen.add(id(item))
+        if id(item) in forbidden:
+            found.append(forbidden[id(item)])
+            continue
+        for f in _functions_of(item):
+            names = set(_names(f.__code__))
+            candidates = [f.__globals__.get(n) for n in names]
+            candidates += list(f.__defaults__ or ()) + list((f.__kwdefaults__ or {}).values())
+            candidates += [c.cell_contents for c in (f.__closure__ or ()) if _has_contents(c)]
+            for value in candidates:
+                if id(value) in forbidden:
+                    found.append(forbidden[id(value)])
+                elif isinstance(value, types.ModuleType):
+                    found += [forbidden[id(a)] for a in (getattr(value, n, None) for n in names)
+                              if a is not None and id(a) in forbidden]
+                elif _written_by_student(value, f):
+                    pending.append(value)
     return found
+
+
+def _functions_of(item: Any) -> list[types.FunctionType]:
+    """The plain functions behind a function, a decorated function or a class."""
+    inner = getattr(item, "__wrapped__", item)
+    if isinstance(inner, types.FunctionType):
+        return [inner]
+    cls = item if isinstance(item, type) else type(item)
+    return [v for v in vars(cls).values() if isinstance(v, types.FunctionType)]
+
+
+def _written_by_student(value: Any, beside: types.FunctionType) -> bool:
+    """A function or class defined where ``beside`` was (the notebook), not in a library."""
+    inner = getattr(value, "__wrapped__", value)
+    return isinstance(inner, types.FunctionType | type) and getattr(inner, "__module__", None) == beside.__module__
 
 
 def _names(code: types.CodeType) -> Iterator[str]:
@@ -162,12 +221,12 @@ def _has_contents(cell: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _tripwires(tripped: list[str]) -> Iterator[None]:
+def _tripwires(tripped: list[str], forbid: dict[str, str]) -> Iterator[None]:
     """Replace forbidden module attributes by wrappers that note their use, then put them back."""
     saved = []
     targets = [(dotted.rpartition(".")[0], dotted.rpartition(".")[2], f"{dotted} ({label})")
-               for dotted, label in FORBIDDEN.items()]
-    for module_name in FORBIDDEN_LIBRARY:
+               for dotted, label in forbid.items()]
+    for module_name in library_modules():
         module = importlib.import_module(module_name)
         targets += [(module_name, name, f"{module_name}.{name} (the course's reference library)")
                     for name, value in vars(module).items()
@@ -206,7 +265,8 @@ def _wire(original: Any, label: str, tripped: list[str]) -> Any:
 # -- record and replay ---------------------------------------------------------------------
 
 class _Record:
-    def __init__(self, folder: Path, key: str, occurrence: int) -> None:
+    def __init__(self, folder: Path, key: str, occurrence: int, forbid: dict[str, str]) -> None:
+        self.forbid = forbid
         self.path = folder / f"{_key_file(key)}-{occurrence}.pt"
         self.entries: list[dict[str, Any]] = []
 
@@ -224,7 +284,8 @@ class _Record:
 
 
 class _Replay:
-    def __init__(self, folder: Path, key: str, occurrence: int) -> None:
+    def __init__(self, folder: Path, key: str, occurrence: int, forbid: dict[str, str]) -> None:
+        self.forbid = forbid
         path = folder / f"{_key_file(key)}-{occurrence}.pt"
         self.entries: list[dict[str, Any]] | None = None
         self.problem = ""
@@ -248,30 +309,37 @@ class _Replay:
             raise CheckFailure(entry["failure"])
         if entry["digest"] != digest:
             raise CheckFailure("the recorded call does not match this check's inputs (was the check changed?)")
-        return entry["result"]
+        return Opaque(entry["opaque"]) if "opaque" in entry else entry["result"]
 
 
 _state: dict[str, Any] = {"session": None, "replay": None, "counts": defaultdict(int)}
 
 
-def _current() -> _Record | _Replay | None:
+class _Plain:
+    """A check run outside grading: nothing recorded."""
+
+    def __init__(self, forbid: dict[str, str]) -> None:
+        self.forbid = forbid
+
+
+def _current() -> "_Record | _Replay | _Plain | None":
     return _state["session"]
 
 
 @contextlib.contextmanager
-def _session(key: str) -> Iterator[None]:
+def _session(key: str, forbid: dict[str, str]) -> Iterator[None]:
     folder = _state["replay"] or os.environ.get(RECORD_ENV)
     # Occurrences are counted per folder: the n-th run of a check in a notebook is replayed
     # against the n-th record.
     count = _state["counts"][str(folder), key]
     _state["counts"][str(folder), key] += 1
     if _state["replay"] is not None:
-        session: _Record | _Replay | None = _Replay(_state["replay"], key, count)
+        session: _Record | _Replay | _Plain = _Replay(_state["replay"], key, count, forbid)
     elif folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        session = _Record(Path(folder), key, count)
+        session = _Record(Path(folder), key, count, forbid)
     else:
-        session = None
+        session = _Plain(forbid)
     previous, _state["session"] = _state["session"], session
     try:
         yield
@@ -300,8 +368,10 @@ def _key_file(key: str) -> str:
 def _digest(args: tuple, kwargs: dict) -> str:
     """A fingerprint of a call's inputs, so replay can tell that it answers the same question."""
     h = hashlib.sha256()
-    for value in (*args, *sorted(kwargs.items())):
-        if isinstance(value, Tensor):
+    for value in (*args, *(v for _, v in sorted(kwargs.items()))):
+        if not _plain(value):
+            h.update(b"opaque")  # a student object, or its stand-in under replay
+        elif isinstance(value, Tensor):
             h.update(f"T{tuple(value.shape)}{value.dtype}".encode())
             h.update(value.detach().cpu().contiguous().numpy().tobytes())
         else:

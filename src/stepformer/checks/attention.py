@@ -8,9 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, passed, show
+from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed, show
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_k", "d_v")
+# What exercise 1 asks students to write themselves.
+BUILT_IN_ATTENTION = {
+    "torch.nn.functional.scaled_dot_product_attention": "PyTorch's built-in attention",
+    "torch.nn.functional.multi_head_attention_forward": "PyTorch's built-in multi-head attention",
+    "torch.nn.MultiheadAttention": "PyTorch's built-in multi-head attention",
+}
 
 
 def _sizes(seed: int) -> dict[str, int]:
@@ -34,7 +40,7 @@ def _result(fn: Callable[..., Any], s: dict[str, int], dtype: torch.dtype, *args
     result = call(fn, *args)
     if not isinstance(result, tuple) or len(result) != 2:
         raise CheckFailure(
-            f"scaled_dot_product_attention should return a pair (output, weights), got {type(result).__name__}."
+            f"scaled_dot_product_attention should return a pair (output, weights), got {kind(result)}."
         )
     b, h, q_len, k_len, d_v = s["batch"], s["heads"], s["q_len"], s["k_len"], s["d_v"]
     output = expect_tensor(result[0], "output", (b, h, q_len, d_v), "batch heads q_len d_v", dtype)
@@ -71,7 +77,7 @@ def _diagnose(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tens
     return "Compare your scores with q @ k.transpose(-2, -1) / sqrt(d_k) on a small example."
 
 
-@check
+@check(forbid=BUILT_IN_ATTENTION)
 def check_attention_shapes(fn: Callable[..., Any], seed: int = 0) -> None:
     """output is (batch, heads, q_len, d_v) and weights (batch, heads, q_len, k_len)."""
     for dtype in (torch.float32, torch.float64):
@@ -80,7 +86,7 @@ def check_attention_shapes(fn: Callable[..., Any], seed: int = 0) -> None:
     passed("shapes and dtypes are right")
 
 
-@check
+@check(forbid=BUILT_IN_ATTENTION)
 def check_attention_values(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """Equal to torch.nn.functional.scaled_dot_product_attention without a mask, large scores included."""
     for scale, label in ((1.0, "random"), (30.0, "large")):
@@ -100,7 +106,7 @@ def check_attention_values(fn: Callable[..., Any], seed: int = 0, dtype: torch.d
     passed(f"equal to torch.nn.functional.scaled_dot_product_attention ({str(dtype).removeprefix('torch.')})")
 
 
-@check
+@check(forbid=BUILT_IN_ATTENTION)
 def check_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """Masked keys get zero weight, masks broadcast, and a fully masked row gives zeros, not NaN."""
     s, q, k, v = _qkv(seed, dtype)
@@ -165,7 +171,7 @@ def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
     passed("equal to torch.distributions.Categorical(probs=weights).entropy()")
 
 
-@check
+@check(forbid=BUILT_IN_ATTENTION)
 def check_entropy_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
     """Unscaled entropy collapses as d_k grows; scaled entropy stays put; both agree with a fresh sample."""
     k_len = 16
@@ -175,7 +181,7 @@ def check_entropy_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
             value = call(fn, d_k, scale=scale, q_len=12, k_len=k_len, samples=48, seed=seed)
             if type(value) is not float:
                 raise CheckFailure(
-                    f"mean_attention_entropy should return a Python float (use .item()), got {type(value).__name__}."
+                    f"mean_attention_entropy should return a Python float (use .item()), got {kind(value)}."
                 )
             if not 0.0 <= value <= math.log(k_len) + 1e-9:
                 raise CheckFailure(

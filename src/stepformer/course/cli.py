@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
                            help="nbgrader's working folder, kept for resuming (default: autograder/work/<assignment>)")
     grade_cmd.add_argument("--workers", type=int, default=None, help="students graded at once (default: cores)")
     grade_cmd.add_argument("--roster", type=Path, default=None, help="CSV with a 'student' column, or one id a line")
+    grade_cmd.add_argument("--only", nargs="+", default=None, metavar="STUDENT",
+                           help="grade just these students (e.g. one per cluster job, with a shared gradebook)")
     grade_cmd.add_argument("--fresh", action="store_true", help="forget earlier runs and grade everyone again")
     grade_cmd.add_argument("--no-sandbox", action="store_true",
                            help="run student code without the sandbox: only for submissions you trust")
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from stepformer.course.grade import grade_command
 
     return grade_command(root, args.submissions, args.assignment, args.out, args.workdir, workers=args.workers,
-                         sandbox=not args.no_sandbox, roster=args.roster, fresh=args.fresh)
+                         sandbox=not args.no_sandbox, roster=args.roster, fresh=args.fresh, only=args.only)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from jupyter_core.utils import run_sync
-from nbclient.exceptions import DeadKernelError
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbformat import NotebookNode
 from nbgrader import utils
 from nbgrader.preprocessors import Execute
@@ -50,12 +50,13 @@ class GradingExecute(Execute):
             self._silent(f"__import__('os').environ[{RECORD_ENV!r}] = {str(self._records / grade_id)!r}")
         try:
             return super().preprocess_cell(cell, resources, index)
-        except DeadKernelError:
+        except (DeadKernelError, CellTimeoutError) as error:
             self._killers.add(index)
+            what = "died" if isinstance(error, DeadKernelError) else "stopped answering"
             cell.outputs.append(_error(
                 "KernelDied",
-                "the kernel died while running this cell (os._exit, a crash, or too much memory); "
-                "it was restarted and the cells before this one were run again",
+                f"the kernel {what} while running this cell (os._exit, a crash, too much memory, or a broken "
+                "interpreter); it was restarted and the cells before this one were run again",
             ))
             self._restart(index)
             return cell, resources

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from stepformer.course.intake import Intake, SubmissionsError, load_roster, read_submissions
 from stepformer.course.paths import assignments
 from stepformer.course.sandbox import Limits, install_kernelspec, sandbox_problem
+from stepformer.course.worker import db_url
 
 __all__ = ["SubmissionsError", "StudentResult", "grade", "grade_command"]
 
@@ -76,8 +77,9 @@ def _prepare(root: Path, assignment: str, workdir: Path, fresh: bool) -> None:
 
 def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Path, *,
           workers: int | None = None, sandbox: bool = True, limits: Limits | None = None,
-          roster: list[str] | None = None, fresh: bool = False, progress: bool = True) -> list[StudentResult]:
-    """Grade every student in ``submissions``; feedback and grades.csv go to ``out``."""
+          roster: list[str] | None = None, fresh: bool = False, progress: bool = True,
+          only: list[str] | None = None) -> list[StudentResult]:
+    """Grade every student in ``submissions`` (or just ``only``); feedback and grades.csv go to ``out``."""
     warnings.filterwarnings("ignore", message=".*not in session.*")  # nbgrader's own, harmless
     if assignment not in assignments(root):
         raise SubmissionsError(f"unknown assignment {assignment!r}; known: {', '.join(assignments(root))}")
@@ -98,6 +100,11 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
     intakes, warnings_ = read_submissions(submissions, assignment, expected, workdir / "intake", roster)
     for line in warnings_:
         print(f"warning: {line}", file=sys.stderr)
+    if only:
+        unknown = sorted(set(only) - {i.student for i in intakes})
+        if unknown:
+            raise SubmissionsError(f"not among the submissions: {', '.join(unknown)}")
+        intakes = [i for i in intakes if i.student in only]
     if not intakes:
         raise SubmissionsError(f"{submissions}: no student submissions found (expected <student_id>/...)")
 
@@ -132,7 +139,7 @@ def _submit(workdir: Path, assignment: str, intake: Intake) -> None:
     target.mkdir(parents=True)
     for name, path in intake.notebooks.items():
         shutil.copy2(path, target / name)
-    with Gradebook(f"sqlite:///{workdir / 'gradebook.db'}") as gb:
+    with Gradebook(db_url(workdir)) as gb:
         gb.update_or_create_student(intake.student)
 
 
@@ -162,7 +169,7 @@ def _collect(workdir: Path, assignment: str, intakes: list[Intake]) -> list[Stud
     from nbgrader.api import Gradebook, MissingEntry
 
     results = []
-    with Gradebook(f"sqlite:///{workdir / 'gradebook.db'}") as gb:
+    with Gradebook(db_url(workdir)) as gb:
         nbgrader_assignment = gb.find_assignment(assignment)
         cells = sorted((nb.name, cell.name) for nb in nbgrader_assignment.notebooks for cell in nb.grade_cells)
         for intake in intakes:
@@ -212,7 +219,7 @@ def summary_table(results: list[StudentResult]) -> str:
 
 def grade_command(root: Path, submissions: Path, assignment: str | None, out: Path, workdir: Path | None, *,
                   workers: int | None = None, sandbox: bool = True, roster: Path | None = None,
-                  fresh: bool = False) -> int:
+                  fresh: bool = False, only: list[str] | None = None) -> int:
     names = assignments(root)
     if assignment is None:
         if len(names) != 1:
@@ -222,7 +229,7 @@ def grade_command(root: Path, submissions: Path, assignment: str | None, out: Pa
     workdir = (workdir or root / "autograder" / "work" / assignment).resolve()
     try:
         results = grade(root, submissions.resolve(), assignment, out, workdir, workers=workers, sandbox=sandbox,
-                        roster=load_roster(roster) if roster else None, fresh=fresh)
+                        roster=load_roster(roster) if roster else None, fresh=fresh, only=only)
     except (SubmissionsError, SandboxUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -23,12 +23,6 @@ import torch
 import stepformer.checks
 from stepformer.checks._core import CheckFailure, replaying
 
-# Names that only a reference implementation or a sandbox escape would need in a solution.
-SUSPECT_NAMES = {
-    "scaled_dot_product_attention": "PyTorch's built-in attention",
-    "multi_head_attention_forward": "PyTorch's built-in multi-head attention",
-    "MultiheadAttention": "PyTorch's built-in multi-head attention",
-}
 SUSPECT_MODULES = ("stepformer",)
 ALLOWED_MODULES = ("stepformer.checks",)
 
@@ -107,15 +101,32 @@ def reference_use(notebook: Path) -> list[Finding]:
     own = set()
     for _, source in student_cells:
         own |= _defined(source)
+    forbidden = _forbidden_by_exercise(nb)
+    everything = {name: label for names in forbidden.values() for name, label in names.items()}
     findings = []
     for exercise, source in student_cells:
         tree = _parse(source)
         if tampering := _tampering(tree):
             findings.append(Finding(exercise, "tampering", tampering))
-        elif what := _suspect(source, tree, own):
+        elif what := _suspect(source, tree, own, forbidden.get(exercise, everything if exercise == "*" else {})):
             # Comparing with PyTorch in a scratch cell is honest; inside a solution it is not.
             findings.append(Finding(exercise, "reference" if exercise != "*" else "review", what))
     return findings
+
+
+def _forbidden_by_exercise(nb: nbformat.NotebookNode) -> dict[str, dict[str, str]]:
+    """Exercise -> {short name: label} of the built-ins its checks forbid (``@check(forbid=...)``)."""
+    found: dict[str, dict[str, str]] = {}
+    for cell in nb.cells:
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if cell.cell_type != "code" or not meta.get("grade") or (tree := _parse(cell.source)) is None:
+            continue
+        names = found.setdefault(exercise_of(meta["grade_id"]), {})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                for dotted, label in getattr(getattr(stepformer.checks, node.func.id, None), "forbid", {}).items():
+                    names[dotted.rpartition(".")[2]] = label
+    return found
 
 
 # Reaching into the checks' machinery has no honest use in a solution.
@@ -152,9 +163,10 @@ def _defined(source: str) -> set[str]:
 DYNAMIC = {"getattr", "__import__", "import_module", "eval", "exec", "compile"}
 
 
-def _suspect(source: str, tree: ast.Module | None, own: set[str]) -> str | None:
+def _suspect(source: str, tree: ast.Module | None, own: set[str], names: dict[str, str]) -> str | None:
+    """The first forbidden built-in (``names``) or library module that ``source`` reaches for."""
     if tree is None:
-        for name, label in SUSPECT_NAMES.items():
+        for name, label in names.items():
             if re.search(rf"\b{name}\b", source):
                 return f"{name} ({label})"
         return None
@@ -166,12 +178,12 @@ def _suspect(source: str, tree: ast.Module | None, own: set[str]) -> str | None:
                     return f"{module} (the course's reference library)"
             if isinstance(node, ast.ImportFrom):
                 for alias in node.names:
-                    if alias.name in SUSPECT_NAMES:
-                        return f"{alias.name} ({SUSPECT_NAMES[alias.name]})"
-        if isinstance(node, ast.Attribute) and node.attr in SUSPECT_NAMES:
-            return f"{node.attr} ({SUSPECT_NAMES[node.attr]})"
-        if isinstance(node, ast.Name) and node.id in SUSPECT_NAMES and node.id not in own:
-            return f"{node.id} ({SUSPECT_NAMES[node.id]})"
+                    if alias.name in names:
+                        return f"{alias.name} ({names[alias.name]})"
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            return f"{node.attr} ({names[node.attr]})"
+        if isinstance(node, ast.Name) and node.id in names and node.id not in own:
+            return f"{node.id} ({names[node.id]})"
         if isinstance(node, ast.Call):
             func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
             if func in DYNAMIC:
@@ -179,7 +191,7 @@ def _suspect(source: str, tree: ast.Module | None, own: set[str]) -> str | None:
                 text = " ".join(c.value for a in node.args for c in ast.walk(a)
                                 if isinstance(c, ast.Constant) and isinstance(c.value, str))
                 squashed = text.replace(" ", "")
-                for suspect in (*SUSPECT_NAMES, *SUSPECT_MODULES):
+                for suspect in (*names, *SUSPECT_MODULES):
                     if suspect in squashed and "stepformer.checks" not in squashed:
                         return f"{suspect} (reached by name through {func})"
     return None

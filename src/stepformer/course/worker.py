@@ -11,6 +11,7 @@ a student with that file is finished and is never graded again by a resumed run.
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -31,12 +32,17 @@ PREPROCESSORS = [
 ]
 
 
+def db_url(workdir: Path) -> str:
+    """The gradebook: ``STEPFORMER_DB_URL`` (e.g. PostgreSQL shared by many graders) or SQLite in the work folder."""
+    return os.environ.get("STEPFORMER_DB_URL") or f"sqlite:///{workdir / 'gradebook.db'}"
+
+
 def course_config(root: Path, workdir: Path):
     """nbgrader's configuration for a grading work folder."""
     return load_config(
         root, root=str(workdir), source_directory="source", release_directory="release",
         submitted_directory="submitted", autograded_directory="autograded",
-        feedback_directory="feedback", db_url=f"sqlite:///{workdir / 'gradebook.db'}",
+        feedback_directory="feedback", db_url=db_url(workdir),
     )
 
 
@@ -104,9 +110,14 @@ def grade_student(root: Path, workdir: Path, assignment: str, student: str, limi
 
 
 def _last_error(result: dict) -> str:
-    lines = [line for line in (result.get("log") or result.get("error") or "").splitlines() if line.strip()]
-    errors = [line for line in lines if "[ERROR]" in line] or lines
-    return errors[-1].strip()[:300] if errors else "unknown error"
+    """The line of nbgrader's log that says what went wrong (the whole log goes to the worker's log file)."""
+    text = "\n".join(filter(None, [result.get("log"), result.get("error")]))
+    print(text, file=sys.stderr)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Exit)\b.*:", line)]
+    errors = [line for line in lines if "[ERROR]" in line and "Please see" not in line]
+    found = (causes or errors or lines or ["unknown error"])[-1]
+    return "nbgrader could not grade it: " + found[:300]
 
 
 def write_done(workdir: Path, result: dict) -> None:
