@@ -17,6 +17,7 @@ import pytest
 
 from stepformer.course.grade import grade
 from stepformer.course.sandbox import Limits, sandbox_problem
+from stepformer.course.worker import COURSE_ID
 from tests.fixtures.corpus import CORPUS
 from tests.fixtures.submissions import ATTENTION, write_submissions
 
@@ -47,7 +48,6 @@ def corpus(tmp_path_factory):
     return {r.student: r for r in results}, base
 
 
-@pytest.mark.xdist_group("corpus")
 @pytest.mark.parametrize("case", CORPUS, ids=lambda c: c.name)
 def test_corpus_case_gets_exactly_its_points(corpus, case):
     results, base = corpus
@@ -58,7 +58,6 @@ def test_corpus_case_gets_exactly_its_points(corpus, case):
     assert case.feedback in shown
 
 
-@pytest.mark.xdist_group("corpus")
 def test_corpus_run_is_complete_and_repeatable(corpus):
     results, base = corpus
     assert results["absent_student"].status == "missing" and results["absent_student"].score == 0
@@ -77,7 +76,7 @@ def test_corpus_run_is_complete_and_repeatable(corpus):
 def _gradebook(work: Path) -> dict[tuple[str, str], float]:
     from nbgrader.api import Gradebook
 
-    with Gradebook(f"sqlite:///{work / 'gradebook.db'}") as gb:
+    with Gradebook(f"sqlite:///{work / 'gradebook.db'}", course_id=COURSE_ID) as gb:
         grades = {}
         for submission in gb.assignment_submissions(ASSIGNMENT):
             for notebook in submission.notebooks:
@@ -90,7 +89,6 @@ def _gradebook(work: Path) -> dict[tuple[str, str], float]:
         return grades
 
 
-@pytest.mark.xdist_group("corpus")
 def test_killed_run_resumes_and_parallel_matches_sequential(tmp_path):
     cases = [*ATTENTION, *(c for c in CORPUS if c.name in ("softmax_over_queries", "untouched", "os_exit"))]
     subs = write_submissions(cases, ASSIGNMENT, NOTEBOOK, ROOT / "exercises", tmp_path / "submissions")

@@ -13,7 +13,7 @@ from tests.fixtures.submissions import ATTENTION, write_submissions
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSIGNMENT, NOTEBOOK = "01_attention", "attention.ipynb"
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("grading")]
+pytestmark = pytest.mark.slow
 # The sample submissions are honest: they grade the same with or without the sandbox, so
 # these tests also run where bubblewrap is missing (the adversarial corpus does not).
 SANDBOX = sandbox_problem() is None

@@ -15,6 +15,7 @@ door gives three things:
 """
 
 import contextlib
+import dis
 import functools
 import hashlib
 import importlib
@@ -175,15 +176,17 @@ def _references_to_forbidden(fn: Any, forbid: dict[str, str]) -> list[str]:
             found.append(forbidden[id(item)])
             continue
         for f in _functions_of(item):
-            names = set(_names(f.__code__))
-            candidates = [f.__globals__.get(n) for n in names]
+            globals_used, attributes_used = _names(f.__code__)
+            candidates = [f.__globals__.get(n) for n in globals_used]
             candidates += list(f.__defaults__ or ()) + list((f.__kwdefaults__ or {}).values())
             candidates += [c.cell_contents for c in (f.__closure__ or ()) if _has_contents(c)]
             for value in candidates:
                 if id(value) in forbidden:
                     found.append(forbidden[id(value)])
                 elif isinstance(value, types.ModuleType):
-                    found += [forbidden[id(a)] for a in (getattr(value, n, None) for n in names)
+                    # Only names read as attributes (``nn.LayerNorm``), not the student's own globals
+                    # that happen to share a name with something in the module.
+                    found += [forbidden[id(a)] for a in (getattr(value, n, None) for n in attributes_used)
                               if a is not None and id(a) in forbidden]
                 elif _written_by_student(value, f):
                     pending.append(value)
@@ -205,11 +208,21 @@ def _written_by_student(value: Any, beside: types.FunctionType) -> bool:
     return isinstance(inner, types.FunctionType | type) and getattr(inner, "__module__", None) == beside.__module__
 
 
-def _names(code: types.CodeType) -> Iterator[str]:
-    yield from code.co_names
+def _names(code: types.CodeType) -> tuple[set[str], set[str]]:
+    """(global names read, attribute names read) by ``code`` and the code nested in it."""
+    globals_used: set[str] = set()
+    attributes_used: set[str] = set()
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            globals_used.add(instruction.argval)
+        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD", "IMPORT_FROM"):
+            attributes_used.add(instruction.argval)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _names(const)
+            inner_globals, inner_attributes = _names(const)
+            globals_used |= inner_globals
+            attributes_used |= inner_attributes
+    return globals_used, attributes_used
 
 
 def _has_contents(cell: Any) -> bool:

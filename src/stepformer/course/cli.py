@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     grade_cmd.add_argument("--only", nargs="+", default=None, metavar="STUDENT",
                            help="grade just these students (e.g. one per cluster job, with a shared gradebook)")
     grade_cmd.add_argument("--fresh", action="store_true", help="forget earlier runs and grade everyone again")
+    grade_cmd.add_argument("--cell-seconds", type=int, default=None, help="time limit of one cell (default 60)")
+    grade_cmd.add_argument("--notebook-seconds", type=int, default=None, help="time limit of a notebook (default 600)")
+    grade_cmd.add_argument("--memory-gib", type=float, default=None, help="memory of one kernel (default 4)")
     grade_cmd.add_argument("--no-sandbox", action="store_true",
                            help="run student code without the sandbox: only for submissions you trust")
 
@@ -64,9 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from stepformer.course.grade import grade_command
+    from stepformer.course.sandbox import Limits
 
+    limits = Limits(**{k: v for k, v in (("cell_seconds", args.cell_seconds),
+                                         ("notebook_seconds", args.notebook_seconds),
+                                         ("memory_bytes", args.memory_gib and int(args.memory_gib * 2**30)))
+                       if v is not None})
     return grade_command(root, args.submissions, args.assignment, args.out, args.workdir, workers=args.workers,
-                         sandbox=not args.no_sandbox, roster=args.roster, fresh=args.fresh, only=args.only)
+                         sandbox=not args.no_sandbox, roster=args.roster, fresh=args.fresh, only=args.only,
+                         limits=limits)
 
 
 if __name__ == "__main__":

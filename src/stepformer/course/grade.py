@@ -26,7 +26,7 @@ from tqdm import tqdm
 from stepformer.course.intake import Intake, SubmissionsError, load_roster, read_submissions
 from stepformer.course.paths import assignments
 from stepformer.course.sandbox import Limits, install_kernelspec, sandbox_problem
-from stepformer.course.worker import db_url
+from stepformer.course.worker import COURSE_ID, db_url
 
 __all__ = ["SubmissionsError", "StudentResult", "grade", "grade_command"]
 
@@ -94,8 +94,10 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
     workdir, out = workdir.resolve(), out.resolve()
     _prepare(root, assignment, workdir, fresh)
     if sandbox:
-        kernel = install_kernelspec(workdir / "jupyter" / "kernels", limits=limits,
-                                    hidden=[root, workdir, out, submissions.resolve().parent])
+        # Hide the course, the work folder, the outputs and everyone's raw submissions.
+        raw = submissions.resolve() if submissions.is_dir() else submissions.resolve().parent
+        hidden = [p for p in (root, workdir, out, raw) if p != Path(p.anchor)]
+        kernel = install_kernelspec(workdir / "jupyter" / "kernels", limits=limits, hidden=hidden)
     expected = sorted(p.name for p in (workdir / "release" / assignment).glob("*.ipynb"))
     intakes, warnings_ = read_submissions(submissions, assignment, expected, workdir / "intake", roster)
     for line in warnings_:
@@ -110,7 +112,7 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
 
     pending = []
     for intake in intakes:
-        if not (workdir / "done" / f"{intake.student}.json").exists():
+        if not _finished(workdir, intake.student):
             if intake.notebooks:
                 _submit(workdir, assignment, intake)
                 pending.append(intake)
@@ -130,6 +132,12 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
     return results
 
 
+def _finished(workdir: Path, student: str) -> bool:
+    """Graded before (a student whose grading failed is tried again)."""
+    done = workdir / "done" / f"{student}.json"
+    return done.exists() and json.loads(done.read_text()).get("status") != "error"
+
+
 def _submit(workdir: Path, assignment: str, intake: Intake) -> None:
     """Copy the student's notebooks into nbgrader's submitted/ and register the student."""
     from nbgrader.api import Gradebook
@@ -139,7 +147,7 @@ def _submit(workdir: Path, assignment: str, intake: Intake) -> None:
     target.mkdir(parents=True)
     for name, path in intake.notebooks.items():
         shutil.copy2(path, target / name)
-    with Gradebook(db_url(workdir)) as gb:
+    with Gradebook(db_url(workdir), course_id=COURSE_ID) as gb:
         gb.update_or_create_student(intake.student)
 
 
@@ -169,7 +177,7 @@ def _collect(workdir: Path, assignment: str, intakes: list[Intake]) -> list[Stud
     from nbgrader.api import Gradebook, MissingEntry
 
     results = []
-    with Gradebook(db_url(workdir)) as gb:
+    with Gradebook(db_url(workdir), course_id=COURSE_ID) as gb:
         nbgrader_assignment = gb.find_assignment(assignment)
         cells = sorted((nb.name, cell.name) for nb in nbgrader_assignment.notebooks for cell in nb.grade_cells)
         for intake in intakes:
@@ -198,7 +206,7 @@ def _write_outputs(workdir: Path, assignment: str, results: list[StudentResult],
         if source.is_dir():
             shutil.copytree(source, out / "feedback" / result.student / assignment, dirs_exist_ok=True)
     columns = sorted({c for r in results for c in r.cells})
-    tmp = out / ".grades.csv.tmp"
+    tmp = out / f".grades.csv.{os.getpid()}.tmp"
     with tmp.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["student", "assignment", "score", "max_score", "status", "detail", *columns])
@@ -219,7 +227,7 @@ def summary_table(results: list[StudentResult]) -> str:
 
 def grade_command(root: Path, submissions: Path, assignment: str | None, out: Path, workdir: Path | None, *,
                   workers: int | None = None, sandbox: bool = True, roster: Path | None = None,
-                  fresh: bool = False, only: list[str] | None = None) -> int:
+                  fresh: bool = False, only: list[str] | None = None, limits: Limits | None = None) -> int:
     names = assignments(root)
     if assignment is None:
         if len(names) != 1:
@@ -229,7 +237,8 @@ def grade_command(root: Path, submissions: Path, assignment: str | None, out: Pa
     workdir = (workdir or root / "autograder" / "work" / assignment).resolve()
     try:
         results = grade(root, submissions.resolve(), assignment, out, workdir, workers=workers, sandbox=sandbox,
-                        roster=load_roster(roster) if roster else None, fresh=fresh, only=only)
+                        roster=load_roster(roster) if roster else None, fresh=fresh, only=only,
+                        limits=limits)
     except (SubmissionsError, SandboxUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -3,7 +3,11 @@
 A solution cell carries ``metadata.stepformer.library = "module.function"``. Its text is that
 function's source from ``src/``: decorators, signature and docstring are what the student sees;
 the body becomes the ``### BEGIN SOLUTION`` ... ``### END SOLUTION`` block that nbgrader
-replaces with a stub in the release.
+replaces with a stub in the release. A class's solution is everything after its docstring.
+
+A locked cell with ``metadata.stepformer = {"library": ..., "given": true}`` holds the whole
+source of an earlier chapter's piece, so a notebook can use it without importing the library
+(which the own-work rule forbids inside graded code).
 """
 
 import ast
@@ -18,18 +22,48 @@ import nbformat
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 
 
-def solution_source(qualified_name: str) -> str:
-    """The solution cell text for ``module.function``."""
+def given_source(qualified_name: str) -> str:
+    """The whole source of ``module.function``: for a locked cell that hands students an earlier piece."""
     module_name, _, function_name = qualified_name.rpartition(".")
     module = importlib.import_module(module_name)
     tree = ast.parse(inspect.getsource(module))
     lines = inspect.getsource(module).splitlines()
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == function_name:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == function_name:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+            return "\n".join(lines[first:node.end_lineno])
+    raise LookupError(f"{qualified_name}: no top-level function or class {function_name!r} in {module.__file__}")
+
+
+def solution_source(qualified_name: str) -> str:
+    """The solution cell text for ``module.function`` (or ``module.Class``: each method's body hidden)."""
+    module_name, _, name = qualified_name.rpartition(".")
+    module = importlib.import_module(module_name)
+    source = inspect.getsource(module)
+    lines = source.splitlines()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == name:
             break
     else:
-        raise LookupError(f"{qualified_name}: no top-level function {function_name!r} in {module.__file__}")
+        raise LookupError(f"{qualified_name}: no top-level function or class {name!r} in {module.__file__}")
     first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+    if isinstance(node, ast.FunctionDef):
+        return "\n".join(_hide_body(node, lines, first))
+    out = lines[first:node.body[0].lineno - 1]
+    position = node.body[0].lineno - 1
+    for child in node.body:
+        start = min([child.lineno, *(d.lineno for d in getattr(child, "decorator_list", []))]) - 1
+        out += lines[position:start]  # blank lines and comments between members
+        if isinstance(child, ast.FunctionDef):
+            out += _hide_body(child, lines, start)
+        else:
+            out += lines[start:child.end_lineno]
+        position = child.end_lineno
+    return "\n".join(out)
+
+
+def _hide_body(node: ast.FunctionDef, lines: list[str], first: int) -> list[str]:
+    """Decorators, signature and docstring as they are; the rest between nbgrader's markers."""
     body = node.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
             and isinstance(body[0].value.value, str):
@@ -37,12 +71,9 @@ def solution_source(qualified_name: str) -> str:
     else:
         header_end = node.body[0].lineno - 1
     if not body:
-        raise LookupError(f"{qualified_name} has no body to hide")
-    # Comments above the first statement belong to the body, not to the header.
+        raise LookupError(f"{node.name} has no body to hide")
     indent = " " * body[0].col_offset
-    header = lines[first:header_end]
-    solution = lines[header_end:node.end_lineno]
-    return "\n".join([*header, indent + BEGIN, *solution, indent + END])
+    return [*lines[first:header_end], indent + BEGIN, *lines[header_end:node.end_lineno], indent + END]
 
 
 @dataclass
@@ -65,7 +96,8 @@ def sync(root: Path, check: bool = False) -> list[Stale]:
             library = cell.metadata.get("stepformer", {}).get("library")
             if not library:
                 continue
-            wanted = solution_source(library)
+            given = cell.metadata.get("stepformer", {}).get("given", False)
+            wanted = given_source(library) if given else solution_source(library)
             if cell.source != wanted:
                 stale.append(Stale(path.relative_to(root), cell.get("id", "?"), library))
                 cell.source = wanted

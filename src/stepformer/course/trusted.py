@@ -12,7 +12,9 @@ its exercise, even where the kernel-side tripwires were dodged.
 
 import ast
 import builtins
+import importlib
 import math
+import pkgutil
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,17 @@ class _Names(dict):
         return _Placeholder(name)
 
 
+def check_namespace() -> dict[str, object]:
+    """Every public name of every ``stepformer.checks`` module: what graded cells may call."""
+    names: dict[str, object] = {}
+    for info in pkgutil.iter_modules(stepformer.checks.__path__):
+        if not info.name.startswith("_"):
+            module = importlib.import_module(f"stepformer.checks.{info.name}")
+            names.update({k: v for k, v in vars(module).items() if not k.startswith("_")})
+    names.update({k: v for k, v in vars(stepformer.checks).items() if not k.startswith("_")})
+    return names
+
+
 def recheck(notebook: Path, records: Path) -> dict[str, Verdict]:
     """Re-run every graded cell's checks from the records under ``records/<grade_id>``."""
     nb = nbformat.read(notebook, as_version=4)
@@ -60,7 +73,7 @@ def recheck(notebook: Path, records: Path) -> dict[str, Verdict]:
         if cell.cell_type != "code" or not meta.get("grade"):
             continue
         grade_id = meta["grade_id"]
-        names = _Names(vars(stepformer.checks))
+        names = _Names(check_namespace())
         names.update(torch=torch, math=math)
         try:
             with replaying(records / grade_id):
@@ -117,6 +130,7 @@ def reference_use(notebook: Path) -> list[Finding]:
 def _forbidden_by_exercise(nb: nbformat.NotebookNode) -> dict[str, dict[str, str]]:
     """Exercise -> {short name: label} of the built-ins its checks forbid (``@check(forbid=...)``)."""
     found: dict[str, dict[str, str]] = {}
+    checks = check_namespace()
     for cell in nb.cells:
         meta = cell.get("metadata", {}).get("nbgrader", {})
         if cell.cell_type != "code" or not meta.get("grade") or (tree := _parse(cell.source)) is None:
@@ -124,7 +138,7 @@ def _forbidden_by_exercise(nb: nbformat.NotebookNode) -> dict[str, dict[str, str
         names = found.setdefault(exercise_of(meta["grade_id"]), {})
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                for dotted, label in getattr(getattr(stepformer.checks, node.func.id, None), "forbid", {}).items():
+                for dotted, label in getattr(checks.get(node.func.id), "forbid", {}).items():
                     names[dotted.rpartition(".")[2]] = label
     return found
 

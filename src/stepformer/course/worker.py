@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import nbformat
@@ -37,10 +38,14 @@ def db_url(workdir: Path) -> str:
     return os.environ.get("STEPFORMER_DB_URL") or f"sqlite:///{workdir / 'gradebook.db'}"
 
 
+COURSE_ID = "stepformer"
+
+
 def course_config(root: Path, workdir: Path):
     """nbgrader's configuration for a grading work folder."""
+    # A named course: PostgreSQL enforces the gradebook's foreign key to its course row.
     return load_config(
-        root, root=str(workdir), source_directory="source", release_directory="release",
+        root, root=str(workdir), course_id=COURSE_ID, source_directory="source", release_directory="release",
         submitted_directory="submitted", autograded_directory="autograded",
         feedback_directory="feedback", db_url=db_url(workdir),
     )
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limits", required=True, help="JSON of stepformer.course.sandbox.Limits")
     parser.add_argument("--kernel", default=None, help="kernel name (the sandbox's); default: plain python3")
     args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*not in session.*")  # nbgrader's own, harmless
     result = grade_student(args.root, args.workdir, args.assignment, args.student, json.loads(args.limits),
                            args.kernel)
     write_done(args.workdir, result)

@@ -1,0 +1,515 @@
+"""Checks for chapter 05: LayerNorm, RMSNorm, the residual sublayer, and a gradient measurement.
+
+Student modules are only ever touched through ``call``: constructing them, running them, and
+the small helpers below (reading parameters, loading a state dict, running a backward pass),
+so that the grader can replay every result without the student's code.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from stepformer.checks._core import CheckFailure, call, check, expect_tensor, kind, passed, show
+
+AXES = ("batch", "seq", "d_model")
+# What exercises 1-3 ask students to write themselves (and to use in their Residual).
+BUILT_IN_NORMS = {
+    "torch.nn.functional.layer_norm": "PyTorch's layer norm",
+    "torch.layer_norm": "PyTorch's layer norm",
+    "torch.native_layer_norm": "PyTorch's layer norm",
+    "torch.nn.LayerNorm": "PyTorch's LayerNorm module",
+    "torch.nn.functional.rms_norm": "PyTorch's RMS norm",
+    "torch.rms_norm": "PyTorch's RMS norm",
+    "torch.nn.RMSNorm": "PyTorch's RMSNorm module",
+}
+# The residual's checks forbid the functions only: the own-work scan matches names, and a
+# Residual that builds the student's own `LayerNorm` while `nn` is imported would read as
+# torch.nn.LayerNorm. Its norm is swapped out in the check anyway.
+NORM_FUNCTIONS = {name: label for name, label in BUILT_IN_NORMS.items() if not name.startswith("torch.nn.")
+                  or name.startswith("torch.nn.functional.")}
+LAYER_NORM_EPS, RMS_NORM_EPS = 1e-5, 1e-6
+
+
+def _sizes(seed: int) -> dict[str, int]:
+    """Pairwise-distinct sizes (d_model wider than the others), so a wrong axis changes a shape."""
+    if seed == 0:
+        return {"batch": 2, "seq": 5, "d_model": 12}
+    g = torch.Generator().manual_seed(seed)
+    batch, seq = (torch.randperm(6, generator=g)[:2] + 2).tolist()
+    d_model = int(torch.randint(8, 17, (1,), generator=g))
+    return {"batch": batch, "seq": seq, "d_model": d_model}
+
+
+def _tolerance(dtype: torch.dtype, offset: float = 0.0) -> float:
+    # Two correct float32 layer norms of x + 100 differ by ~3e-5: the rounding of x itself.
+    if dtype == torch.float64:
+        return 1e-10
+    return 1e-5 * (1.0 + abs(offset))
+
+
+def _near(actual: Tensor, expected: Tensor, tolerance: float) -> bool:
+    return actual.shape == expected.shape and bool(
+        torch.allclose(actual.to(expected.dtype), expected, rtol=tolerance, atol=tolerance)
+    )
+
+
+# -- helpers that run inside ``call`` (never reference PyTorch's norms here) -----------------
+
+def _parameters(module: nn.Module) -> dict[str, Tensor]:
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def _load(module: nn.Module, state: dict[str, Tensor]) -> None:
+    module.to(next(iter(state.values())).dtype)
+    module.load_state_dict(state)
+
+
+def _forward_backward(module: nn.Module, x: Tensor, upstream: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    x = x.clone().requires_grad_()
+    y = module(x)
+    named = dict(module.named_parameters())
+    grads = torch.autograd.grad(y, [x, *named.values()], upstream, allow_unused=True)
+    found = {"x": grads[0]}
+    found.update({name: g for name, g in zip(named, grads[1:], strict=True) if g is not None})
+    return y.detach(), found
+
+
+def _set_norm(module: nn.Module, norm: nn.Module) -> str:
+    if not isinstance(getattr(module, "norm", None), nn.Module):
+        return "missing"
+    module.norm = norm
+    return "ok"
+
+
+def _set_training(module: nn.Module, training: bool) -> None:
+    module.train(training)
+
+
+class _ReferenceNorm(nn.Module):
+    """A layer norm with a random affine part, put in the student's Residual in place of theirs.
+
+    So that exercise 3 checks how the sublayer, the norm and the residual are put together,
+    whatever exercise 1 gave.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(weight.clone()), nn.Parameter(bias.clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        variance, mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
+        return (x - mean) / torch.sqrt(variance + LAYER_NORM_EPS) * self.weight + self.bias
+
+
+class _Identity(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+# -- inputs and oracles ------------------------------------------------------------------------
+
+CASES = (
+    # (label, scale, offset): the last three are where a formula that is "nearly right" breaks.
+    ("random inputs", 1.0, 0.0),
+    ("inputs of tiny variance (x · 1e-3, where eps matters)", 1e-3, 0.0),
+    ("inputs with a large mean (x + 100)", 1.0, 100.0),
+    ("inputs of large scale (x · 1e3)", 1e3, 0.0),
+)
+
+
+def _input(seed: int, dtype: torch.dtype, scale: float = 1.0, offset: float = 0.0) -> Tensor:
+    s = _sizes(seed)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(s["batch"], s["seq"], s["d_model"], generator=g, dtype=dtype) * scale + offset
+
+
+def _affine(seed: int, d_model: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    weight = 1.0 + 0.5 * torch.randn(d_model, generator=g, dtype=dtype)
+    bias = 0.5 * torch.randn(d_model, generator=g, dtype=dtype)
+    return weight, bias
+
+
+def _layer_norm_variants(x: Tensor, weight: Tensor, bias: Tensor) -> dict[str, Tensor]:
+    """What a LayerNorm gives under each usual mistake (in float64), keyed by the hint."""
+    x = x.double()
+    weight, bias = weight.double(), bias.double()
+    eps = LAYER_NORM_EPS
+
+    def over(dim: int) -> Tensor:
+        var, mean = torch.var_mean(x, dim=dim, keepdim=True, correction=0)
+        return (x - mean) / torch.sqrt(var + eps) * weight + bias
+
+    var, mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
+    centred = x - mean
+    return {
+        "You used the unbiased variance (dividing by d_model - 1, torch.var's default): LayerNorm divides "
+        "by d_model (unbiased=False / correction=0).":
+            centred / torch.sqrt(x.var(-1, keepdim=True, correction=1) + eps) * weight + bias,
+        "Your epsilon is outside the square root: divide by sqrt(variance + eps), not sqrt(variance) + eps.":
+            centred / (torch.sqrt(var) + eps) * weight + bias,
+        "You left out epsilon: divide by sqrt(variance + eps) (eps defaults to 1e-5).":
+            centred / torch.sqrt(var) * weight + bias,
+        "You normalised over the batch axis: LayerNorm normalises each position over d_model (the last axis).":
+            over(0),
+        "You normalised over the seq axis: LayerNorm normalises each position over d_model (the last axis).":
+            over(1),
+        "You did not subtract the mean: that is RMSNorm; LayerNorm centres first.":
+            x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps) * weight + bias,
+        "You added the bias before multiplying by the weight: it is normalised · weight + bias.":
+            (centred / torch.sqrt(var + eps) + bias) * weight,
+        "You left out the learned weight and bias: multiply by self.weight, then add self.bias.":
+            centred / torch.sqrt(var + eps),
+    }
+
+
+def _rms_norm_variants(x: Tensor, weight: Tensor) -> dict[str, Tensor]:
+    x, weight, eps = x.double(), weight.double(), RMS_NORM_EPS
+    mean_square = (x**2).mean(-1, keepdim=True)
+
+    def over(dim: int) -> Tensor:
+        return x / torch.sqrt((x**2).mean(dim, keepdim=True) + eps) * weight
+
+    var, mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
+    return {
+        "You subtracted the mean: RMSNorm divides x itself by its root mean square, without centring.":
+            (x - mean) / torch.sqrt(var + eps) * weight,
+        "Your epsilon is outside the square root: divide by sqrt(mean(x²) + eps), not sqrt(mean(x²)) + eps.":
+            x / (torch.sqrt(mean_square) + eps) * weight,
+        "You left out epsilon: divide by sqrt(mean(x²) + eps) (eps defaults to 1e-6).":
+            x / torch.sqrt(mean_square) * weight,
+        "Your epsilon is 1e-5: RMSNorm's default here is 1e-6, as in the signature.":
+            x / torch.sqrt(mean_square + 1e-5) * weight,
+        "You divided by the mean square, not by its square root.":
+            x / (mean_square + eps) * weight,
+        "You normalised over the batch axis: RMSNorm normalises each position over d_model (the last axis).":
+            over(0),
+        "You normalised over the seq axis: RMSNorm normalises each position over d_model (the last axis).":
+            over(1),
+        "You left out the learned weight: multiply by self.weight.": x / torch.sqrt(mean_square + eps),
+    }
+
+
+def _diagnose(got: Tensor, variants: dict[str, Tensor], tolerance: float, fallback: str) -> str:
+    for hint, expected in variants.items():
+        if _near(got, expected, max(tolerance, 1e-6)):
+            return hint
+    if torch.isnan(got).any() or torch.isinf(got).any():
+        return "Your output contains NaN or inf: is eps added inside the square root?"
+    return fallback
+
+
+# -- exercise 1: LayerNorm ---------------------------------------------------------------------
+
+def _check_parameters(cls: Any, d_model: int, expected: dict[str, float], name: str, oracle: nn.Module) -> Any:
+    """Construct the student's module, compare its parameters with PyTorch's, load PyTorch's weights."""
+    module = call(cls, d_model)
+    params = call(_parameters, module)
+    if type(params) is not dict or sorted(params) != sorted(expected):
+        found = sorted(params) if type(params) is dict else kind(params)
+        raise CheckFailure(
+            f"{name}({d_model}) should have the parameters {sorted(expected)} (nn.Parameter, named as in "
+            f"torch.nn.{name}), got {found}. Store them as self.weight{' and self.bias' if 'bias' in expected else ''}."
+        )
+    for param, fill in expected.items():
+        value = expect_tensor(params[param], f"{name}.{param}", (d_model,), "d_model", torch.float32)
+        if not torch.equal(value, torch.full_like(value, fill)):
+            raise CheckFailure(
+                f"{name}.{param} should start as {'ones' if fill else 'zeros'} (torch.{'ones' if fill else 'zeros'}"
+                f"(d_model)), so that a fresh layer only normalises; got {show(value)}."
+            )
+    call(_load, module, {k: v.detach().clone() for k, v in oracle.state_dict().items()})
+    return module
+
+
+@check(forbid=BUILT_IN_NORMS)
+def check_layer_norm_parameters(cls: Any, seed: int = 0) -> None:
+    """LayerNorm(d_model) has `weight` (ones) and `bias` (zeros), and loads torch.nn.LayerNorm's state dict."""
+    d_model = _sizes(seed)["d_model"]
+    _check_parameters(cls, d_model, {"weight": 1.0, "bias": 0.0}, "LayerNorm", nn.LayerNorm(d_model))
+    passed("parameters `weight` and `bias` of shape (d_model,), initialised like torch.nn.LayerNorm")
+
+
+def _load_random(cls: Any, seed: int, dtype: torch.dtype, with_bias: bool) -> tuple[Any, Tensor, Tensor]:
+    d_model = _sizes(seed)["d_model"]
+    weight, bias = _affine(seed, d_model, dtype)
+    module = call(cls, d_model)
+    call(_load, module, {"weight": weight, "bias": bias} if with_bias else {"weight": weight})
+    return module, weight, bias
+
+
+@check(forbid=BUILT_IN_NORMS)
+def check_layer_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Equal to torch.nn.functional.layer_norm with the same weights, on random, tiny, offset and large inputs."""
+    module, weight, bias = _load_random(cls, seed, dtype, with_bias=True)
+    s = _sizes(seed)
+    for label, scale, offset in CASES:
+        x = _input(seed, dtype, scale, offset)
+        got = expect_tensor(call(module, x), "LayerNorm's output", tuple(x.shape), "batch seq d_model", dtype)
+        expected = F.layer_norm(x, (s["d_model"],), weight, bias, eps=LAYER_NORM_EPS)
+        if not _near(got, expected, _tolerance(dtype, offset)):
+            hint = _diagnose(got, _layer_norm_variants(x, weight, bias), _tolerance(dtype, offset),
+                             "Compare with (x - mean) / sqrt(variance + eps) · weight + bias, over d_model.")
+            if offset and hint.startswith("Compare"):
+                hint = ("Only inputs with a large mean go wrong: compute the variance from the centred values, "
+                        "mean((x - mean)²), not as mean(x²) - mean²: the subtraction of two large numbers "
+                        "loses the digits that matter.")
+            raise CheckFailure(f"With {label}, your LayerNorm differs from torch.nn.functional.layer_norm. {hint}")
+    passed(f"equal to torch.nn.functional.layer_norm, offset and large inputs included "
+           f"({str(dtype).removeprefix('torch.')})")
+
+
+@check(forbid=BUILT_IN_NORMS)
+def check_layer_norm_gradients(cls: Any, seed: int = 0) -> None:
+    """Gradients with respect to the input, `weight` and `bias` equal torch.nn.LayerNorm's (float64)."""
+    dtype = torch.float64
+    d_model = _sizes(seed)["d_model"]
+    module, weight, bias = _load_random(cls, seed, dtype, with_bias=True)
+    oracle = nn.LayerNorm(d_model, eps=LAYER_NORM_EPS, dtype=dtype)
+    oracle.load_state_dict({"weight": weight, "bias": bias})
+    _compare_gradients(module, oracle, seed, "LayerNorm", ("x", "weight", "bias"))
+    passed("gradients with respect to x, weight and bias equal torch.nn.LayerNorm's")
+
+
+def _compare_gradients(module: Any, oracle: nn.Module, seed: int, name: str, wanted: tuple[str, ...]) -> None:
+    x = _input(seed, torch.float64)
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64)
+    result = call(_forward_backward, module, x, upstream)
+    if not isinstance(result, tuple) or len(result) != 2 or type(result[1]) is not dict:
+        raise CheckFailure(f"Could not run a backward pass through your {name}: got {kind(result)}.")
+    _, grads = result
+    x_ref = x.clone().requires_grad_()
+    expected = torch.autograd.grad(oracle(x_ref), [x_ref, *oracle.parameters()], upstream)
+    for what, reference in zip(wanted, expected, strict=True):
+        if what not in grads:
+            raise CheckFailure(
+                f"{name}'s output does not depend on {what}: is self.{what} used in forward, and is it an nn.Parameter?"
+            )
+        got = expect_tensor(grads[what], f"the gradient with respect to {what}", tuple(reference.shape),
+                            "batch seq d_model" if what == "x" else "d_model", torch.float64)
+        if not _near(got, reference, 1e-8):
+            raise CheckFailure(
+                f"Your {name}'s output is right, but its gradient with respect to {what} is not. Does forward "
+                "detach something (.detach(), .item(), .data, torch.no_grad()) or compute a statistic "
+                "outside autograd?"
+            )
+
+
+# -- exercise 2: RMSNorm -----------------------------------------------------------------------
+
+@check(forbid=BUILT_IN_NORMS)
+def check_rms_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """RMSNorm has one parameter `weight` (ones) and equals torch.nn.functional.rms_norm, on four kinds of input."""
+    d_model = _sizes(seed)["d_model"]
+    _check_parameters(cls, d_model, {"weight": 1.0}, "RMSNorm", nn.RMSNorm(d_model, eps=RMS_NORM_EPS))
+    module, weight, _ = _load_random(cls, seed, dtype, with_bias=False)
+    for label, scale, offset in CASES:
+        x = _input(seed, dtype, scale, offset)
+        got = expect_tensor(call(module, x), "RMSNorm's output", tuple(x.shape), "batch seq d_model", dtype)
+        expected = F.rms_norm(x, (d_model,), weight, eps=RMS_NORM_EPS)
+        if not _near(got, expected, _tolerance(dtype)):
+            hint = _diagnose(got, _rms_norm_variants(x, weight), _tolerance(dtype),
+                             "Compare with x / sqrt(mean(x²) + eps) · weight, the mean taken over d_model.")
+            raise CheckFailure(f"With {label}, your RMSNorm differs from torch.nn.functional.rms_norm. {hint}")
+    passed(f"equal to torch.nn.functional.rms_norm with a `weight` only ({str(dtype).removeprefix('torch.')})")
+
+
+@check(forbid=BUILT_IN_NORMS)
+def check_rms_norm_gradients(cls: Any, seed: int = 0) -> None:
+    """Gradients with respect to the input and `weight` equal torch.nn.RMSNorm's (float64)."""
+    d_model = _sizes(seed)["d_model"]
+    module, weight, _ = _load_random(cls, seed, torch.float64, with_bias=False)
+    oracle = nn.RMSNorm(d_model, eps=RMS_NORM_EPS, dtype=torch.float64)
+    oracle.load_state_dict({"weight": weight})
+    _compare_gradients(module, oracle, seed, "RMSNorm", ("x", "weight"))
+    passed("gradients with respect to x and weight equal torch.nn.RMSNorm's")
+
+
+# -- exercise 3: the residual sublayer ---------------------------------------------------------
+
+def _mlp(d_model: int, seed: int) -> nn.Module:
+    # The sublayer's weights are part of the check's fixed input; fork_rng leaves the
+    # notebook's random state as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        hidden = 2 * d_model + 1
+        return nn.Sequential(nn.Linear(d_model, hidden), nn.Tanh(), nn.Linear(hidden, d_model)).double()
+
+
+def _residual(cls: Any, seed: int, norm_first: bool, **kwargs: Any) -> tuple[Any, nn.Module]:
+    d_model = _sizes(seed)["d_model"]
+    sublayer = _mlp(d_model, seed + 3)
+    module = call(cls, d_model, sublayer, norm_first=norm_first, **kwargs)
+    return module, sublayer
+
+
+def _put_norm(module: Any, norm: nn.Module) -> None:
+    if call(_set_norm, module, norm) != "ok":
+        raise CheckFailure(
+            "Residual should keep its LayerNorm in the attribute `norm` (self.norm = LayerNorm(d_model)), "
+            "as its docstring says; the check could not find it."
+        )
+
+
+@check(forbid=NORM_FUNCTIONS)
+def check_residual(cls: Any, norm_first: bool = False, seed: int = 0) -> None:
+    """Post-norm is norm(x + sublayer(x)); pre-norm is x + sublayer(norm(x))."""
+    module, sublayer = _residual(cls, seed, norm_first)
+    d_model = _sizes(seed)["d_model"]
+    weight, bias = _affine(seed, d_model, torch.float64)
+    _put_norm(module, _ReferenceNorm(weight, bias))
+    x = _input(seed, torch.float64)
+    got = expect_tensor(call(module, x), "Residual's output", tuple(x.shape), "batch seq d_model", torch.float64)
+
+    def norm(t: Tensor) -> Tensor:
+        return F.layer_norm(t, (d_model,), weight, bias, eps=LAYER_NORM_EPS)
+
+    with torch.no_grad():
+        post, pre = norm(x + sublayer(x)), x + sublayer(norm(x))
+        expected = pre if norm_first else post
+        name = "pre-norm (norm_first=True)" if norm_first else "post-norm (norm_first=False)"
+        if not _near(got, expected, 1e-10):
+            swapped = (
+                "You computed post-norm, norm(x + sublayer(x)): with norm_first=True it is x + sublayer(norm(x))."
+                if norm_first else
+                "You computed pre-norm, x + sublayer(norm(x)): with norm_first=False it is norm(x + sublayer(x))."
+            )
+            variants = {
+                swapped + " Are the two branches of `if self.norm_first` swapped?": post if norm_first else pre,
+                "You left out the residual: add x (the input itself) to the sublayer's output.":
+                    sublayer(norm(x)) if norm_first else norm(sublayer(x)),
+                "You added the normalised x: the residual path carries x itself, x + sublayer(norm(x)).":
+                    norm(x) + sublayer(norm(x)),
+                "You normalised the sublayer's output instead of its input: pre-norm is x + sublayer(norm(x)).":
+                    x + norm(sublayer(x)),
+                "You left out the norm: use self.norm.": x + sublayer(x),
+            }
+            if not norm_first:
+                variants["You normalised the sublayer's output instead of the sum: post-norm is "
+                         "norm(x + sublayer(x))."] = x + norm(sublayer(x))
+                del variants["You normalised the sublayer's output instead of its input: pre-norm is "
+                             "x + sublayer(norm(x))."]
+            hints = [h for h, v in variants.items() if _near(got, v, 1e-8)]
+            raise CheckFailure(
+                f"Your Residual's {name} output differs from the expected one. "
+                + (hints[0] if hints else "Compare with the formula in the docstring, step by step.")
+            )
+    passed(f"{'pre' if norm_first else 'post'}-norm: "
+           f"{'x + sublayer(norm(x))' if norm_first else 'norm(x + sublayer(x))'}")
+
+
+@check(forbid=NORM_FUNCTIONS)
+def check_residual_dropout(cls: Any, seed: int = 0) -> None:
+    """Dropout hits the sublayer's output only, in training mode only."""
+    module, sublayer = _residual(cls, seed, norm_first=True, dropout=0.5)
+    # With the norm made the identity, pre- and post-norm both read x + dropout(sublayer(x)):
+    # what is measured here is where the dropout goes, whatever the order.
+    _put_norm(module, _Identity())
+    x = _input(seed, torch.float64)
+    with torch.no_grad():
+        clean = sublayer(x)
+    call(_set_training, module, False)
+    got = expect_tensor(call(module, x), "Residual's output", tuple(x.shape), "batch seq d_model", torch.float64)
+    if not _near(got, x + clean, 1e-10):
+        raise CheckFailure(
+            "In eval mode (module.eval()) dropout must do nothing, but your output is not x + sublayer(x) with the "
+            "norm taken out. Use nn.Dropout (it switches off in eval mode) rather than a hand-made mask."
+        )
+    call(_set_training, module, True)
+    got = expect_tensor(call(module, x), "Residual's output", tuple(x.shape), "batch seq d_model", torch.float64)
+    delta = got - x
+    dropped = delta.abs() <= 1e-12
+    kept = (delta - 2 * clean).abs() <= 1e-10  # nn.Dropout(0.5) scales what it keeps by 1 / (1 - 0.5)
+    if _near(got, x + clean, 1e-10):
+        raise CheckFailure(
+            "With dropout=0.5 in training mode your output has no dropout at all: store nn.Dropout(dropout) as "
+            "self.dropout and apply it to the sublayer's output."
+        )
+    if not (dropped | kept).all():
+        raise CheckFailure(
+            "Dropout seems to hit more than the sublayer's output: each entry of output - x should be either 0 "
+            "(dropped) or 2 · sublayer(x) (kept, scaled by 1/(1-p)). Apply self.dropout to the sublayer's output "
+            "only, never to x or to the residual sum."
+        )
+    share = dropped.double().mean().item()
+    if not 0.2 <= share <= 0.8:
+        raise CheckFailure(f"With dropout=0.5, {share:.0%} of the sublayer's outputs were dropped: use the p given.")
+    passed(f"dropout hits the sublayer's output only ({share:.0%} dropped at p=0.5), and only in training mode")
+
+
+# -- exercise 4: measure gradient norms per layer ----------------------------------------------
+
+class _Block(nn.Module):
+    """A pre- or post-norm MLP block written independently of the student's and the library's."""
+
+    def __init__(self, d_model: int, norm_first: bool) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.ReLU(), nn.Linear(4 * d_model, d_model))
+        self.ln = nn.LayerNorm(d_model)
+        self.norm_first = norm_first
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.mlp(self.ln(x)) if self.norm_first else self.ln(x + self.mlp(x))
+
+
+def _stack(seed: int, norm_first: bool, depth: int) -> tuple[nn.ModuleList, Tensor, Tensor]:
+    s = _sizes(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 5)
+        blocks = nn.ModuleList([_Block(s["d_model"], norm_first) for _ in range(depth)]).double()
+    g = torch.Generator().manual_seed(seed + 6)
+    x = torch.randn(s["batch"], s["seq"], s["d_model"], generator=g, dtype=torch.float64)
+    upstream = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    return blocks, x, upstream
+
+
+def _reference_gradient_norms(blocks: nn.ModuleList, x: Tensor, upstream: Tensor) -> tuple[Tensor, list[list[Tensor]]]:
+    out = x
+    for block in blocks:
+        out = block(out)
+    params = [list(b.parameters()) for b in blocks]
+    grads = torch.autograd.grad(out, [p for ps in params for p in ps], upstream)
+    per_block, i = [], 0
+    for ps in params:
+        per_block.append(list(grads[i:i + len(ps)]))
+        i += len(ps)
+    flat = [torch.cat([g.flatten() for g in gs]) for gs in per_block]
+    return torch.stack([torch.linalg.vector_norm(f) for f in flat]), per_block
+
+
+@check
+def check_gradient_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
+    """Per-block parameter gradient norms equal an independent autograd computation, also when called twice."""
+    depth = 8
+    ratios = {}
+    for norm_first in (False, True):
+        blocks, x, upstream = _stack(seed, norm_first, depth)
+        expected, per_block = _reference_gradient_norms(blocks, x, upstream)
+        for attempt in ("first", "second"):
+            got = expect_tensor(call(fn, blocks, x, upstream), "the gradient norms", (depth,), "layer", torch.float64)
+            if _near(got, expected, 1e-8):
+                continue
+            variants = {
+                "Your second call gives twice the gradients: .grad accumulates across backward passes. Zero "
+                "the gradients first (blocks.zero_grad()) or use torch.autograd.grad.": 2 * expected,
+                "You returned squared norms: take the square root of the sum of squares.": expected**2,
+                "Entry i should belong to blocks[i]: the first block first.": expected.flip(0),
+                "Combine all parameters of a block into one norm, sqrt(Σ g²) over every entry, not the sum of "
+                "each parameter's norm.": torch.stack([sum(g.norm() for g in gs) for gs in per_block]),
+                "Use every parameter of the block (both Linear layers, weights and biases, and the norm).":
+                    torch.stack([gs[0].norm() for gs in per_block]),
+            }
+            hint = next((h for h, v in variants.items() if _near(got, v, 1e-8)),
+                        "Run x through the blocks in order, then take the gradient of (output · upstream).sum() "
+                        "with respect to each block's parameters.")
+            if attempt == "second" and "twice" not in hint:
+                hint = "Your first call was right but the second differs: does it depend on old .grad values? " + hint
+            raise CheckFailure(
+                f"On a {depth}-block {'pre' if norm_first else 'post'}-norm stack ({attempt} call), your gradient "
+                f"norms {show(got)} differ from {show(expected)}. {hint}"
+            )
+        ratios[norm_first] = (got[0] / got[-1]).item()
+    passed(f"first/last gradient norm over {depth} blocks: post-norm {ratios[False]:.2f}, pre-norm {ratios[True]:.2f}")

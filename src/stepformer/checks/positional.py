@@ -1,0 +1,294 @@
+"""Checks for chapter 06: the sinusoidal encoding, rotary embeddings, and RoPE's relative scores."""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from einops import einsum, rearrange
+from torch import Tensor
+
+from stepformer.checks._core import CheckFailure, call, check, describe, expect_tensor, kind, passed, show
+
+AXES = ("batch", "heads", "seq")
+# Float32 angles pos · θ are off by ~1e-7 · pos radians however θ is computed, and a float32 θ may
+# meet float64 inputs; every mistake that the checks name changes some entry by far more than this.
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-5}
+
+
+def _sizes(seed: int) -> dict[str, int]:
+    """Pairwise-distinct sizes (d_head even), so that a swapped axis changes a shape and cannot pass."""
+    if seed == 0:
+        return dict(batch=2, heads=3, seq=5, d_head=8)
+    g = torch.Generator().manual_seed(seed)
+    sizes = dict(zip(AXES, (torch.randperm(7, generator=g)[: len(AXES)] + 2).tolist(), strict=True))
+    d_heads = [d for d in range(4, 17, 2) if d not in sizes.values()]
+    sizes["d_head"] = d_heads[int(torch.randint(len(d_heads), (1,), generator=g))]
+    return sizes
+
+
+def _near(actual: Tensor, expected: Tensor) -> bool:
+    tolerance = TOLERANCE[expected.dtype]
+    return actual.shape == expected.shape and bool(torch.allclose(actual, expected, rtol=tolerance, atol=tolerance))
+
+
+# -- exercise 1: the sinusoidal encoding ---------------------------------------------------
+
+def _paper_encoding(seq_len: int, d_model: int, *, sin_first: bool = True, exponent: Callable[[int], float] = None,
+                    halves: bool = False, start: int = 0, sign: float = -1.0) -> Tensor:
+    """Vaswani et al. (2017) §3.5 as a plain double loop in float64, with switches for the usual mistakes.
+
+    With the defaults: PE[pos, 2i] = sin(pos / 10000^(2i/d_model)), PE[pos, 2i+1] = cos(same angle).
+    ``exponent(channel)`` gives the exponent's numerator for a channel (default: 2i for channels 2i and 2i + 1).
+    """
+    exponent = exponent or (lambda channel: 2 * (channel // 2))
+    table = [[0.0] * d_model for _ in range(seq_len)]
+    half = d_model // 2
+    for pos in range(seq_len):
+        for channel in range(d_model):
+            if halves:  # sin of every pair first, then cos of every pair
+                pair, is_sin = channel % half, channel < half
+                numerator = 2 * pair
+            else:
+                is_sin = channel % 2 == 0
+                numerator = exponent(channel)
+            angle = (pos + start) * 10000.0 ** (sign * numerator / d_model)
+            use_sin = is_sin if sin_first else not is_sin
+            table[pos][channel] = math.sin(angle) if use_sin else math.cos(angle)
+    return torch.tensor(table, dtype=torch.float64)
+
+
+_ENCODING_MISTAKES = {
+    "sin and cos are swapped: even channels 2i hold sin, odd channels 2i + 1 hold cos.": dict(sin_first=False),
+    "Your frequencies are wrong: the exponent is 2i / d_model, where i numbers the (sin, cos) pair "
+    "(you used i, so your frequencies fall too slowly).": dict(exponent=lambda channel: channel // 2),
+    "The cos channel 2i + 1 must use the same frequency as its sin partner 2i: the exponent is 2i / d_model "
+    "for both (you used the channel number, 2i + 1, for the cos).": dict(exponent=lambda channel: channel),
+    "You put all the sines first and then all the cosines: the paper interleaves them, sin in channel 2i "
+    "and cos in channel 2i + 1 (rearrange '... seq pair sin_cos -> ... seq (pair sin_cos)').": dict(halves=True),
+    "Positions start at 0: the first row is pos = 0 (sin 0 = 0, cos 0 = 1).": dict(start=1),
+    "Divide pos by 10000^(2i/d_model) (the frequencies shrink with i); you multiplied by it.": dict(sign=1.0),
+}
+# float32 angles for positions up to ~40 are off by up to ~1e-5 radians, depending on how the
+# frequency is computed; every mistake above changes some entry by far more than this.
+ENCODING_TOLERANCE = 1e-4
+
+
+def _encoding(fn: Callable[..., Any], seq_len: int, d_model: int) -> Tensor:
+    result = call(fn, seq_len, d_model)
+    if type(result) is Tensor and tuple(result.shape) == (seq_len, d_model) and result.dtype != torch.float32:
+        raise CheckFailure(f"The encoding should be float32 (what embeddings are), got {result.dtype}: "
+                           "end with .float().")
+    return expect_tensor(result, "the encoding", (seq_len, d_model), "seq d_model", torch.float32)
+
+
+@check
+def check_sinusoidal_values(fn: Callable[..., Any], seed: int = 0) -> None:
+    """Equal to the paper's formula computed independently in float64, interleaved (sin, cos) channels."""
+    s = _sizes(seed)
+    cases = [(s["seq"] * 7, s["d_head"] * 4), (s["seq"], s["d_head"]), (1, 2)]
+    for seq_len, d_model in cases:
+        got = _encoding(fn, seq_len, d_model).double()
+        expected = _paper_encoding(seq_len, d_model)
+        if torch.allclose(got, expected, rtol=0, atol=ENCODING_TOLERANCE):
+            continue
+        for hint, variant in _ENCODING_MISTAKES.items():
+            if torch.allclose(got, _paper_encoding(seq_len, d_model, **variant), rtol=0, atol=ENCODING_TOLERANCE):
+                raise CheckFailure(f"For seq_len={seq_len}, d_model={d_model}: {hint}")
+        row, channel = divmod(int((got - expected).abs().argmax()), d_model)
+        raise CheckFailure(
+            f"For seq_len={seq_len}, d_model={d_model} your encoding differs from the paper's formula, most at "
+            f"pos={row}, channel={channel}: got {got[row, channel].item():.5f}, expected "
+            f"{expected[row, channel].item():.5f}. Compare a few entries by hand with sin(pos / 10000^(2i/d_model))."
+        )
+    passed("equal to the paper's formula (sin in channel 2i, cos in channel 2i + 1)")
+
+
+def _error_of(fn: Callable[..., Any], *args: Any) -> tuple[str, str] | None:
+    """Run ``fn(*args)`` and report what it raised, as plain data (for record and replay)."""
+    try:
+        fn(*args)
+    except NotImplementedError:
+        raise
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+@check
+def check_sinusoidal_errors(fn: Callable[..., Any]) -> None:
+    """An odd d_model or a size below 1 raises ValueError, with a message."""
+    _encoding(fn, 3, 4)
+    for args, why in (((4, 7), "an odd d_model (channels come in (sin, cos) pairs)"),
+                      ((0, 4), "seq_len = 0"), ((4, 0), "d_model = 0"), ((-2, 4), "a negative seq_len")):
+        raised = call(_error_of, fn, *args)
+        if raised is None:
+            raise CheckFailure(f"sinusoidal_encoding{args} should raise ValueError for {why}, but returned.")
+        if raised[0] != "ValueError":
+            raise CheckFailure(
+                f"sinusoidal_encoding{args} should raise ValueError for {why}, got {raised[0]}: {raised[1]}. "
+                "Check the sizes first and raise ValueError yourself."
+            )
+        if not raised[1]:
+            raise CheckFailure(f"sinusoidal_encoding{args} raised ValueError without a message: say what is wrong.")
+    passed("odd d_model and sizes below 1 raise ValueError")
+
+
+# -- exercise 2: rotary embeddings ---------------------------------------------------------
+
+def _rope_oracle(x: Tensor, positions: Tensor, base: float = 10000.0, *, halves: bool = False,
+                 sign: float = 1.0, exponent: int = 2) -> Tensor:
+    """RoPE as complex multiplication (RoFormer, eq. 13): pair (x_2i, x_2i+1) is the number x_2i + i·x_2i+1,
+    multiplied by e^{i · pos · θ_i}, θ_i = base^(-2i/d_head). Computed in float64; switches for the usual mistakes.
+    """
+    d_head = x.shape[-1]
+    theta = base ** (-exponent * torch.arange(d_head // 2, dtype=torch.float64) / d_head)
+    angle = sign * positions.double()[:, None] * theta[None, :]  # (seq, pair)
+    pattern = "... seq (two pair) -> ... seq pair two" if halves else "... seq (pair two) -> ... seq pair two"
+    z = torch.view_as_complex(rearrange(x.double(), pattern, two=2).contiguous())
+    turned = torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle))
+    back = "... seq pair two -> ... seq (two pair)" if halves else "... seq pair two -> ... seq (pair two)"
+    return rearrange(turned, back).to(x.dtype)
+
+
+def _rope_inputs(seed: int, dtype: torch.dtype) -> tuple[dict[str, int], Tensor, Tensor]:
+    s = _sizes(seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(s["batch"], s["heads"], s["seq"], s["d_head"], generator=g, dtype=dtype)
+    # Scattered positions, not 0 ... seq - 1: the rotation must follow positions, not the row number.
+    positions = torch.randperm(40, generator=g)[: s["seq"]] + 3
+    return s, x, positions
+
+
+def _rotated(rope: Any, x: Tensor, positions: Tensor) -> Tensor:
+    return expect_tensor(call(rope, x, positions), "the rotated tensor", tuple(x.shape),
+                         " ".join(["batch", "heads", "seq", "d_head"][-x.dim():]), x.dtype)
+
+
+def _diagnose_rope(x: Tensor, positions: Tensor, base: float, got: Tensor) -> str:
+    if _near(got, x):
+        return "Your output equals the input: nothing was rotated."
+    norms_in, norms_out = x.double().norm(dim=-1), got.double().norm(dim=-1)
+    variants = {
+        "You paired channel i with i + d_head/2 (the half-split of GPT-NeoX/LLaMA code); this exercise asks for "
+        "interleaved pairs (0, 1), (2, 3), ... as in the RoFormer paper.": dict(halves=True),
+        "You rotate by -pos·θ: the rotation of a pair (x₀, x₁) is (x₀ cos − x₁ sin, x₀ sin + x₁ cos).": dict(sign=-1.0),
+        "Your angles are wrong: θ_i = base^(-2i/d_head), where i numbers the pair (you used i instead of 2i).":
+            dict(exponent=1),
+    }
+    for hint, variant in variants.items():
+        if _near(got, _rope_oracle(x, positions, base, **variant)):
+            return hint
+    if _near(got, _rope_oracle(x, torch.arange(len(positions)), base)):
+        return "You rotated row s by s·θ: use the angle positions[s]·θ, the token's position."
+    if base != 10000.0 and _near(got, _rope_oracle(x, positions, 10000.0)):
+        return f"You ignored base={base}: θ_i = base^(-2i/d_head) with the base given to __init__."
+    if not torch.allclose(norms_in, norms_out, rtol=1e-4, atol=1e-6):
+        return ("Your output's lengths differ from the input's, so this is not a rotation: check the signs of "
+                "(x₀ cos − x₁ sin, x₀ sin + x₁ cos); only one of the four terms has a minus.")
+    return "Compare one pair by hand: (x₀, x₁) at position p becomes (x₀ cos pθ − x₁ sin pθ, x₀ sin pθ + x₁ cos pθ)."
+
+
+@check
+def check_rope_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Equal to RoPE computed as complex multiplication, any leading axes, scattered positions, another base."""
+    s, x, positions = _rope_inputs(seed, dtype)
+    for base, sample in ((10000.0, x), (10000.0, x[0, 0]), (500.0, x)):
+        rope = call(cls, s["d_head"]) if base == 10000.0 else call(cls, s["d_head"], base=base)
+        got = _rotated(rope, sample, positions)
+        if not _near(got, _rope_oracle(sample, positions, base)):
+            raise CheckFailure(
+                f"RotaryEmbedding({s['d_head']}, base={base}) on x {describe(sample)} at positions "
+                f"{positions.tolist()}: {_diagnose_rope(sample, positions, base, got)}"
+            )
+    passed(f"equal to RoPE as complex multiplication ({str(dtype).removeprefix('torch.')})")
+
+
+def _parameter_count(module: Any) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@check
+def check_rope_properties(cls: Callable[..., Any], seed: int = 0) -> None:
+    """Relative position (q_m·k_n = q_{m+t}·k_{n+t}), lengths kept, position 0 untouched, nothing learned."""
+    s, q, pos_q = _rope_inputs(seed, torch.float64)
+    g = torch.Generator().manual_seed(seed + 1)
+    k = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    pos_k = torch.randperm(40, generator=g)[: s["seq"]]
+    rope = call(cls, s["d_head"])
+    count = call(_parameter_count, rope)
+    if count != 0:
+        raise CheckFailure(f"RotaryEmbedding has {count} learned parameters; it should have none: "
+                           "θ_i is fixed, so keep it a plain tensor (or a buffer), not an nn.Parameter.")
+    at_zero = _rotated(rope, q, torch.zeros_like(pos_q))
+    if not _near(at_zero, q):
+        raise CheckFailure("At position 0 the angle is 0, so the vector must come back unchanged; yours changed.")
+    rotated = _rotated(rope, q, pos_q)
+    lengths_in, lengths_out = q.norm(dim=-1), rotated.norm(dim=-1)
+    if not _near(lengths_out, lengths_in):
+        raise CheckFailure("A rotation keeps every vector's length, yours changed it: check the signs of "
+                           "(x₀ cos − x₁ sin, x₀ sin + x₁ cos).")
+    pattern = "batch heads q_len d_head, batch heads k_len d_head -> batch heads q_len k_len"
+    scores = einsum(rotated, _rotated(rope, k, pos_k), pattern)
+    for shift in (5, 17):
+        shifted = einsum(_rotated(rope, q, pos_q + shift), _rotated(rope, k, pos_k + shift), pattern)
+        if not _near(shifted, scores):
+            worst = (shifted - scores).abs().max().item()
+            raise CheckFailure(
+                f"Shifting both the queries and the keys by {shift} positions changed their scores (by up to "
+                f"{worst:.3g}); with RoPE they depend only on the offset m − n. Rotate q and k the same way, "
+                "by a proper rotation."
+            )
+    passed("q_m·k_n depends only on m − n; lengths are kept; position 0 is the identity; no learned parameters")
+
+
+# -- exercise 3: measure the scores as a function of the offset ----------------------------
+
+def _offset_oracle(q: Tensor, k: Tensor, seq_len: int, *, halves: bool = False) -> Tensor:
+    """score(m − n = r) = Re Σ_i q̃_i conj(k̃_i) e^{i r θ_i}, with q̃_i = q_2i + i q_2i+1: RoPE's scores by offset."""
+    d_head = q.shape[-1]
+    pattern = "(two pair) -> pair two" if halves else "(pair two) -> pair two"
+    q_c = torch.view_as_complex(rearrange(q.double(), pattern, two=2).contiguous())
+    k_c = torch.view_as_complex(rearrange(k.double(), pattern, two=2).contiguous())
+    theta = 10000.0 ** (-2 * torch.arange(d_head // 2, dtype=torch.float64) / d_head)
+    offsets = torch.arange(-(seq_len - 1), seq_len, dtype=torch.float64)
+    phase = torch.polar(torch.ones(len(offsets), d_head // 2, dtype=torch.float64), offsets[:, None] * theta)
+    return (q_c * k_c.conj() * phase).sum(-1).real
+
+
+@check
+def check_offset_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
+    """The measured scores agree with RoPE's closed form and do not vary at a fixed offset m − n."""
+    s = _sizes(seed)
+    d_head, seq_len = s["d_head"] + 4, s["seq"] + 6
+    g = torch.Generator().manual_seed(seed + 2)
+    q, k = torch.randn(d_head, generator=g, dtype=torch.float64), torch.randn(d_head, generator=g, dtype=torch.float64)
+    result = call(fn, q, k, seq_len)
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise CheckFailure(f"scores_by_offset should return a pair (mean, spread), got {kind(result)}.")
+    n_offsets = 2 * seq_len - 1
+    mean = expect_tensor(result[0], "mean", (n_offsets,), "offset", torch.float64)
+    spread = expect_tensor(result[1], "spread", (n_offsets,), "offset", torch.float64)
+    expected = _offset_oracle(q, k, seq_len)
+    if not torch.allclose(mean, expected, rtol=1e-5, atol=1e-5):
+        if torch.allclose(mean, expected.flip(0), rtol=1e-5, atol=1e-5):
+            raise CheckFailure("Your scores by offset come out mirrored: either your offsets run the wrong way "
+                               "(entry 0 is m − n = −(seq_len − 1), the key seq_len − 1 positions after the query) "
+                               "or your RotaryEmbedding rotates by −pos·θ (run exercise 2's checks).")
+        if torch.allclose(mean, _offset_oracle(q, k, seq_len, halves=True), rtol=1e-5, atol=1e-5):
+            raise CheckFailure("Your measurement matches RoPE with half-split pairs: fix RotaryEmbedding "
+                               "(exercise 2) to pair channels (0, 1), (2, 3), ... and this passes too.")
+        if (spread > 1e-5).any():
+            raise CheckFailure(
+                f"At a fixed offset your scores still vary (spread up to {spread.max().item():.3g}): does your "
+                "RotaryEmbedding pass exercise 2's checks? Rotate q and k with it at positions 0 ... seq_len − 1."
+            )
+        raise CheckFailure(
+            f"Your mean scores by offset differ from RoPE's: at offset 0 the score is q·k = {(q @ k).item():.4f} "
+            f"(both vectors turned by the same angle), you measured {mean[seq_len - 1].item():.4f}. "
+            f"Mean for offsets −2 ... 2: {show(mean[seq_len - 3: seq_len + 2])}."
+        )
+    if not (spread.abs() < 1e-5).all():
+        raise CheckFailure(f"Your means are right, but your spread is not max − min of each diagonal "
+                           f"(should be ~0, got up to {spread.abs().max().item():.3g}).")
+    passed(f"over {n_offsets} offsets the score depends only on m − n (spread < 1e-5); at m = n it is q·k")

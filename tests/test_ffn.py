@@ -1,0 +1,323 @@
+"""stepformer.ffn against torch.nn.TransformerEncoderLayer and independent formulas; its checks catch mistakes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jaxtyping import TypeCheckError
+from torch import nn
+
+import stepformer.ffn
+from stepformer.checks._core import CheckFailure
+from stepformer.checks.ffn import (
+    _sizes,
+    check_feedforward_dropout,
+    check_feedforward_structure,
+    check_feedforward_values,
+    check_matching_swiglu_hidden,
+    check_swiglu_structure,
+    check_swiglu_values,
+)
+from stepformer.ffn import FeedForward, SwiGLU, matching_swiglu_hidden
+from tests.fixtures.student import student_copy
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-6}
+
+shapes = st.fixed_dictionaries({
+    "batch": st.integers(1, 3),
+    "seq": st.integers(1, 7),
+    "d_model": st.integers(1, 12),
+    "d_ff": st.integers(1, 24),
+    "seed": st.integers(0, 2**31 - 1),
+    "dtype": st.sampled_from([torch.float32, torch.float64]),
+})
+
+
+def _x(s, scale=3.0):
+    g = torch.Generator().manual_seed(s["seed"])
+    return scale * torch.randn(s["batch"], s["seq"], s["d_model"], generator=g, dtype=s["dtype"])
+
+
+def _assert_close(actual, expected, dtype):
+    torch.testing.assert_close(actual, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+# -- the library against its oracles -------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, st.sampled_from(["relu", "gelu"]))
+def test_feedforward_matches_transformer_encoder_layer(s, activation):
+    torch.manual_seed(s["seed"])
+    layer = nn.TransformerEncoderLayer(s["d_model"], 1, s["d_ff"], dropout=0.0, activation=activation,
+                                       batch_first=True, dtype=s["dtype"]).eval()
+    ffn = FeedForward(s["d_model"], s["d_ff"], activation=activation).to(s["dtype"]).eval()
+    ffn.load_state_dict({k: v for k, v in layer.state_dict().items() if k.startswith("linear")})
+    x = _x(s)
+    with torch.no_grad():
+        _assert_close(ffn(x), layer.linear2(layer.activation(layer.linear1(x))), s["dtype"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_swiglu_matches_the_float64_formula(s):
+    torch.manual_seed(s["seed"])
+    module = SwiGLU(s["d_model"], s["d_ff"]).to(s["dtype"])
+    x = _x(s)
+    wg, wu, wd = (m.weight.detach().double() for m in (module.w_gate, module.w_up, module.w_down))
+    a, b = x.double() @ wg.T, x.double() @ wu.T
+    expected = (a * torch.sigmoid(a) * b) @ wd.T
+    with torch.no_grad():
+        _assert_close(module(x), expected.to(s["dtype"]), s["dtype"])
+        _assert_close(F.silu(a), a * torch.sigmoid(a), torch.float64)
+
+
+def test_float64_agrees_to_1e6_on_seeded_shapes():
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        batch, seq, d_model, d_ff = torch.randint(1, 12, (4,), generator=g).tolist()
+        x = torch.randn(batch, seq, d_model, generator=g, dtype=torch.float64) * 3
+        for activation, oracle in (("relu", F.relu), ("gelu", F.gelu)):
+            torch.manual_seed(seed)
+            ffn = FeedForward(d_model, d_ff, activation).double()
+            w1, b1, w2, b2 = (t.detach() for t in (ffn.linear1.weight, ffn.linear1.bias,
+                                                   ffn.linear2.weight, ffn.linear2.bias))
+            expected = oracle(x @ w1.T + b1) @ w2.T + b2
+            assert (ffn(x) - expected).abs().max() <= 1e-6
+
+
+def test_gelu_is_the_exact_erf_form():
+    ffn = FeedForward(4, 6, "gelu")
+    z = torch.linspace(-4, 4, 101, dtype=torch.float64)
+    torch.testing.assert_close(ffn.activation(z), 0.5 * z * (1 + torch.erf(z / 2**0.5)))
+    assert (ffn.activation(z) - F.gelu(z, approximate="tanh")).abs().max() > 1e-4
+
+
+def test_feedforward_is_position_wise():
+    torch.manual_seed(0)
+    ffn, glu = FeedForward(6, 10, "gelu").double(), SwiGLU(6, 10).double()
+    x = torch.randn(3, 9, 6, dtype=torch.float64)
+    perm = torch.randperm(9)
+    for module in (ffn, glu):
+        torch.testing.assert_close(module(x[:, perm]), module(x)[:, perm])
+        # One position alone gives the same output as inside the sequence.
+        torch.testing.assert_close(module(x[:, 4:5]), module(x)[:, 4:5])
+
+
+def test_feedforward_equals_a_1x1_convolution():
+    torch.manual_seed(1)
+    ffn = FeedForward(5, 12, "relu").double()
+    conv1 = nn.Conv1d(5, 12, kernel_size=1).double()
+    conv2 = nn.Conv1d(12, 5, kernel_size=1).double()
+    with torch.no_grad():
+        for conv, linear in ((conv1, ffn.linear1), (conv2, ffn.linear2)):
+            conv.weight.copy_(linear.weight.unsqueeze(-1))
+            conv.bias.copy_(linear.bias)
+    x = torch.randn(2, 7, 5, dtype=torch.float64)
+    by_conv = conv2(F.relu(conv1(x.transpose(1, 2)))).transpose(1, 2)
+    torch.testing.assert_close(ffn(x), by_conv)
+
+
+def test_dropout_is_on_hidden_units_in_training_only():
+    torch.manual_seed(2)
+    ffn = FeedForward(4, 64, "relu", dropout=0.5).double()
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    ffn.eval()
+    reference = ffn(x)
+    torch.testing.assert_close(ffn(x), reference)
+    ffn.train()
+    assert not torch.allclose(ffn(x), reference)
+
+
+def test_parameter_counts():
+    for d_model, d_ff in ((512, 2048), (6, 10), (64, 100)):
+        assert sum(p.numel() for p in FeedForward(d_model, d_ff).parameters()) == 2 * d_model * d_ff + d_ff + d_model
+        assert sum(p.numel() for p in SwiGLU(d_model, d_ff).parameters()) == 3 * d_model * d_ff
+    assert matching_swiglu_hidden(512, 2048) == 1367
+    for d_model, d_ff in ((512, 2048), (6, 10), (64, 100), (1, 1)):
+        target = 2 * d_model * d_ff + d_ff + d_model
+        h = matching_swiglu_hidden(d_model, d_ff)
+        assert abs(3 * d_model * h - target) <= min(abs(3 * d_model * k - target) for k in range(1, 4 * d_ff))
+
+
+def test_unknown_activation_is_refused():
+    with pytest.raises(ValueError, match="'relu' or 'gelu'"):
+        FeedForward(4, 8, activation="swish")
+
+
+@pytest.mark.parametrize("module", [FeedForward(4, 8), SwiGLU(4, 8)], ids=["FeedForward", "SwiGLU"])
+def test_wrong_shapes_fail_naming_the_axes(module):
+    with pytest.raises(TypeCheckError, match="batch seq d_model"):
+        module(torch.randn(5, 4))
+    with pytest.raises(TypeCheckError, match="Float"):
+        module(torch.ones(2, 5, 4, dtype=torch.int64))
+
+
+# -- the checks: pass on the solution, fail on the stub, name the mistakes -----------------------
+
+student = student_copy(stepformer.ffn)
+FFN_CHECKS = [check_feedforward_structure, check_feedforward_values, check_feedforward_dropout]
+SWIGLU_CHECKS = [check_swiglu_structure, check_swiglu_values]
+
+
+class Stub(nn.Module):
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError()
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+class Feed(nn.Module):
+    """A standalone FFN with switches for the usual mistakes (not the library's code)."""
+
+    mistake = None
+
+    def __init__(self, d_model, d_ff, activation="relu", dropout=0.0):
+        super().__init__()
+        if activation not in ("relu", "gelu"):
+            raise ValueError(activation)
+        self.name = activation
+        bias = self.mistake != "no_bias"
+        shape = (d_model, d_ff) if self.mistake != "transposed" else (d_ff, d_model)
+        self.linear1 = nn.Linear(shape[0], shape[1], bias=bias)
+        self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.p = dropout
+
+    def act(self, z):
+        if self.name == "gelu":
+            return F.gelu(z, approximate="tanh" if self.mistake == "gelu_tanh" else "none")
+        return F.relu(z)
+
+    def forward(self, x):
+        if self.mistake == "act_after_linear2":
+            return self.act(self.linear2(F.dropout(self.linear1(x), self.p, self.training)))
+        if self.mistake == "no_activation":
+            return self.linear2(self.linear1(x))
+        if self.mistake == "mixes_positions":
+            x = x + x.mean(dim=1, keepdim=True)
+        hidden = self.act(self.linear1(x))
+        if self.mistake == "dropout_always":
+            return self.linear2(F.dropout(hidden, self.p))
+        if self.mistake == "dropout_on_output":
+            return F.dropout(self.linear2(hidden), self.p, self.training)
+        if self.mistake == "no_dropout":
+            return self.linear2(hidden)
+        return self.linear2(F.dropout(hidden, self.p, self.training))
+
+
+def feed(mistake):
+    return type(f"Feed_{mistake}", (Feed,), {"mistake": mistake})
+
+
+class Glu(nn.Module):
+    mistake = None
+
+    def __init__(self, d_model, d_ff):
+        super().__init__()
+        bias = self.mistake == "bias"
+        self.w_gate = nn.Linear(d_model, d_ff, bias=bias)
+        self.w_up = nn.Linear(d_model, d_ff, bias=bias)
+        self.w_down = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x):
+        gate, up = self.w_gate(x), self.w_up(x)
+        if self.mistake in ("swapped", "swapped_sigmoid"):
+            gate, up = up, gate
+        fn = torch.sigmoid if self.mistake in ("sigmoid", "swapped_sigmoid") else F.silu
+        return self.w_down(fn(gate) * up)
+
+
+def glu(mistake):
+    return type(f"Glu_{mistake}", (Glu,), {"mistake": mistake})
+
+
+@pytest.mark.parametrize("check", FFN_CHECKS)
+def test_feedforward_checks_pass_on_the_solution(check, capsys):
+    check(student.FeedForward)
+    check(student.FeedForward, seed=17)
+    check(feed(None), seed=5)
+    assert "✔" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", SWIGLU_CHECKS)
+def test_swiglu_checks_pass_on_the_solution(check, capsys):
+    check(student.SwiGLU)
+    check(student.SwiGLU, seed=17)
+    check(glu(None), seed=5)
+    assert "✔" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", [*FFN_CHECKS, *SWIGLU_CHECKS, check_matching_swiglu_hidden])
+def test_checks_fail_on_the_stub(check):
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        check(Stub if check is not check_matching_swiglu_hidden else stub)
+
+
+@pytest.mark.parametrize(
+    ("check", "mistake", "message"),
+    [
+        (check_feedforward_values, feed("act_after_linear2"), "activation after linear2"),
+        (check_feedforward_values, feed("gelu_tanh"), "tanh approximation"),
+        (check_feedforward_values, feed("no_activation"), "there is no activation"),
+        (check_feedforward_values, feed("mixes_positions"), "depends on the other positions"),
+        (check_feedforward_structure, feed("no_bias"), "linear1.bias"),
+        (check_feedforward_values, feed("no_bias"), "bias by default"),
+        (check_feedforward_structure, feed("transposed"), "linear1.weight should have shape"),
+        (check_feedforward_dropout, feed("dropout_always"), "eval mode the output changed"),
+        (check_feedforward_dropout, feed("dropout_on_output"), "after linear2"),
+        (check_feedforward_dropout, feed("no_dropout"), "nothing was dropped"),
+        (check_swiglu_values, glu("swapped"), "w_gate and w_up are swapped"),
+        (check_swiglu_values, glu("sigmoid"), "sigmoid as the gate"),
+        (check_swiglu_values, glu("swapped_sigmoid"), "sigmoid instead of silu, and on w_up"),
+        (check_swiglu_structure, glu("bias"), "should not have"),
+    ],
+)
+def test_checks_name_the_mistake(check, mistake, message):
+    with pytest.raises(CheckFailure, match=message):
+        check(mistake)
+
+
+def test_feedforward_structure_wants_a_value_error():
+    class Lenient(Feed):
+        def __init__(self, d_model, d_ff, activation="relu", dropout=0.0):
+            super().__init__(d_model, d_ff, "relu" if activation not in ("relu", "gelu") else activation, dropout)
+
+    with pytest.raises(CheckFailure, match="ValueError"):
+        check_feedforward_structure(Lenient)
+
+
+def test_matching_check_names_the_mistake():
+    check_matching_swiglu_hidden(student.matching_swiglu_hidden)
+    cases = {
+        lambda d_model, d_ff: round(2 * d_ff / 3): "biases",
+        lambda d_model, d_ff: d_ff: "1.5 times",
+        lambda d_model, d_ff: round((2 * d_model * d_ff + d_ff + d_model) / (2 * d_model)): "three weight matrices",
+        lambda d_model, d_ff: (2 * d_model * d_ff + d_ff + d_model) / (3 * d_model): "Python int",
+    }
+    for wrong, message in cases.items():
+        with pytest.raises(CheckFailure, match=message):
+            check_matching_swiglu_hidden(wrong)
+
+
+def test_using_pytorch_layers_is_not_own_work():
+    class Borrowed(nn.Module):
+        def __init__(self, d_model, d_ff, activation="relu", dropout=0.0):
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(d_model, 1, d_ff, dropout, activation=activation, batch_first=True)
+            self.linear1, self.linear2, self.act = layer.linear1, layer.linear2, layer.activation
+
+        def forward(self, x):
+            return self.linear2(self.act(self.linear1(x)))
+
+    with pytest.raises(CheckFailure, match="Not your own work"):
+        check_feedforward_values(Borrowed)
+    with pytest.raises(CheckFailure, match="reference library"):
+        check_feedforward_values(stepformer.ffn.FeedForward)
+
+
+def test_sizes_are_pairwise_distinct_for_every_seed():
+    for seed in range(50):
+        sizes = _sizes(seed)
+        assert len(set(sizes.values())) == len(sizes) and sizes["d_ff"] > sizes["d_model"]
