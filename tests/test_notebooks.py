@@ -10,7 +10,7 @@ import pytest
 
 from stepformer.course.paths import assignments
 from stepformer.course.release import differences
-from stepformer.course.sync import BEGIN, sync
+from stepformer.course.sync import BEGIN, END, sync
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSIGNMENTS = assignments(ROOT)
@@ -57,12 +57,16 @@ def test_exercises_leak_no_solution_and_no_hidden_test(path):
     released = nbformat.read(path, as_version=4)
     released_code = "\n".join(c.source for c in released.cells)
     for cell in source.cells:
-        lines = cell.source.splitlines()
-        if BEGIN in cell.source:
-            body = lines[lines.index(next(x for x in lines if x.strip() == BEGIN)) + 1:]
-            hidden = [x.strip() for x in body if x.strip() and not x.strip().startswith(("#", '"""', ")"))]
-            leaked = [x for x in hidden[:-1] if len(x) > 12 and x in released_code]
-            assert not leaked, f"solution lines in the release: {leaked}"
+        # Only the lines between each BEGIN and END pair are hidden (a class shows its methods' signatures).
+        hidden, inside = [], False
+        for line in cell.source.splitlines():
+            stripped = line.strip()
+            if stripped in (BEGIN, END):
+                inside = stripped == BEGIN
+            elif inside and stripped and not stripped.startswith(("#", '"""', ")")):
+                hidden.append(stripped)
+        leaked = [x for x in hidden if len(x) > 12 and x in released_code]
+        assert not leaked, f"solution lines in the release: {leaked}"
     stubs = [c for c in released.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
     assert stubs and all("raise NotImplementedError()" in c.source for c in stubs)
 

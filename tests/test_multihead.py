@@ -1,0 +1,396 @@
+"""stepformer.multihead against torch.nn.MultiheadAttention on random shapes, and the chapter's checks."""
+
+import math
+
+import pytest
+import torch
+from einops import EinopsError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jaxtyping import TypeCheckError
+from torch import nn
+
+import stepformer.attention
+import stepformer.multihead
+from stepformer.checks._core import RECORD_ENV, CheckFailure, replaying
+from stepformer.checks.multihead import (
+    check_merge_heads,
+    check_mha_cross_attention,
+    check_mha_init,
+    check_mha_self_attention,
+    check_parameter_count,
+    check_split_heads,
+)
+from stepformer.multihead import MultiHeadAttention, count_parameters, from_torch, merge_heads, split_heads
+from tests.fixtures.student import student_copy
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-6}
+
+shapes = st.fixed_dictionaries({
+    "batch": st.integers(1, 3),
+    "heads": st.integers(1, 4),
+    "d_head": st.integers(1, 6),
+    "q_len": st.integers(1, 7),
+    "k_len": st.integers(1, 7),
+    "bias": st.booleans(),
+    "seed": st.integers(0, 2**31 - 1),
+    "dtype": st.sampled_from([torch.float32, torch.float64]),
+})
+
+
+def _pair(s):
+    """PyTorch's module with random weights (biases too) and ours with the same weights, both in eval mode."""
+    g = torch.Generator().manual_seed(s["seed"])
+    d_model, dtype = s["heads"] * s["d_head"], s["dtype"]
+    theirs = nn.MultiheadAttention(d_model, s["heads"], bias=s["bias"], batch_first=True, dtype=dtype).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=dtype) / math.sqrt(d_model))
+    return theirs, from_torch(theirs).eval(), g
+
+
+def _assert_close(actual, expected, dtype):
+    torch.testing.assert_close(actual, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, st.sampled_from(["none", "padding", "causal"]), st.booleans())
+def test_matches_pytorch(s, masking, cross):
+    theirs, ours, g = _pair(s)
+    b, d_model, dtype = s["batch"], s["heads"] * s["d_head"], s["dtype"]
+    q_len = s["q_len"]
+    k_len = s["k_len"] if cross else q_len
+    query = torch.randn(b, q_len, d_model, generator=g, dtype=dtype)
+    key, value = (torch.randn(b, k_len, d_model, generator=g, dtype=dtype) for _ in range(2)) if cross else (query,) * 2
+    mask, kwargs = None, {}
+    if masking == "padding":  # every sentence keeps at least one token: PyTorch gives NaN otherwise
+        lengths = torch.randint(1, k_len + 1, (b,), generator=g)
+        mask = torch.arange(k_len).view(1, 1, 1, k_len) < lengths.view(b, 1, 1, 1)
+        kwargs["key_padding_mask"] = ~mask[:, 0, 0, :]
+    elif masking == "causal":
+        mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+        mask[:, 0] = True
+        kwargs["attn_mask"] = ~mask
+    with torch.no_grad():
+        expected = theirs(query, key, value, need_weights=False, **kwargs)[0]
+        _assert_close(ours(query, key, value, mask), expected, dtype)
+
+
+def test_float64_agrees_to_1e6_with_masks():
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        b, heads, d_head, q_len, k_len = torch.randint(1, 8, (5,), generator=g).tolist()
+        s = dict(heads=heads, d_head=d_head, bias=seed % 3 != 0, seed=seed, dtype=torch.float64)
+        theirs, ours, g = _pair(s)
+        query = torch.randn(b, q_len, heads * d_head, generator=g, dtype=torch.float64)
+        memory = torch.randn(b, k_len, heads * d_head, generator=g, dtype=torch.float64)
+        keep = torch.rand(b, k_len, generator=g) < 0.6
+        keep[:, 0] = True
+        with torch.no_grad():
+            got = ours(query, memory, memory, keep.view(b, 1, 1, k_len))
+            expected = theirs(query, memory, memory, key_padding_mask=~keep, need_weights=False)[0]
+        assert (got - expected).abs().max() <= 1e-6
+
+
+def test_gradients_match_pytorch():
+    s = dict(heads=3, d_head=4, bias=True, seed=7, dtype=torch.float64)
+    theirs, ours, g = _pair(s)
+    theirs.train()
+    ours.train()
+    x = torch.randn(2, 5, 12, generator=g, dtype=torch.float64)
+    upstream = torch.randn(2, 5, 12, generator=g, dtype=torch.float64)
+    (ours(x, x, x) * upstream).sum().backward()
+    (theirs(x, x, x, need_weights=False)[0] * upstream).sum().backward()
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    q_grad, k_grad, v_grad = theirs.in_proj_weight.grad.chunk(3)
+    for name, expected in (("w_q", q_grad), ("w_k", k_grad), ("w_v", v_grad), ("w_o", theirs.out_proj.weight.grad)):
+        torch.testing.assert_close(grads[f"{name}.weight"], expected, rtol=1e-9, atol=1e-9)
+
+
+def test_split_and_merge_heads():
+    g = torch.Generator().manual_seed(0)
+    for b, seq, heads, d_head in ((2, 5, 3, 4), (1, 1, 1, 7), (3, 6, 4, 2)):
+        x = torch.randn(b, seq, heads * d_head, generator=g)
+        split = split_heads(x, heads)
+        assert torch.equal(split, x.view(b, seq, heads, d_head).transpose(1, 2))
+        # Head h holds the contiguous block of features h * d_head ... (h + 1) * d_head - 1.
+        assert torch.equal(split[:, 1 % heads], x[..., (1 % heads) * d_head:(1 % heads + 1) * d_head])
+        assert torch.equal(merge_heads(split), x)
+
+
+def test_concat_then_project_is_the_sum_of_per_head_projections():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(12, 3).eval()
+    heads_out = torch.randn(2, 3, 5, 4)
+    concat_then_project = mha.w_o(merge_heads(heads_out))
+    w_o_blocks = mha.w_o.weight.view(12, 3, 4)  # (d_model, heads, d_head): head h's columns
+    per_head = sum(heads_out[:, h] @ w_o_blocks[:, h].T for h in range(3)) + mha.w_o.bias
+    torch.testing.assert_close(concat_then_project, per_head)
+
+
+def test_one_big_projection_is_h_small_ones():
+    torch.manual_seed(1)
+    mha = MultiHeadAttention(12, 3).eval()
+    x = torch.randn(2, 5, 12)
+    q = split_heads(mha.w_q(x), 3)
+    for h in range(3):
+        rows = slice(4 * h, 4 * h + 4)
+        torch.testing.assert_close(q[:, h], x @ mha.w_q.weight[rows].T + mha.w_q.bias[rows])
+
+
+def test_dropout_acts_on_weights_only_in_training():
+    torch.manual_seed(2)
+    x = torch.randn(2, 5, 12)
+    mha = MultiHeadAttention(12, 3, dropout=1.0)
+    plain = MultiHeadAttention(12, 3)
+    plain.load_state_dict(mha.state_dict())
+    torch.testing.assert_close(mha.eval()(x, x, x), plain.eval()(x, x, x))
+    mha.train()
+    torch.testing.assert_close(mha(x, x, x), mha.w_o.bias.expand(2, 5, 12))
+    half = MultiHeadAttention(12, 3, dropout=0.5).train()
+    torch.manual_seed(3)
+    got = half(x, x, x)
+    # The same dropout mask, drawn from the same seed, applied to independently computed weights.
+    torch.manual_seed(3)
+    q, k, v = (w(x).view(2, 5, 3, 4).transpose(1, 2) for w in (half.w_q, half.w_k, half.w_v))
+    weights = torch.softmax(q @ k.transpose(-2, -1) / 2.0, dim=-1)
+    dropped = nn.functional.dropout(weights, 0.5, training=True)
+    expected = half.w_o((dropped @ v).transpose(1, 2).reshape(2, 5, 12))
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got, half.eval()(x, x, x))
+
+
+def test_parameter_count():
+    for d_model, heads, bias in ((12, 3, True), (12, 4, True), (12, 1, False), (512, 8, True)):
+        expected = sum(p.numel() for p in nn.MultiheadAttention(d_model, heads, bias=bias).parameters())
+        assert count_parameters(d_model, heads, bias) == expected == 4 * d_model**2 + 4 * d_model * bias
+
+
+def test_bad_heads_and_unsupported_pytorch_modules_are_refused():
+    with pytest.raises(ValueError, match="multiple of heads"):
+        MultiHeadAttention(10, 3)
+    with pytest.raises(ValueError, match="multiple of heads"):
+        MultiHeadAttention(12, 0)
+    with pytest.raises(ValueError, match="supported"):
+        from_torch(nn.MultiheadAttention(12, 3, kdim=5, vdim=5))
+    with pytest.raises(ValueError, match="supported"):
+        from_torch(nn.MultiheadAttention(12, 3, add_bias_kv=True))
+
+
+@pytest.mark.parametrize(
+    ("shapes", "mask_shape", "axis"),
+    [
+        (((2, 5, 12), (2, 7, 8), (2, 7, 8)), None, "d_model"),
+        (((2, 5, 12), (2, 7, 12), (2, 6, 12)), None, "k_len"),
+        (((2, 5, 12), (3, 7, 12), (3, 7, 12)), None, "batch"),
+    ],
+)
+def test_wrong_shapes_fail_naming_the_axis(shapes, mask_shape, axis):
+    mha = MultiHeadAttention(12, 3)
+    with pytest.raises(TypeCheckError, match=rf"{axis}="):
+        mha(*(torch.randn(s) for s in shapes))
+
+
+def test_wrong_masks_are_refused():
+    mha = MultiHeadAttention(12, 3)
+    x, memory = torch.randn(2, 5, 12), torch.randn(2, 7, 12)
+    for bad in (torch.ones(5, 5, dtype=torch.bool), torch.ones(2, 5, 7, dtype=torch.bool), torch.ones(5, 7)):
+        with pytest.raises(TypeCheckError, match="mask"):
+            mha(x, memory, memory, bad)
+    with pytest.raises(EinopsError, match="can't divide"):
+        split_heads(torch.randn(2, 5, 12), 5)
+
+
+# -- the checks ------------------------------------------------------------------------------
+
+student = student_copy(stepformer.multihead)
+# The notebook gives students chapter 01's attention as their own code, not the library's.
+student.scaled_dot_product_attention = student_copy(stepformer.attention).scaled_dot_product_attention
+
+MODULE_CHECKS = [check_mha_init, check_mha_self_attention, check_mha_cross_attention]
+
+
+class Stub(nn.Module):
+    def __init__(self, d_model, heads, bias=True, dropout=0.0):
+        raise NotImplementedError()
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+class Attention(nn.Module):
+    """A standalone multi-head attention with switches for the usual mistakes (not the library's code)."""
+
+    mistake: str = ""
+
+    def __init__(self, d_model, heads, bias=True, dropout=0.0):
+        super().__init__()
+        if d_model % heads and self.mistake != "no validation":
+            raise ValueError("d_model must be a multiple of heads")
+        self.heads, self.p = heads, dropout
+        width = d_model // heads if self.mistake == "per-head width" else d_model
+        self.w_q = nn.Linear(d_model, width, bias=bias)
+        self.w_k = nn.Linear(d_model, width, bias=bias)
+        self.w_v = nn.Linear(d_model, width, bias=bias)
+        self.w_o = nn.Linear(width, d_model, bias=bias)
+
+    def forward(self, query, key, value, mask=None):
+        b, heads = query.shape[0], self.heads
+        order = (0, 3, 1, 2) if self.mistake == "split d_head heads" else (0, 2, 1, 3)
+
+        def split(x):
+            d = x.shape[-1] // heads
+            shape = (b, x.shape[1], d, heads) if self.mistake == "split d_head heads" else (b, x.shape[1], heads, d)
+            return x.reshape(shape).permute(order)
+
+        q = split(self.w_q(query))
+        k = split((self.w_q if self.mistake == "keys with w_q" else self.w_k)(key))
+        v = split(self.w_v(key if self.mistake == "key as value" else value))
+        scale = math.sqrt(query.shape[-1] if self.mistake == "sqrt(d_model)" else q.shape[-1])
+        scores = q @ k.transpose(-2, -1) / scale
+        if mask is not None and self.mistake != "ignores mask":
+            scores = scores.masked_fill(~mask, -math.inf)
+        weights = torch.softmax(scores, dim=-1)
+        if self.mistake != "no dropout":
+            weights = nn.functional.dropout(weights, self.p, self.training)
+        out = weights @ v  # (b, heads, q_len, d_head)
+        if self.mistake in ("merge d_head heads", "split d_head heads"):
+            concat = out.permute(0, 2, 3, 1).reshape(b, out.shape[2], -1)
+        else:
+            concat = out.transpose(1, 2).reshape(b, out.shape[2], -1)
+        return concat if self.mistake == "no w_o" else self.w_o(concat)
+
+
+def mistake(name):
+    return type(name.replace(" ", "_"), (Attention,), {"mistake": name})
+
+
+@pytest.mark.parametrize("check", MODULE_CHECKS)
+def test_module_checks_pass_on_the_solution(check, capsys):
+    check(student.MultiHeadAttention)
+    check(student.MultiHeadAttention, seed=17)
+    check(Attention, seed=5)
+    assert "✔" in capsys.readouterr().out
+
+
+def test_module_checks_pass_in_float64():
+    check_mha_self_attention(student.MultiHeadAttention, seed=3, dtype=torch.float64)
+    check_mha_cross_attention(student.MultiHeadAttention, seed=4, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("check", MODULE_CHECKS)
+def test_module_checks_fail_on_the_stub(check):
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        check(Stub)
+
+
+@pytest.mark.parametrize(
+    ("check", "name", "message"),
+    [
+        (check_mha_self_attention, "merge d_head heads", r"merged the heads as \(d_head heads\)"),
+        (check_mha_self_attention, "split d_head heads", r"split and merged d_model as \(d_head heads\)"),
+        (check_mha_self_attention, "no w_o", "without the output projection"),
+        (check_mha_self_attention, "sqrt(d_model)", r"scaled the scores by sqrt\(d_model\)"),
+        (check_mha_self_attention, "keys with w_q", "projected the keys with w_q"),
+        (check_mha_self_attention, "ignores mask", "ignores the mask"),
+        (check_mha_self_attention, "no dropout", "ignores dropout"),
+        (check_mha_cross_attention, "key as value", "took the values from `key`"),
+        (check_mha_cross_attention, "sqrt(d_model)", r"sqrt\(d_model\)"),
+        (check_mha_init, "no validation", "should raise a ValueError"),
+        (check_mha_init, "per-head width", r"should be \(\d+, \d+\)"),
+    ],
+)
+def test_module_checks_name_the_mistake(check, name, message):
+    with pytest.raises(CheckFailure, match=message):
+        check(mistake(name))
+
+
+def test_split_and_merge_checks():
+    for seed in (0, 9):
+        check_split_heads(student.split_heads, seed=seed)
+        check_merge_heads(student.merge_heads, seed=seed, dtype=torch.float64)
+    for check in (check_split_heads, check_merge_heads):
+        with pytest.raises(CheckFailure, match="not implemented yet"):
+            check(stub)
+
+    def split_d_head_heads(x, heads):
+        return x.reshape(*x.shape[:2], -1, heads).permute(0, 3, 1, 2)
+
+    def merge_d_head_heads(x):
+        return x.permute(0, 2, 3, 1).flatten(2)
+
+    def split_without_moving_heads(x, heads):
+        return x.reshape(*x.shape[:2], heads, -1)
+
+    def merge_float32(x):
+        return x.transpose(1, 2).flatten(2).float()
+
+    with pytest.raises(CheckFailure, match=r"read d_model as \(d_head heads\)"):
+        check_split_heads(split_d_head_heads)
+    with pytest.raises(CheckFailure, match=r"merged the heads as \(d_head heads\)"):
+        check_merge_heads(merge_d_head_heads)
+    with pytest.raises(CheckFailure, match=r"shape \(batch=2, heads=3, seq=5, d_head=4\)"):
+        check_split_heads(split_without_moving_heads)
+    with pytest.raises(CheckFailure, match="dtype"):
+        check_merge_heads(merge_float32, dtype=torch.float64)
+
+
+def test_parameter_count_check():
+    check_parameter_count(student.count_parameters)
+    check_parameter_count(student.count_parameters, seed=23)
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        check_parameter_count(stub)
+
+    def weights_only(d_model, heads, bias=True):
+        return 4 * d_model * d_model
+
+    def per_head(d_model, heads, bias=True):
+        return 4 * d_model * (d_model // heads) + 4 * (d_model // heads) * bias
+
+    def as_tensor(d_model, heads, bias=True):
+        return torch.tensor(4 * d_model * d_model + 4 * d_model * bias)
+
+    for wrong, message in ((weights_only, "weights only"), (per_head, "not to one head's d_head"),
+                           (as_tensor, "Python int")):
+        with pytest.raises(CheckFailure, match=message):
+            check_parameter_count(wrong)
+
+
+def test_sizes_are_pairwise_distinct_for_every_seed():
+    from stepformer.checks.multihead import _sizes
+
+    for seed in range(50):
+        sizes = list(_sizes(seed).values())
+        assert len(set(sizes)) == len(sizes)
+
+
+class UsesPyTorch(nn.Module):
+    def __init__(self, d_model, heads, bias=True, dropout=0.0):
+        super().__init__()
+        self.w_q, self.w_k, self.w_v, self.w_o = (nn.Linear(d_model, d_model, bias=bias) for _ in range(4))
+        self.heads = heads
+
+    def forward(self, query, key, value, mask=None):
+        inner = nn.MultiheadAttention(query.shape[-1], self.heads, batch_first=True, dtype=query.dtype)
+        return inner(query, key, value, need_weights=False)[0]
+
+
+def test_using_the_reference_is_not_own_work():
+    for cheat in (UsesPyTorch, stepformer.multihead.MultiHeadAttention):
+        with pytest.raises(CheckFailure, match="Not your own work"):
+            check_mha_self_attention(cheat)
+
+
+def test_replay_of_a_module_check_needs_no_module(monkeypatch, tmp_path):
+    for folder, cls in ((tmp_path / "right", student.MultiHeadAttention), (tmp_path / "wrong", mistake("no w_o"))):
+        monkeypatch.setenv(RECORD_ENV, str(folder))
+        try:
+            check_mha_cross_attention(cls, seed=2)
+        except CheckFailure:
+            pass
+        monkeypatch.delenv(RECORD_ENV)
+    with replaying(tmp_path / "right"):
+        check_mha_cross_attention(object(), seed=2)  # the object is never touched
+    with replaying(tmp_path / "wrong"), pytest.raises(CheckFailure, match="without the output projection"):
+        check_mha_cross_attention(object(), seed=2)
