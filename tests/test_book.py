@@ -226,16 +226,26 @@ def _page_problems(page: Any, url: str, path: str, has_math: bool) -> list[str]:
         figures = len(article.query_selector_all(".cell_output img"))
         if figures < 3:
             problems.append(f"{path}: {figures} figures, expected at least 3")
-        blocks = article.evaluate(CODE_BLOCKS)
-        shown = [b for b in blocks if "def scaled_dot_product_attention(" in b]
-        library = (REPO / "src" / "stepformer" / "attention.py").read_text(encoding="utf-8")
-        if not shown:
-            problems.append(f"{path}: no code block with def scaled_dot_product_attention")
-        elif _squash(shown[0]) not in _squash(library):
-            problems.append(f"{path}: its scaled_dot_product_attention is not the library's")
+        blocks = [_squash(b) for b in article.evaluate(CODE_BLOCKS)]
+        included = _included_objects(path)
+        if not included:
+            problems.append(f"{path}: shows no library code (literalinclude with :pyobject:)")
+        for source, name in included:
+            library = _squash((REPO / "book" / source).read_text(encoding="utf-8"))
+            shown = [b for b in blocks if re.search(rf"(^|\s)(def|class) {name}\b", b)]
+            if not shown:
+                problems.append(f"{path}: no code block with {name} from {source}")
+            elif shown[0] not in library:
+                problems.append(f"{path}: its {name} is not the one in {source}")
     if path.startswith("exercises/") and "NotImplementedError" not in text:
         problems.append(f"{path}: no stub (raise NotImplementedError) on the exercise page")
     return problems
+
+
+def _included_objects(page: str) -> list[tuple[str, str]]:
+    """(file, object) of each ``literalinclude`` with ``:pyobject:`` in the page's source."""
+    source = (REPO / page).with_suffix(".md").read_text(encoding="utf-8")
+    return re.findall(r"```\{literalinclude\} (\S+)\n(?::[^\n]*\n)*?:pyobject: (\w+)", source)
 
 
 def _squash(code: str) -> str:

@@ -19,14 +19,19 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
+    """Grade a chapter's fixtures on first use, so that ``-k 07_encoder`` grades that chapter only."""
     found = {}
-    for chapter in CHAPTERS:
-        base = tmp_path_factory.mktemp(chapter.ASSIGNMENT)
-        write_submissions(chapter.CASES, chapter.ASSIGNMENT, chapter.NOTEBOOK, ROOT / "exercises", base / "subs")
-        results = grade(ROOT, base / "subs", chapter.ASSIGNMENT, base / "out", base / "work", workers=2,
-                        sandbox=sandbox_problem() is None, progress=False)
-        found[chapter.ASSIGNMENT] = ({r.student: r for r in results}, base / "out")
-    return found
+
+    def chapter_results(chapter):
+        if chapter.ASSIGNMENT not in found:
+            base = tmp_path_factory.mktemp(chapter.ASSIGNMENT)
+            write_submissions(chapter.CASES, chapter.ASSIGNMENT, chapter.NOTEBOOK, ROOT / "exercises", base / "subs")
+            results = grade(ROOT, base / "subs", chapter.ASSIGNMENT, base / "out", base / "work", workers=2,
+                            sandbox=sandbox_problem() is None, progress=False)
+            found[chapter.ASSIGNMENT] = ({r.student: r for r in results}, base / "out")
+        return found[chapter.ASSIGNMENT]
+
+    return chapter_results
 
 
 CASES = [(chapter, case) for chapter in CHAPTERS for case in chapter.CASES]
@@ -34,7 +39,7 @@ CASES = [(chapter, case) for chapter in CHAPTERS for case in chapter.CASES]
 
 @pytest.mark.parametrize(("chapter", "case"), CASES, ids=[f"{c.ASSIGNMENT}-{k.name}" for c, k in CASES])
 def test_mistake_gets_its_points_and_names_the_mistake(graded, chapter, case):
-    results, out = graded[chapter.ASSIGNMENT]
+    results, out = graded(chapter)
     result = results[case.name]
     assert (result.score, result.status) == (case.points, case.status), result.detail
     if case.name == "correct":

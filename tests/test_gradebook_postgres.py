@@ -92,7 +92,7 @@ def test_grading_with_a_postgresql_gradebook(postgres_url, tmp_path, monkeypatch
                     progress=False)
 
     assert {r.student: (r.status, r.score) for r in results} == {
-        case.name: ("graded", case.points) for case in ATTENTION}
+        case.name: ("graded", case.points) for case in ATTENTION}, [r.detail for r in results if r.detail]
     # The gradebook is the server's, not a SQLite file in the work folder.
     assert not (work / "gradebook.db").exists()
     engine = sqlalchemy.create_engine(postgres_url)

@@ -4,7 +4,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from stepformer.course.paths import CourseNotFound, course_root
+from stepformer.course.paths import CourseNotFound, assignments, course_root
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,9 +13,11 @@ def main(argv: list[str] | None = None) -> int:
 
     sync_cmd = commands.add_parser("sync", help="fill the solution cells from the library in src/")
     sync_cmd.add_argument("--check", action="store_true", help="change nothing; fail if a cell is stale")
+    sync_cmd.add_argument("--assignment", action="append", help="only this assignment (repeatable); default: all")
 
     release_cmd = commands.add_parser("release", help="regenerate exercises/ with nbgrader generate_assignment")
     release_cmd.add_argument("--check", action="store_true", help="change nothing; fail if exercises/ is stale")
+    release_cmd.add_argument("--assignment", action="append", help="only this assignment (repeatable); default: all")
 
     grade_cmd = commands.add_parser("grade", help="autograde submissions and write feedback and grades")
     grade_cmd.add_argument("submissions", type=Path, help="a folder (one sub-folder per student) or a .zip of one")
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sync":
         from stepformer.course.sync import describe, sync
 
-        stale = sync(root, check=args.check)
+        stale = sync(root, check=args.check, names=args.assignment)
         if stale and args.check:
             print("Solution cells out of step with the library (run `make sync`):\n" + describe(stale))
             return 1
@@ -62,7 +64,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             print("exercises/ matches a fresh release")
             return 0
-        replace_release(root)
+        unknown = sorted(set(args.assignment or []) - set(assignments(root)))
+        if unknown:
+            known = ", ".join(assignments(root))
+            print(f"unknown assignment(s): {', '.join(unknown)}; known: {known}", file=sys.stderr)
+            return 2
+        replace_release(root, args.assignment)
         print(f"released into {root / 'exercises'}")
         return 0
 

@@ -54,9 +54,11 @@ def _diff(a: Path, b: Path, prefix: str = "") -> list[str]:
     return found
 
 
-def replace_release(root: Path) -> None:
-    """Regenerate exercises/ completely, so that files removed from solutions/ go too."""
+def replace_release(root: Path, names: list[str] | None = None) -> None:
+    """Regenerate exercises/ (or only the assignments ``names``), so that files removed from solutions/ go too."""
     with tempfile.TemporaryDirectory(prefix="stepformer-release-") as fresh:
-        release(root, Path(fresh) / "exercises")
-        shutil.rmtree(root / "exercises", ignore_errors=True)
-        shutil.copytree(Path(fresh) / "exercises", root / "exercises")
+        release(root, Path(fresh) / "exercises", names)
+        for name in names or [None]:
+            part = Path(*([name] if name else []))
+            shutil.rmtree(root / "exercises" / part, ignore_errors=True)
+            shutil.copytree(Path(fresh) / "exercises" / part, root / "exercises" / part)

@@ -83,13 +83,14 @@ class Stale:
     library: str
 
 
-def sync(root: Path, check: bool = False) -> list[Stale]:
-    """Rewrite every library-backed solution cell under ``root/solutions``.
+def sync(root: Path, check: bool = False, names: list[str] | None = None) -> list[Stale]:
+    """Rewrite every library-backed solution cell under ``root/solutions`` (of the assignments ``names``, or all).
 
     With ``check=True`` nothing is written; the stale cells are returned.
     """
     stale: list[Stale] = []
-    for path in sorted((root / "solutions").glob("*/*.ipynb")):
+    paths = sorted((root / "solutions").glob("*/*.ipynb"))
+    for path in [p for p in paths if names is None or p.parent.name in names]:
         nb = nbformat.read(path, as_version=4)
         changed = False
         for cell in nb.cells:

@@ -12,7 +12,9 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -62,14 +64,22 @@ def grade_student(root: Path, workdir: Path, assignment: str, student: str, limi
     config.GradingExecute.timeout = limits["cell_seconds"]
     config.GradingExecute.notebook_timeout = limits["notebook_seconds"]
     if kernel:
-        runtime = workdir / "runtime" / student
-        runtime.mkdir(parents=True, exist_ok=True)
+        # A short folder of its own: a socket's path may not exceed 107 bytes, which a deep work
+        # folder and a long student id would. The sandbox binds it; it goes when grading ends.
+        runtime = Path(tempfile.mkdtemp(prefix="stepformer-", dir="/tmp" if os.path.isdir("/tmp") else None))
         os.environ["JUPYTER_RUNTIME_DIR"] = str(runtime)
         config.GradingExecute.kernel_name = kernel
         # ipc sockets in a folder the sandbox binds: the kernel needs no network at all.
         config.KernelManager.transport = "ipc"
         config.KernelManager.ip = str(runtime / "kernel")
-    grader = api(config)
+    try:
+        return _autograde(api(config), workdir, assignment, student)
+    finally:
+        if kernel:
+            shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _autograde(grader, workdir: Path, assignment: str, student: str) -> dict:
     result = {"student": student, "status": "graded", "detail": "", "notes": []}
     graded = grader.autograde(assignment, student, force=True, create=False)
     if not graded["success"]:
