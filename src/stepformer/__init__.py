@@ -6,5 +6,6 @@ the student release and grade submissions.
 """
 
 from stepformer.attention import scaled_dot_product_attention
+from stepformer.transformer import Transformer, generate
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["Transformer", "generate", "scaled_dot_product_attention"]

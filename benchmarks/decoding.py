@@ -1,0 +1,93 @@
+"""Decoding speed: tokens/s with and without the KV-cache, for MHA, GQA and MQA, and the cache's bytes.
+
+    .venv/bin/python benchmarks/decoding.py [--lengths 128 512] [--d-model 256] [--heads 8] [--device cpu]
+
+A randomly initialised ``stepformer.Transformer`` (untrained: speed does not depend on the
+weights) generates exactly ``length`` tokens greedily for a batch, once recomputing the whole
+prefix at every step (``stepformer.transformer.generate``) and once with the KV-cache
+(``stepformer.decoding.generate_cached``); the two must give the same tokens, which the script
+checks. Attention runs with ``kv_heads`` = heads (MHA), a middle value (GQA) and 1 (MQA). The
+cache's bytes are measured on the actual tensors after decoding and compared with the formula
+2 · layers · kv_heads · d_head · length · batch · bytes per element. Not a test: it prints a table.
+"""
+
+import argparse
+import time
+
+import torch
+
+from stepformer.decoding import generate_cached
+from stepformer.kvcache import cache_bytes, new_cache
+from stepformer.transformer import Transformer, generate
+
+BOS, NEVER = 1, -1  # an end-of-sequence id that argmax cannot produce: every run makes `length` tokens
+
+
+def timed(fn, device: str) -> tuple[float, object]:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    result = fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - started, result
+
+
+def self_attention_cache_bytes(model: Transformer, src: torch.Tensor, length: int) -> int:
+    """Decode ``length`` tokens with a cache and add up the bytes of the self-attention keys and values."""
+    cache = new_cache(len(model.decoder.layers))
+    with torch.no_grad():
+        memory = model.encode(src)
+        tokens = torch.full((src.shape[0], 1), BOS, device=src.device)
+        for _ in range(length):
+            hidden = model.decode(tokens, memory, None, None, cache)
+            tokens = model.generator(hidden[:, -1]).argmax(-1, keepdim=True)
+    return sum(layer.self_attn.nbytes for layer in cache)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--gqa-kv-heads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=3, help="encoder layers = decoder layers")
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--src-len", type=int, default=32)
+    parser.add_argument("--no-uncached", action="store_true", help="skip the (slow) runs without a cache")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    src = torch.randint(2, args.vocab, (args.batch, args.src_len), device=args.device)
+    d_head = args.d_model // args.heads
+    print(f"d_model={args.d_model} heads={args.heads} layers={args.layers}+{args.layers} vocab={args.vocab} "
+          f"batch={args.batch} src_len={args.src_len} device={args.device} threads={torch.get_num_threads()}")
+    print("| attention | kv_heads | tokens | no cache: tokens/s | cache: tokens/s | speedup | "
+          "cache bytes (measured) | formula |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, kv_heads in (("MHA", args.heads), ("GQA", args.gqa_kv_heads), ("MQA", 1)):
+        model = Transformer(args.vocab, args.vocab, args.d_model, args.heads, args.layers, args.layers,
+                            4 * args.d_model, dropout=0.0, kv_heads=kv_heads).to(args.device).eval()
+        for length in args.lengths:
+            produced = args.batch * length
+            cached_s, (cached_tokens, _) = timed(
+                lambda m=model, n=length: generate_cached(m, src, n, BOS, NEVER), args.device)
+            if args.no_uncached:
+                plain = "-"
+                speedup = "-"
+            else:
+                plain_s, (plain_tokens, _) = timed(lambda m=model, n=length: generate(m, src, n, BOS, NEVER),
+                                                   args.device)
+                if not torch.equal(plain_tokens, cached_tokens):
+                    raise RuntimeError(f"{label}, {length} tokens: cached and uncached decoding differ")
+                plain, speedup = f"{produced / plain_s:.0f}", f"{plain_s / cached_s:.1f}x"
+            measured = self_attention_cache_bytes(model, src, length)
+            formula = cache_bytes(args.layers, kv_heads, d_head, length, args.batch, 4)
+            print(f"| {label} | {kv_heads} | {length} | {plain} | {produced / cached_s:.0f} | {speedup} | "
+                  f"{measured:,} | {formula:,} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,713 @@
+"""Checks for chapter 07: the embedding, Add & Norm, the encoder layer, the stack, the residual stream's size.
+
+The oracles are PyTorch's own ``torch.nn.TransformerEncoderLayer`` and ``torch.nn.TransformerEncoder``
+(``batch_first=True``) with seeded weights, biases and norm parameters that are copied into the
+student's module; the embedding is checked against its definition, token rows times sqrt(d_model)
+plus the positions' rows. Every touch of a student object (building it, loading weights into it,
+switching train/eval, running it) goes through :func:`call`, with the small helpers below. To name a
+mistake, a check compares the student's output with this module's own written-out encoder layer,
+run with that mistake switched on.
+"""
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import einsum, rearrange
+from torch import Tensor, nn
+
+from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed
+
+AXES = ("batch", "seq", "heads", "d_head", "d_ff", "vocab", "start")
+# What this chapter asks students to write themselves. (Not MultiHeadAttention, FeedForward or
+# LayerNorm: the notebook hands students the earlier chapters' pieces under those names.)
+BUILT_IN_ENCODER = {
+    "torch.nn.TransformerEncoderLayer": "PyTorch's built-in encoder layer",
+    "torch.nn.TransformerEncoder": "PyTorch's built-in encoder",
+    "torch.nn.Transformer": "PyTorch's built-in Transformer",
+    "torch.nn.MultiheadAttention": "PyTorch's built-in multi-head attention",
+    "torch.nn.functional.multi_head_attention_forward": "PyTorch's built-in multi-head attention",
+}
+
+
+def _sizes(seed: int) -> dict[str, int]:
+    """Pairwise-distinct sizes, d_model = heads * d_head included (d_head even: the sinusoidal code pairs channels)."""
+    if seed == 0:
+        sizes = dict(zip(AXES, (2, 5, 3, 4, 9, 13, 6), strict=True))
+    else:
+        g = torch.Generator().manual_seed(seed)
+        while True:
+            picks = (torch.randperm(12, generator=g)[: len(AXES)] + 2).tolist()
+            sizes = dict(zip(AXES, picks, strict=True))
+            d_model = sizes["heads"] * sizes["d_head"]
+            if sizes["d_head"] % 2 == 0 and d_model not in picks and sizes["heads"] <= 5 and sizes["batch"] <= 5:
+                break
+    return {**sizes, "d_model": sizes["heads"] * sizes["d_head"]}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _quiet(fn: Callable[..., Tensor], *args: Any, **kwargs: Any) -> Tensor:
+    """Run an oracle without gradients or warnings (nbgrader scores any stderr output as a failure)."""
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+# -- helpers that touch the student's module, always through call() -------------------------
+
+def _layout(module: nn.Module) -> dict[str, Any]:
+    """Parameter shapes, modules stored under two names, dropout probabilities."""
+    first: dict[int, str] = {}
+    aliases = []
+    for name, child in module.named_modules(remove_duplicate=False):
+        if id(child) in first and name:
+            aliases.append([first[id(child)], name])
+        first.setdefault(id(child), name)
+    return {
+        "shapes": {name: list(p.shape) for name, p in module.named_parameters()},
+        "aliases": aliases,
+        "dropouts": {name: float(m.p) for name, m in module.named_modules() if isinstance(m, nn.Dropout)},
+    }
+
+
+def _load(module: nn.Module, state: dict[str, Tensor]) -> None:
+    """Give the module these weights and their dtype, and put it in eval mode."""
+    module.to(next(iter(state.values())).dtype)
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(value)
+    module.eval()
+
+
+def _set_training(module: nn.Module, training: bool) -> None:
+    module.train(training)
+
+
+def _construction_error(cls: type, *args: Any, **kwargs: Any) -> str | None:
+    try:
+        cls(*args, **kwargs)
+    except Exception as error:  # which exception is the answer
+        return type(error).__name__
+    return None
+
+
+def _expect_parameters(module: Any, expected: dict[str, list[int]], what: str, hint: str) -> dict[str, Any]:
+    layout = call(_layout, module)
+    norms = [pair for pair in layout["aliases"] if any("norm" in name for name in pair)]
+    if norms:
+        a, b = norms[0]
+        raise CheckFailure(
+            f"{what}: {a} and {b} are one and the same module, so both sublayers share one LayerNorm's weight and "
+            f"bias. Each sublayer needs its own: create two LayerNorm(d_model) objects."
+        )
+    shapes = layout["shapes"]
+    for name, shape in expected.items():
+        if name not in shapes:
+            raise CheckFailure(f"{what} has no parameter {name}. {hint}")
+        if shapes[name] != shape:
+            raise CheckFailure(f"{what}: {name} has shape {tuple(shapes[name])}; it should be {tuple(shape)}. {hint}")
+    extra = sorted(set(shapes) - set(expected))
+    if extra:
+        raise CheckFailure(f"{what} has unexpected parameters {extra}. {hint}")
+    return layout
+
+
+# -- a written-out encoder layer, with switches for the usual mistakes (to name them) -----------
+
+def _layer_norm(state: dict[str, Tensor], name: str, x: Tensor) -> Tensor:
+    return F.layer_norm(x, x.shape[-1:], state[f"{name}.weight"], state[f"{name}.bias"], 1e-5)
+
+
+def _attention(state: dict[str, Tensor], prefix: str, heads: int, x: Tensor, mask: Tensor | None) -> Tensor:
+    def project(name: str, t: Tensor) -> Tensor:
+        return t @ state[f"{prefix}.{name}.weight"].T + state[f"{prefix}.{name}.bias"]
+
+    q, k, v = (rearrange(project(n, x), "batch seq (heads d_head) -> batch heads seq d_head", heads=heads)
+               for n in ("w_q", "w_k", "w_v"))
+    scores = einsum(q, k, "batch heads q_len d_head, batch heads k_len d_head -> batch heads q_len k_len")
+    scores = scores / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    out = einsum(scores.softmax(-1), v, "batch heads q_len k_len, batch heads k_len d_head -> batch heads q_len d_head")
+    return project("w_o", rearrange(out, "batch heads seq d_head -> batch seq (heads d_head)"))
+
+
+def _ffn(state: dict[str, Tensor], prefix: str, x: Tensor) -> Tensor:
+    hidden = torch.relu(x @ state[f"{prefix}.linear1.weight"].T + state[f"{prefix}.linear1.bias"])
+    return hidden @ state[f"{prefix}.linear2.weight"].T + state[f"{prefix}.linear2.bias"]
+
+
+def _reference_layer(state: dict[str, Tensor], prefix: str, heads: int, x: Tensor, mask: Tensor | None,
+                     norm_first: bool, mistake: str = "") -> Tensor:
+    """One encoder layer from the weights in ``state`` (names under ``prefix``), or a named mistake of it."""
+    norm1, norm2 = f"{prefix}norm1", f"{prefix}norm2" if mistake != "norm1 twice" else f"{prefix}norm1"
+    mask = None if mistake == "no mask" else mask
+    norm_first = not norm_first if mistake == "swapped placement" else norm_first
+
+    def sublayer(h: Tensor, f: Callable[[Tensor], Tensor], norm: str) -> Tensor:
+        if mistake == "no residual":
+            return _layer_norm(state, norm, f(h)) if not norm_first else f(_layer_norm(state, norm, h))
+        if mistake == "norm before add" and not norm_first:
+            return h + _layer_norm(state, norm, f(h))
+        if mistake == "normed residual" and norm_first:
+            h = _layer_norm(state, norm, h)
+            return h + f(h)
+        if norm_first:
+            return h + f(_layer_norm(state, norm, h))
+        return _layer_norm(state, norm, h + f(h))
+
+    h = sublayer(x, lambda t: _attention(state, f"{prefix}self_attn", heads, t, mask), norm1)
+    if mistake == "ffn reads x":
+        h = x
+    return sublayer(h, lambda t: _ffn(state, f"{prefix}ffn", t), norm2)
+
+
+def _layer_mistakes(norm_first: bool, masked: bool) -> dict[str, str]:
+    hints = {
+        "swapped placement": (
+            "Your layer computes the other norm placement: with norm_first=False (post-norm) each sublayer is "
+            "norm(x + dropout(f(x))), with norm_first=True (pre-norm) it is x + dropout(f(norm(x)))."
+            if not norm_first else
+            "Your layer ignores norm_first=True: a pre-norm sublayer is x + dropout(f(norm(x))), the norm on the "
+            "sublayer's input and the residual x left untouched."
+        ),
+        "norm1 twice": "You normalise both sublayers with norm1: the feed-forward sublayer has its own norm2.",
+        "ffn reads x": (
+            "Your feed-forward sublayer reads the layer's input x instead of the attention sublayer's output, so the "
+            "attention is thrown away: feed the result of the first sublayer into the second."
+        ),
+        "no residual": "Your sublayers have no residual connection: add the sublayer's input back (x + ...).",
+    }
+    if not norm_first:
+        hints["norm before add"] = (
+            "In post-norm the norm comes after the residual add: norm(x + dropout(f(x))), not x + norm(f(x)).")
+    else:
+        hints["normed residual"] = (
+            "You normalised the residual stream itself (x = norm(x); x = x + f(x)): in pre-norm only the sublayer's "
+            "input is normalised, x + dropout(f(norm(x))), and x flows on untouched.")
+    if masked:
+        hints["no mask"] = ("Your output ignores the padding mask: pass mask on to self.self_attn(x, x, x, mask) in "
+                            "every layer, or the real positions read the padding.")
+    return hints
+
+
+def _diagnose_layer(state: dict[str, Tensor], heads: int, x: Tensor, mask: Tensor | None, norm_first: bool,
+                    output: Tensor, fallback: str) -> str:
+    if torch.isnan(output).any():
+        return "Your output contains NaN: is a fully padded row masked, or did the mask reach the softmax inverted?"
+    for mistake, hint in _layer_mistakes(norm_first, mask is not None).items():
+        if close(output, _reference_layer(state, "", heads, x, mask, norm_first, mistake), output.dtype):
+            return hint
+    return fallback
+
+
+# -- the oracles: PyTorch's modules with seeded weights, and those weights by our names --------
+
+def _randomise(module: nn.Module, g: torch.Generator) -> None:
+    """Seeded weights for every parameter: norms get weights far from 1 and biases far from 0."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.3 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[1]))
+
+
+def _torch_layer(s: dict[str, int], norm_first: bool, dtype: torch.dtype, seed: int) -> nn.TransformerEncoderLayer:
+    with torch.random.fork_rng(devices=[]):  # PyTorch's initialisation would move the student's RNG
+        layer = nn.TransformerEncoderLayer(s["d_model"], s["heads"], s["d_ff"], dropout=0.0, batch_first=True,
+                                           norm_first=norm_first, dtype=dtype)
+    _randomise(layer, torch.Generator().manual_seed(seed + 11))
+    return layer.eval()
+
+
+def _layer_state(layer: nn.TransformerEncoderLayer, prefix: str = "") -> dict[str, Tensor]:
+    """The layer's weights under this course's names (PyTorch packs W_Q, W_K, W_V in this order)."""
+    attn = layer.self_attn
+    weights = rearrange(attn.in_proj_weight.detach(), "(qkv d_out) d_in -> qkv d_out d_in", qkv=3)
+    biases = rearrange(attn.in_proj_bias.detach(), "(qkv d_out) -> qkv d_out", qkv=3)
+    state = {}
+    for i, name in enumerate(("w_q", "w_k", "w_v")):
+        state[f"{prefix}self_attn.{name}.weight"] = weights[i].clone()
+        state[f"{prefix}self_attn.{name}.bias"] = biases[i].clone()
+    pairs = {"self_attn.w_o": attn.out_proj, "ffn.linear1": layer.linear1, "ffn.linear2": layer.linear2,
+             "norm1": layer.norm1, "norm2": layer.norm2}
+    for ours, theirs in pairs.items():
+        state[f"{prefix}{ours}.weight"] = theirs.weight.detach().clone()
+        state[f"{prefix}{ours}.bias"] = theirs.bias.detach().clone()
+    return state
+
+
+def _layer_shapes(s: dict[str, int], prefix: str = "") -> dict[str, list[int]]:
+    d, d_ff = s["d_model"], s["d_ff"]
+    shapes = {f"self_attn.{p}.weight": [d, d] for p in ("w_q", "w_k", "w_v", "w_o")}
+    shapes |= {f"self_attn.{p}.bias": [d] for p in ("w_q", "w_k", "w_v", "w_o")}
+    shapes |= {"ffn.linear1.weight": [d_ff, d], "ffn.linear1.bias": [d_ff], "ffn.linear2.weight": [d, d_ff],
+               "ffn.linear2.bias": [d], "norm1.weight": [d], "norm1.bias": [d], "norm2.weight": [d], "norm2.bias": [d]}
+    return {prefix + name: shape for name, shape in shapes.items()}
+
+
+LAYER_HINT = ("Keep the attribute names of torch.nn.TransformerEncoderLayer: self_attn (the given MultiHeadAttention), "
+              "ffn (the given FeedForward, holding linear1 and linear2), norm1 and norm2 (two LayerNorm(d_model)).")
+
+
+def _inputs(s: dict[str, int], dtype: torch.dtype, seed: int) -> tuple[Tensor, Tensor]:
+    """A batch of inputs and its padding mask (batch, 1, 1, seq), True = a real token, every sentence >= 1 token."""
+    g = torch.Generator().manual_seed(seed + 3)
+    x = torch.randn(s["batch"], s["seq"], s["d_model"], generator=g, dtype=dtype)
+    lengths = torch.randint(1, s["seq"] + 1, (s["batch"],), generator=g)
+    lengths[0], lengths[-1] = s["seq"], max(1, s["seq"] - 2)
+    mask = rearrange(torch.arange(s["seq"]), "seq -> 1 1 1 seq") < rearrange(lengths, "batch -> batch 1 1 1")
+    return x, mask
+
+
+def _run_torch(module: nn.Module, x: Tensor, mask: Tensor | None) -> Tensor:
+    # PyTorch's padding mask means the opposite of ours: True = "ignore this key".
+    return _quiet(module, x, src_key_padding_mask=None if mask is None else ~mask[:, 0, 0, :])
+
+
+# -- exercise 1: the embedding ---------------------------------------------------------------
+
+def _sinusoidal(seq_len: int, d_model: int) -> Tensor:
+    """The code of section 3.5 of the paper, written out again: (sin, cos) pairs, frequency 10000^(-2i/d)."""
+    pos = torch.arange(seq_len, dtype=torch.float64)[:, None]
+    frequency = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    pe = torch.zeros(seq_len, d_model, dtype=torch.float64)
+    pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * frequency), torch.cos(pos * frequency)
+    return pe.float()
+
+
+def _embedding_variants(table: Tensor, positions: Tensor, tokens: Tensor, start: int,
+                        d_model: int) -> dict[str, Tensor]:
+    """What the usual mistakes give; positions holds the rows of every position 0 ... start + seq - 1."""
+    rows, seq = table[tokens], tokens.shape[1]
+    here, first = positions[start:start + seq].to(table), positions[:seq].to(table)
+    root = math.sqrt(d_model)
+    return {
+        "": rows * root + here,
+        "You did not scale the token vectors: multiply them by sqrt(d_model) before adding the positions.":
+            rows + here,
+        "You scaled the token vectors by d_model; the scale is sqrt(d_model).": rows * d_model + here,
+        "You divided the token vectors by sqrt(d_model); they are multiplied by it.": rows / root + here,
+        "You scaled the positions too: only the token vectors are multiplied by sqrt(d_model), then the positions "
+        "are added as they are.": (rows + here) * root,
+        "Your positions start at 0 whatever `start` is: the tokens sit at positions start ... start + seq - 1 "
+        "(a decoder with a cache embeds one new token at a time, at position start).": rows * root + first,
+        "Your embedding adds no positions: add the positional code of each position.": rows * root,
+    }
+
+
+def _check_embedding_output(module: Any, table: Tensor, positions: Tensor, s: dict[str, int], dtype: torch.dtype,
+                            seed: int, what: str) -> None:
+    g = torch.Generator().manual_seed(seed + 5)
+    tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)
+    for start in (0, s["start"]):
+        args = (tokens,) if start == 0 else (tokens, start)
+        got = expect_tensor(call(module, *args), f"the embedding of {what}", (s["batch"], s["seq"], s["d_model"]),
+                            "batch seq d_model", dtype)
+        variants = _embedding_variants(table, positions, tokens, start, s["d_model"])
+        if close(got, variants[""], dtype):
+            continue
+        hint = next((h for h, v in list(variants.items())[1:] if close(got, v, dtype)),
+                    "Compute self.tokens(tokens) * sqrt(d_model), then add the positions' rows.")
+        where = "" if start == 0 else f" with start={start}"
+        raise CheckFailure(f"The embedding of {what}{where} differs from tokens · sqrt(d_model) + positions "
+                           f"(largest difference {(got - variants['']).abs().max().item():.3g}). {hint}")
+
+
+def _embedding_module(cls: Any, s: dict[str, int], dtype: torch.dtype, seed: int, positional: str,
+                      max_len: int) -> tuple[Any, Tensor, Tensor | None]:
+    d_model, vocab = s["d_model"], s["vocab"]
+    module = call(cls, vocab, d_model, positional, max_len)
+    expected = {"tokens.weight": [vocab, d_model]}
+    if positional == "learned":
+        expected["positions.embedding.weight"] = [max_len, d_model]
+    hint = ("Store the token table as self.tokens = nn.Embedding(vocab, d_model) and, for positional='learned' only, "
+            "the given LearnedPositionalEmbedding(max_len, d_model) as self.positions; the sinusoidal code is fixed, "
+            "so it has no parameters.")
+    _expect_parameters(module, expected, f"Embedding(positional={positional!r})", hint)
+    g = torch.Generator().manual_seed(seed + 7)
+    # Small token vectors, as the full model's Glorot initialisation gives them.
+    table = torch.randn(vocab, d_model, generator=g, dtype=dtype) / math.sqrt(d_model)
+    state = {"tokens.weight": table}
+    learned = None
+    if positional == "learned":
+        learned = torch.randn(max_len, d_model, generator=g, dtype=dtype)
+        state["positions.embedding.weight"] = learned
+    call(_load, module, state)
+    return module, table, learned
+
+
+@check(forbid=BUILT_IN_ENCODER)
+def check_embedding_sinusoidal(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Token vectors times sqrt(d_model) plus the sinusoidal code of positions start ... start + seq - 1."""
+    s = _sizes(seed)
+    max_len = s["start"] + s["seq"] + 3
+    module, table, _ = _embedding_module(cls, s, dtype, seed, "sinusoidal", max_len)
+    positions = _sinusoidal(s["start"] + s["seq"], s["d_model"])
+    _check_embedding_output(module, table, positions, s, dtype, seed, "positional='sinusoidal'")
+    passed(f"Embedding: tokens · sqrt(d_model) + the sinusoidal code, from position 0 or start "
+           f"({_dtype_name(dtype)})")
+
+
+@check(forbid=BUILT_IN_ENCODER)
+def check_embedding_learned(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Learned positions (a table of max_len rows), rope (no positions added), dropout only in training."""
+    s = _sizes(seed)
+    max_len = s["start"] + s["seq"] + 3
+    module, table, learned = _embedding_module(cls, s, dtype, seed, "learned", max_len)
+    _check_embedding_output(module, table, learned, s, dtype, seed, "positional='learned'")
+    module, table, _ = _embedding_module(cls, s, dtype, seed, "rope", max_len)
+    zeros = torch.zeros(max_len, s["d_model"], dtype=dtype)
+    _check_embedding_output(module, table, zeros, s, dtype, seed, "positional='rope' (no positions are added)")
+    error = call(_construction_error, cls, s["vocab"], s["d_model"], "absolute", max_len)
+    if error != "ValueError":
+        got = "no error" if error is None else f"a {error}"
+        raise CheckFailure(f"Embedding(..., positional='absolute') should raise a ValueError (only 'sinusoidal', "
+                           f"'learned' and 'rope' exist); it raised {got}.")
+    dropping = call(cls, s["vocab"], s["d_model"], "sinusoidal", max_len, 1.0)
+    call(_load, dropping, {"tokens.weight": table})
+    tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=torch.Generator().manual_seed(seed))
+    kept = call(dropping, tokens)
+    call(_set_training, dropping, True)
+    dropped = call(dropping, tokens)
+    expected = table[tokens] * math.sqrt(s["d_model"]) + _sinusoidal(s["seq"], s["d_model"]).to(dtype)
+    if not close(kept, expected, dtype):
+        raise CheckFailure("With dropout=1.0 in eval() mode the embedding must be unchanged: dropout acts only "
+                           "while training (use self.dropout = nn.Dropout(dropout)).")
+    if not close(dropped, torch.zeros_like(expected), dtype):
+        raise CheckFailure("With dropout=1.0 in training mode every entry is dropped, so the embedding should be all "
+                           "zeros: apply self.dropout to the sum of the token vectors and the positions.")
+    passed(f"Embedding: learned positions from start, nothing added for rope, dropout only in training "
+           f"({_dtype_name(dtype)})")
+
+
+# -- exercise 2: add_and_norm ----------------------------------------------------------------
+
+class _Scale(nn.Module):
+    """A stand-in sublayer, f(x) = 2·tanh(x) + 1: its output is not centred, so a misplaced norm shows."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x) * 2 + 1
+
+
+@check(forbid=BUILT_IN_ENCODER)
+def check_add_and_norm(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Post-norm norm(x + dropout(f(x))) and pre-norm x + dropout(f(norm(x))), dropout on f's output only."""
+    s = _sizes(seed)
+    x, _ = _inputs(s, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 13)
+    with torch.random.fork_rng(devices=[]):
+        norm = nn.LayerNorm(s["d_model"], dtype=dtype)
+    _randomise(nn.ModuleDict({"norm": norm}), g)
+    f, keep, drop_all = _Scale(), nn.Dropout(0.0), nn.Dropout(1.0)
+
+    def n(t: Tensor) -> Tensor:
+        return _quiet(norm, t)
+
+    cases = [
+        (False, keep, n(x + f(x)), {
+            "You normalised before the residual add: post-norm is norm(x + f(x)), not x + norm(f(x)).":
+                x + n(f(x)),
+            "You computed the pre-norm form x + f(norm(x)) for norm_first=False: post-norm is norm(x + f(x)).":
+                x + f(n(x)),
+            "You left out the residual: post-norm is norm(x + f(x)).": n(f(x)),
+        }),
+        (True, keep, x + f(n(x)), {
+            "You computed the post-norm form norm(x + f(x)) for norm_first=True: pre-norm is x + f(norm(x)).":
+                n(x + f(x)),
+            "You added the normalised x back: pre-norm is x + f(norm(x)), with the original x, untouched.":
+                n(x) + f(n(x)),
+            "You normalised the sublayer's output: pre-norm normalises its input, x + f(norm(x)).": x + n(f(x)),
+            "You left out the residual: pre-norm is x + f(norm(x)).": f(n(x)),
+        }),
+        (False, drop_all, n(x), {
+            "You did not apply the dropout: post-norm is norm(x + dropout(f(x))), so with p = 1 it gives norm(x).":
+                n(x + f(x)),
+            "Dropout must act on the sublayer's output only, before the add: with p = 1, post-norm gives norm(x).":
+                n(torch.zeros_like(x)),
+            "Dropout must act on the sublayer's output only, not on the whole result: with p = 1, post-norm gives "
+            "norm(x).": torch.zeros_like(x),
+        }),
+        (True, drop_all, x, {
+            "You did not apply the dropout: pre-norm is x + dropout(f(norm(x))), so with p = 1 it gives x back.":
+                x + f(n(x)),
+            "Dropout must act on the sublayer's output only, before the add: with p = 1, pre-norm gives x back.":
+                torch.zeros_like(x),
+        }),
+    ]
+    for norm_first, dropout, expected, variants in cases:
+        dropout.train()
+        got = call(fn, x, f, norm, dropout, norm_first)
+        what = f"add_and_norm(x, f, norm, dropout, norm_first={norm_first}) with dropout p={dropout.p}"
+        got = expect_tensor(got, what, tuple(x.shape), "batch seq d_model", dtype)
+        if not close(got, expected, dtype):
+            hint = next((h for h, v in variants.items() if close(got, v, dtype)),
+                        "Post-norm: norm(x + dropout(f(x))); pre-norm: x + dropout(f(norm(x))).")
+            raise CheckFailure(f"{what} differs from the expected sublayer "
+                               f"(largest difference {(got - expected).abs().max().item():.3g}). {hint}")
+    passed(f"add_and_norm: post-norm norm(x + dropout(f(x))), pre-norm x + dropout(f(norm(x))) ({_dtype_name(dtype)})")
+
+
+# -- exercise 3: the encoder layer -----------------------------------------------------------
+
+def _build_layer(cls: Any, s: dict[str, int], norm_first: bool, dtype: torch.dtype, seed: int,
+                 dropout: float = 0.0) -> tuple[Any, nn.TransformerEncoderLayer, dict[str, Tensor]]:
+    module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=dropout, norm_first=norm_first)
+    _expect_parameters(module, _layer_shapes(s), "Your EncoderLayer", LAYER_HINT)
+    oracle = _torch_layer(s, norm_first, dtype, seed)
+    state = _layer_state(oracle)
+    call(_load, module, state)
+    return module, oracle, state
+
+
+def _compare_layer(module: Any, oracle: nn.Module, state: dict[str, Tensor], s: dict[str, int], norm_first: bool,
+                   dtype: torch.dtype, x: Tensor, mask: Tensor | None, what: str) -> None:
+    args = (x,) if mask is None else (x, mask)
+    output = expect_tensor(call(module, *args), "the output", tuple(x.shape), "batch seq d_model", dtype)
+    expected = _run_torch(oracle, x, mask)
+    if not close(output, expected, dtype):
+        fallback = ("Compare each sublayer on one small example with torch.nn.TransformerEncoderLayer's: "
+                    "self-attention first, then the feed-forward network, each wrapped by add_and_norm.")
+        raise CheckFailure(
+            f"For {what}, your output differs from torch.nn.TransformerEncoderLayer's with the same weights "
+            f"(largest difference {(output - expected).abs().max().item():.3g}). "
+            f"{_diagnose_layer(state, s['heads'], x, mask, norm_first, output, fallback)}"
+        )
+
+
+@check(forbid=BUILT_IN_ENCODER)
+def check_encoder_layer_init(cls: Callable[..., Any], seed: int = 0) -> None:
+    """self_attn, ffn (linear1, linear2), two separate LayerNorms norm1, norm2, and dropout1, dropout2."""
+    s = _sizes(seed)
+    module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.25)
+    layout = _expect_parameters(module, _layer_shapes(s), "Your EncoderLayer", LAYER_HINT)
+    for name in ("dropout1", "dropout2"):
+        p = layout["dropouts"].get(name)
+        if p is None:
+            raise CheckFailure(f"Your EncoderLayer has no {name}: each sublayer's output gets its own "
+                               f"nn.Dropout(dropout), named dropout1 and dropout2 as in PyTorch.")
+        if p != 0.25:
+            raise CheckFailure(f"With dropout=0.25, {name}.p is {p}: pass dropout on to nn.Dropout(dropout).")
+    for name in ("self_attn.dropout", "ffn.dropout"):
+        if layout["dropouts"].get(name) != 0.25:
+            raise CheckFailure(f"With dropout=0.25, {name} should drop with p=0.25 too (as in PyTorch): pass dropout "
+                               "to MultiHeadAttention(..., dropout=dropout) and FeedForward(d_model, d_ff, activation, "
+                               "dropout).")
+    passed("EncoderLayer: self_attn, ffn (linear1, linear2), separate norm1 and norm2, dropout1 and dropout2")
+
+
+def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_first: bool) -> None:
+    s = _sizes(seed)
+    module, oracle, state = _build_layer(cls, s, norm_first, dtype, seed)
+    x, mask = _inputs(s, dtype, seed)
+    name = "pre-norm" if norm_first else "post-norm"
+    _compare_layer(module, oracle, state, s, norm_first, dtype, x, None, f"a {name} layer without a mask")
+    _compare_layer(module, oracle, state, s, norm_first, dtype, x, mask,
+                   f"a {name} layer with a padding mask (batch, 1, 1, seq)")
+
+
+@check(forbid=BUILT_IN_ENCODER)
+def check_encoder_layer_post_norm(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Equal to torch.nn.TransformerEncoderLayer(norm_first=False) with copied weights, with and without padding."""
+    _check_layer(cls, seed, dtype, norm_first=False)
+    passed(f"post-norm EncoderLayer equal to torch.nn.TransformerEncoderLayer, with and without a padding mask "
+           f"({_dtype_name(dtype)})")
+
+
+@check(forbid=BUILT_IN_ENCODER)
+def check_encoder_layer_pre_norm(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Equal to torch.nn.TransformerEncoderLayer(norm_first=True) with copied weights, with and without padding."""
+    _check_layer(cls, seed, dtype, norm_first=True)
+    passed(f"pre-norm EncoderLayer equal to torch.nn.TransformerEncoderLayer, with and without a padding mask "
+           f"({_dtype_name(dtype)})")
+
+
+@check(forbid=BUILT_IN_ENCODER)
+def check_encoder_layer_dropout(cls: Callable[..., Any], seed: int = 0) -> None:
+    """Dropout only in training; with p = 1 each sublayer's output is dropped before the residual add."""
+    s = _sizes(seed)
+    dtype = torch.float32
+    x, mask = _inputs(s, dtype, seed)
+    for norm_first in (False, True):
+        module, oracle, state = _build_layer(cls, s, norm_first, dtype, seed, dropout=1.0)
+        name = "pre-norm" if norm_first else "post-norm"
+        _compare_layer(module, oracle, state, s, norm_first, dtype, x, mask,
+                       f"a {name} layer built with dropout=1.0, in eval() mode (where dropout does nothing)")
+        call(_set_training, module, True)
+        got = call(module, x, mask)
+        if norm_first:
+            expected, form = x, "x itself"
+        else:
+            expected, form = _layer_norm(state, "norm2", _layer_norm(state, "norm1", x)), "norm2(norm1(x))"
+        if not close(got, expected, dtype):
+            # Without dropout1 and dropout2, only the attention weights and the FFN's hidden units are dropped:
+            # each sublayer then gives its output bias alone.
+            b_o, b_2 = state["self_attn.w_o.bias"], state["ffn.linear2.bias"]
+            if norm_first:
+                undropped = x + b_o + b_2
+            else:
+                undropped = _layer_norm(state, "norm2", _layer_norm(state, "norm1", x + b_o) + b_2)
+            if close(got, _run_torch(oracle, x, mask), dtype) or close(got, undropped, dtype):
+                hint = ("your layer ignores dropout1 and dropout2: apply them to the sublayers' outputs, "
+                        "before the residual add.")
+            else:
+                hint = ("dropout1 and dropout2 act on each sublayer's output, before the residual add, never on the "
+                        "residual stream x.")
+            raise CheckFailure(f"With dropout=1.0 in training mode, a {name} layer drops both sublayers' outputs "
+                               f"entirely and should return {form}; {hint}")
+    passed("EncoderLayer: dropout only in training, on each sublayer's output before the residual add")
+
+
+# -- exercise 4: the stack -------------------------------------------------------------------
+
+def _torch_encoder(s: dict[str, int], layers: int, norm_first: bool, final_norm: bool, dtype: torch.dtype,
+                   seed: int) -> nn.TransformerEncoder:
+    layer = _torch_layer(s, norm_first, dtype, seed)
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        norm = nn.LayerNorm(s["d_model"], dtype=dtype) if final_norm else None
+        # No nested tensors: PyTorch would then return zeros at padded positions.
+        encoder = nn.TransformerEncoder(layer, layers, norm=norm, enable_nested_tensor=False)
+    _randomise(encoder, torch.Generator().manual_seed(seed + 17))
+    return encoder.eval()
+
+
+def _encoder_state(encoder: nn.TransformerEncoder) -> dict[str, Tensor]:
+    state = {}
+    for i, layer in enumerate(encoder.layers):
+        state |= _layer_state(layer, f"layers.{i}.")
+    if encoder.norm is not None:
+        state["norm.weight"] = encoder.norm.weight.detach().clone()
+        state["norm.bias"] = encoder.norm.bias.detach().clone()
+    return state
+
+
+def _reference_stack(state: dict[str, Tensor], heads: int, layers: int, x: Tensor, mask: Tensor | None,
+                     norm_first: bool, final_norm: bool, mistake: str) -> Tensor:
+    for i in range(layers):
+        layer_mask = None if mistake == "no mask" or (mistake == "mask only first" and i) else mask
+        x = _reference_layer(state, f"layers.{i}.", heads, x, layer_mask, norm_first)
+        if mistake == "norm every layer" and final_norm:
+            x = _layer_norm(state, "norm", x)
+    if final_norm and mistake not in ("no final norm", "norm every layer"):
+        x = _layer_norm(state, "norm", x)
+    return x
+
+
+STACK_MISTAKES = {
+    "no final norm": "Your stack leaves out the final LayerNorm: with final_norm=True, apply self.norm to the last "
+                     "layer's output.",
+    "norm every layer": "You apply the final norm after every layer: it comes once, after the last layer.",
+    "no mask": "Your stack ignores the padding mask: pass mask on to every layer.",
+    "mask only first": "Only your first layer gets the padding mask: every layer must read it, layer(x, mask).",
+}
+
+
+@check(forbid=BUILT_IN_ENCODER)
+def check_encoder(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Equal to torch.nn.TransformerEncoder (final norm or none), post-norm and pre-norm, with padding."""
+    s = _sizes(seed)
+    layers = 2 + seed % 2
+    x, mask = _inputs(s, dtype, seed + 1)
+    for norm_first, final_norm in ((False, True), (True, True), (True, False)):
+        module = call(cls, s["d_model"], s["heads"], s["d_ff"], layers, dropout=0.0, norm_first=norm_first,
+                      final_norm=final_norm)
+        shapes = {}
+        for i in range(layers):
+            shapes |= _layer_shapes(s, f"layers.{i}.")
+        if final_norm:
+            shapes |= {"norm.weight": [s["d_model"]], "norm.bias": [s["d_model"]]}
+        hint = ("Store the layers in an nn.ModuleList named layers (each your EncoderLayer) and the final norm as "
+                "self.norm, a LayerNorm(d_model) when final_norm is True and nn.Identity() otherwise.")
+        _expect_parameters(module, shapes, f"Your Encoder(final_norm={final_norm})", hint)
+        oracle = _torch_encoder(s, layers, norm_first, final_norm, dtype, seed)
+        state = _encoder_state(oracle)
+        call(_load, module, state)
+        for m in (None, mask):
+            got = call(module, x) if m is None else call(module, x, m)
+            got = expect_tensor(got, "the encoder's output", tuple(x.shape), "batch seq d_model", dtype)
+            expected = _run_torch(oracle, x, m)
+            if close(got, expected, dtype):
+                continue
+            what = (f"{layers} {'pre' if norm_first else 'post'}-norm layers, final_norm={final_norm}, "
+                    f"{'with a padding mask' if m is not None else 'without a mask'}")
+            hint = next((h for mistake, h in STACK_MISTAKES.items()
+                         if close(got, _reference_stack(state, s["heads"], layers, x, m, norm_first, final_norm,
+                                                        mistake), dtype)),
+                        "Run x through each layer in order, layer(x, mask), then self.norm.")
+            raise CheckFailure(f"For {what}, your output differs from torch.nn.TransformerEncoder's with the same "
+                               f"weights (largest difference {(got - expected).abs().max().item():.3g}). {hint}")
+    passed(f"Encoder equal to torch.nn.TransformerEncoder: post-norm and pre-norm, with and without the final norm, "
+           f"with padding ({_dtype_name(dtype)})")
+
+
+# -- exercise 5: predict, then measure -------------------------------------------------------
+
+class _Layer(nn.Module):
+    """PyTorch's encoder layer behind this course's calling convention, layer(x, mask) with True = real token."""
+
+    def __init__(self, layer: nn.TransformerEncoderLayer) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        return _run_torch(self.layer, x, mask)
+
+
+@check  # the layers handed in are PyTorch's, so its attention may run here
+def check_residual_norms(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """The mean length of a position's vector before the first layer and after each, the mask passed to every layer."""
+    s = _sizes(seed)
+    x, mask = _inputs(s, dtype, seed + 2)
+    layers = nn.ModuleList(_Layer(_torch_layer(s, norm_first=i % 2 == 1, dtype=dtype, seed=seed + 100 * i))
+                           for i in range(4))
+
+    def lengths(masked: Tensor | None) -> list[Tensor]:
+        h, out = x, [x]
+        for layer in layers:
+            h = layer(h, masked)
+            out.append(h)
+        return out
+
+    for m in (mask, None):
+        got = call(fn, layers, x, m) if m is not None else call(fn, layers, x)
+        stream = lengths(m)
+        expected = torch.stack([torch.linalg.vector_norm(h, dim=-1).mean() for h in stream])
+        if type(got) is not Tensor:
+            raise CheckFailure(f"residual_norms should return a torch.Tensor of {len(layers) + 1} numbers, got "
+                               f"{kind(got)}: torch.stack the lengths.")
+        if got.shape == (len(layers),) and close(got, expected[1:], dtype):
+            raise CheckFailure("You measured after each layer only: entry 0 is the length of x itself, before the "
+                               f"first layer, so {len(layers)} layers give {len(layers) + 1} numbers.")
+        got = expect_tensor(got, "residual_norms(layers, x, mask)", (len(layers) + 1,), "depth", dtype)
+        if close(got, expected, dtype):
+            continue
+        variants = {
+            "You averaged the squared lengths: take the L2 norm over d_model (the square root of the sum of "
+            "squares), then the mean.": [(h**2).sum(-1).mean() for h in stream],
+            "You took the norm of the whole tensor: the length is per position (over d_model), averaged over batch "
+            "and seq.": [torch.linalg.vector_norm(h) for h in stream],
+            "You took the norm over the wrong axis: the length of a position's vector is over d_model, the last "
+            "axis.": [torch.linalg.vector_norm(h, dim=1).mean() for h in stream],
+            "You added the lengths up: average them over batch and seq.": [
+                torch.linalg.vector_norm(h, dim=-1).sum() for h in stream],
+        }
+        if m is not None:
+            variants["You did not pass the mask on to the layers: call each as layer(x, mask)."] = [
+                torch.linalg.vector_norm(h, dim=-1).mean() for h in lengths(None)]
+        hint = next((h for h, v in variants.items() if close(got, torch.stack(v), dtype)),
+                    "Entry i is torch.linalg.vector_norm(x, dim=-1).mean() after i layers (entry 0: before any).")
+        raise CheckFailure(f"Your lengths {[round(v, 3) for v in got.tolist()]} differ from the expected "
+                           f"{[round(v, 3) for v in expected.tolist()]}. {hint}")
+    passed(f"residual_norms: the mean length of a position's vector before and after each layer ({_dtype_name(dtype)})")

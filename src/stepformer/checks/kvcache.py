@@ -1,0 +1,566 @@
+"""Checks for chapter 09: the KV-cache, a cached attention step, and the cache's memory formula.
+
+There is no built-in KV-cache to compare with, so the checks test the defining properties: the
+cache grows along the sequence axis and refuses what does not continue it; attention computed
+step by step from the cache equals one causal pass of ``torch.nn.MultiheadAttention`` (the
+oracle, with the same weights) over the whole sequence; each step projects only its new
+positions (counted by projections that tally the rows they see); the formula's bytes equal the
+bytes of the caches that a real model holds after decoding. Every touch of the student's code
+goes through :func:`call`, with the small helpers below.
+"""
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed
+
+AXES = ("batch", "kv_heads", "d_head", "prefill", "steps")
+
+
+def _sizes(seed: int) -> dict[str, int]:
+    """Pairwise-distinct sizes, so that an append along the wrong axis cannot pass."""
+    if seed == 0:
+        return dict(zip(AXES, (2, 3, 4, 5, 6), strict=True))
+    g = torch.Generator().manual_seed(seed)
+    picks = (torch.randperm(7, generator=g)[: len(AXES)] + 2).tolist()
+    return dict(zip(AXES, picks, strict=True))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- helpers that touch the student's cache (each through `call`) --------------------------
+
+def _append(cache: Any, keys: Tensor, values: Tensor) -> Any:
+    return cache.append(keys, values)
+
+
+def _store(cache: Any, keys: Tensor, values: Tensor) -> Any:
+    return cache.store(keys, values)
+
+
+def _length(cache: Any) -> Any:
+    return len(cache)
+
+
+def _contents(cache: Any) -> tuple[Any, Any]:
+    keys, values = cache.keys, cache.values
+    return (keys.detach().clone() if type(keys) is Tensor else keys,
+            values.detach().clone() if type(values) is Tensor else values)
+
+
+def _nbytes(cache: Any) -> Any:
+    return cache.nbytes
+
+
+def _error_of(fn: Callable[..., Any], *args: Any) -> str | None:
+    try:
+        fn(*args)
+    except Exception as error:  # which exception is the answer
+        return type(error).__name__
+    return None
+
+
+def _append_error(cache: Any, keys: Tensor, values: Tensor) -> str | None:
+    return _error_of(cache.append, keys, values)
+
+
+def _store_error(cache: Any, keys: Tensor, values: Tensor) -> str | None:
+    return _error_of(cache.store, keys, values)
+
+
+APPEND_AXIS = (
+    "A cache grows along the sequence axis, dim=-2 of (batch, kv_heads, cached, d_head): "
+    "torch.cat([self.keys, keys], dim=-2), and the same for the values."
+)
+
+
+def _wrong_axis(got: Tensor, cached: Tensor, new: Tensor) -> str:
+    """Name the axis along which ``got`` glued ``cached`` and ``new`` together, if it did."""
+    for dim, axis in ((1, "heads (dim=1)"), (-1, "features (d_head, dim=-1)"), (0, "batch (dim=0)")):
+        try:
+            glued = torch.cat([cached, new], dim=dim)
+        except RuntimeError:  # the shapes do not fit along this axis
+            continue
+        if got.shape == glued.shape and torch.equal(got, glued):
+            return f"You appended along the {axis} axis, not along the sequence. {APPEND_AXIS}"
+    return APPEND_AXIS
+
+
+def _axis_in_error(message: str) -> str:
+    """torch.cat names the axis it was asked to glue along when the other axes do not fit: name it too."""
+    found = re.search(r"except in dimension (-?\d+)", message)
+    axes = {"0": "batch (dim=0)", "1": "heads (dim=1)", "3": "features (d_head, dim=-1)",
+            "-1": "features (d_head, dim=-1)"}
+    if found and found.group(1) in axes:
+        return f"You appended along the {axes[found.group(1)]} axis, not along the sequence. {APPEND_AXIS}"
+    return APPEND_AXIS
+
+
+# -- exercise 1: the cache -----------------------------------------------------------------
+
+@check
+def check_kv_cache_append(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """append grows the cache along the sequence axis and returns every cached position; len counts them."""
+    s = _sizes(seed)
+    b, kv, d_head = s["batch"], s["kv_heads"], s["d_head"]
+    g = torch.Generator().manual_seed(seed + 1)
+    cache = call(cls)
+    if call(_length, cache) != 0:
+        raise CheckFailure("A new KVCache() should hold no position: len(cache) should be 0 (keys and values None).")
+    all_keys = torch.randn(b, kv, s["prefill"] + s["steps"] + 2, d_head, generator=g, dtype=dtype)
+    all_values = torch.randn(b, kv, s["prefill"] + s["steps"] + 2, d_head, generator=g, dtype=dtype)
+    # The prefill's positions at once, then one per step, then two at once.
+    chunks = [s["prefill"], *([1] * s["steps"]), 2]
+    total = 0
+    for new in chunks:
+        keys, values = all_keys[:, :, total:total + new], all_values[:, :, total:total + new]
+        previous = (all_keys[:, :, :total], all_values[:, :, :total])
+        try:
+            returned = call(_append, cache, keys, values)
+        except CheckFailure as failure:
+            if total == 0:
+                raise
+            raise CheckFailure(f"Appending {new} position(s) to a cache of {total} failed. {failure} "
+                               f"{_axis_in_error(str(failure))}") from None
+        if type(returned) is not tuple or len(returned) != 2:
+            raise CheckFailure(f"append should return the tuple (keys, values) of every cached position, got "
+                               f"{kind(returned)}.")
+        total += new
+        for name, got, before, added, expected in (("keys", returned[0], previous[0], keys, all_keys[:, :, :total]),
+                                                   ("values", returned[1], previous[1], values,
+                                                    all_values[:, :, :total])):
+            if type(got) is not Tensor:
+                raise CheckFailure(f"append should return tensors, got {kind(got)} for the {name}.")
+            if tuple(got.shape) != tuple(expected.shape) or not torch.equal(got, expected):
+                hint = _wrong_axis(got, before, added) if total > new else (
+                    "The first append should return the keys and values it was given.")
+                raise CheckFailure(
+                    f"After appending {total - new} and then {new} position(s), append should return the {name} of "
+                    f"shape (batch={b}, kv_heads={kv}, cached={total}, d_head={d_head}) in order; it returned "
+                    f"{tuple(got.shape)}{'' if tuple(got.shape) != tuple(expected.shape) else ' with other values'}. "
+                    f"{hint}"
+                )
+        length = call(_length, cache)
+        if length != total:
+            raise CheckFailure(f"After {total} appended positions len(cache) is {length}: __len__ should count the "
+                               "positions, the size of the sequence axis (dim=-2), not of another axis.")
+    stored = call(_contents, cache)
+    if not all(type(t) is Tensor for t in stored) or not (torch.equal(stored[0], all_keys[:, :, :total])
+                                                           and torch.equal(stored[1], all_values[:, :, :total])):
+        raise CheckFailure("After the appends, cache.keys and cache.values should hold every position so far (keep "
+                           "the concatenated tensors in self.keys and self.values).")
+    for what, keys in ((f"kv_heads={kv + 1}", torch.randn(b, kv + 1, 1, d_head, generator=g, dtype=dtype)),
+                       (f"d_head={d_head + 1}", torch.randn(b, kv, 1, d_head + 1, generator=g, dtype=dtype))):
+        error = call(_append_error, cache, keys, keys.clone())
+        if error != "ValueError":
+            got = "no error" if error is None else f"a {error}"
+            raise CheckFailure(
+                f"Appending keys with {what} to a cache of (batch={b}, kv_heads={kv}, cached={total}, "
+                f"d_head={d_head}) should raise a ValueError (they do not continue the cached positions); it raised "
+                f"{got}. Compare batch, kv_heads and d_head with the cached keys before concatenating."
+            )
+    passed(f"append grows the cache along the sequence axis (prefill of {s['prefill']}, then single positions, then "
+           f"two), returns every cached position, and refuses keys that do not continue it ({_dtype_name(dtype)})")
+
+
+@check
+def check_kv_cache_fixed(cls: Callable[..., Any], seed: int = 0) -> None:
+    """A fixed cache is stored once and refuses append; a growing one refuses store; nbytes counts both tensors."""
+    s = _sizes(seed)
+    b, kv, d_head = s["batch"], s["kv_heads"], s["d_head"]
+    g = torch.Generator().manual_seed(seed + 2)
+    src_len = s["prefill"] + s["steps"]
+    keys, values = (torch.randn(b, kv, src_len, d_head, generator=g) for _ in range(2))
+    fixed = call(cls, fixed=True)
+    call(_store, fixed, keys, values)
+    stored = call(_contents, fixed)
+    if not all(type(t) is Tensor for t in stored) or not (torch.equal(stored[0], keys)
+                                                           and torch.equal(stored[1], values)):
+        raise CheckFailure("After store(keys, values) a fixed cache should hold exactly those keys and values in "
+                           "self.keys and self.values.")
+    if call(_length, fixed) != src_len:
+        raise CheckFailure(f"A fixed cache storing {src_len} positions should have len {src_len}.")
+    error = call(_append_error, fixed, keys[:, :, :1], values[:, :, :1])
+    if error != "ValueError":
+        got = "no error" if error is None else f"a {error}"
+        raise CheckFailure(
+            "A fixed (cross-attention) cache holds the encoder's memory, which does not grow: append should raise a "
+            f"ValueError on it; it raised {got}. Check self.fixed at the start of append."
+        )
+    error = call(_store_error, call(cls), keys, values)
+    if error != "ValueError":
+        got = "no error" if error is None else f"a {error}"
+        raise CheckFailure(f"store on a growing (self-attention) cache should raise a ValueError; it raised {got}.")
+    # nbytes: 0 when empty; keys and values both counted, whatever the dtype.
+    if call(_nbytes, call(cls)) != 0:
+        raise CheckFailure("An empty cache holds no tensor: its nbytes should be 0.")
+    for dtype in (torch.float32, torch.float64):
+        growing = call(cls)
+        k = torch.randn(b, kv, s["prefill"], d_head, generator=g, dtype=dtype)
+        call(_append, growing, k, k.clone())
+        got = call(_nbytes, growing)
+        expected = 2 * k.numel() * k.element_size()
+        if type(got) is not int or got != expected:
+            if got == expected // 2:
+                hint = "That is half: count the values as well as the keys."
+            elif got == 2 * k.numel():
+                hint = "That counts numbers, not bytes: multiply by element_size() (4 for float32, 8 for float64)."
+            else:
+                hint = "Add keys.numel() * keys.element_size() and the same for the values, as a Python int."
+            raise CheckFailure(f"A cache of {tuple(k.shape)} keys and values in {_dtype_name(dtype)} holds "
+                               f"{expected:,} bytes; nbytes gave {got!r}. {hint}")
+    passed("a fixed cache stores its keys and values once and refuses append; a growing one refuses store; "
+           "nbytes counts the bytes of the keys and the values")
+
+
+# -- exercise 2: one cached attention step ---------------------------------------------------
+
+class _CountingLinear(nn.Linear):
+    """An nn.Linear that tallies how many positions (rows) it has projected."""
+
+    rows = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.rows += x.shape[:-1].numel()
+        return super().forward(x)
+
+
+class _Attention(nn.Module):
+    """Chapter 03's attributes (heads, w_q, w_k, w_v, w_o) with counting projections and given weights."""
+
+    def __init__(self, oracle: nn.MultiheadAttention, heads: int) -> None:
+        super().__init__()
+        d_model, dtype = oracle.embed_dim, oracle.in_proj_weight.dtype
+        self.heads = heads
+        self.w_q, self.w_k, self.w_v, self.w_o = (_CountingLinear(d_model, d_model, dtype=dtype) for _ in range(4))
+        self.dropout = nn.Dropout(0.0)
+        weights = rearrange(oracle.in_proj_weight.detach(), "(qkv d_out) d_in -> qkv d_out d_in", qkv=3)
+        biases = rearrange(oracle.in_proj_bias.detach(), "(qkv d_out) -> qkv d_out", qkv=3)
+        with torch.no_grad():
+            for i, linear in enumerate((self.w_q, self.w_k, self.w_v)):
+                linear.weight.copy_(weights[i])
+                linear.bias.copy_(biases[i])
+            self.w_o.weight.copy_(oracle.out_proj.weight)
+            self.w_o.bias.copy_(oracle.out_proj.bias)
+        self.eval()
+
+
+def _take_rows(module: nn.Module) -> dict[str, int]:
+    """The rows each projection has seen since the last reading."""
+    rows = {}
+    for name in ("w_q", "w_k", "w_v"):
+        linear = getattr(module, name)
+        rows[name], linear.rows = linear.rows, 0
+    return rows
+
+
+def _attention_setup(s: dict[str, int], dtype: torch.dtype, seed: int) -> tuple[nn.MultiheadAttention, _Attention,
+                                                                                  Tensor, Tensor]:
+    """PyTorch's attention with seeded weights (biases too), the same weights in a counting module, the
+    inputs and the oracle's causal self-attention over all of them."""
+    heads, d_head = s["kv_heads"], s["d_head"]
+    d_model = heads * d_head
+    g = torch.Generator().manual_seed(seed + 11)
+    # PyTorch's initialisation would move the student's RNG: the modules are built on a forked one.
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        oracle = nn.MultiheadAttention(d_model, heads, batch_first=True, dtype=dtype).eval()
+        for param in (oracle.in_proj_weight, oracle.out_proj.weight):
+            param.copy_(torch.randn(param.shape, generator=g, dtype=dtype) / math.sqrt(d_model))
+        for param in (oracle.in_proj_bias, oracle.out_proj.bias):
+            param.copy_(torch.randn(param.shape, generator=g, dtype=dtype) * 0.5)
+        module = _Attention(oracle, heads)
+        length = s["prefill"] + s["steps"] + 2
+        x = torch.randn(s["batch"], length, d_model, generator=g, dtype=dtype)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        expected = oracle(x, x, x, attn_mask=~causal, need_weights=False)[0]  # PyTorch's True = "ignore"
+    return oracle, module, x, expected
+
+
+def _schedule(s: dict[str, int]) -> list[int]:
+    """The lengths of x at each call: the prefill, then one more position per step, then two more."""
+    lengths = [s["prefill"] + t for t in range(s["steps"] + 1)]
+    return [*lengths, lengths[-1] + 2]
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    return torch.softmax(scores, dim=-1).nan_to_num() @ v
+
+
+def _step_variants(module: _Attention, x: Tensor, cached: int) -> dict[str, Tensor]:
+    """What the usual mistakes give for the new positions x[:, cached:], to name them."""
+    heads = module.heads
+
+    def split(t: Tensor) -> Tensor:
+        return rearrange(t, "batch seq (heads d_head) -> batch heads seq d_head", heads=heads)
+
+    def out(heads_out: Tensor) -> Tensor:
+        return torch.nn.functional.linear(rearrange(heads_out, "batch heads seq d_head -> batch seq (heads d_head)"),
+                                          module.w_o.weight, module.w_o.bias)
+
+    with torch.no_grad():
+        q = split(torch.nn.functional.linear(x[:, cached:], module.w_q.weight, module.w_q.bias))
+        k = split(torch.nn.functional.linear(x, module.w_k.weight, module.w_k.bias))
+        v = split(torch.nn.functional.linear(x, module.w_v.weight, module.w_v.bias))
+        new, total = x.shape[1] - cached, x.shape[1]
+        first_rows = torch.ones(total, total, dtype=torch.bool).tril()[:new]
+        upper_left = torch.ones(new, new, dtype=torch.bool).tril()
+        return {
+            "first rows": out(_attend(q, k, v, first_rows)),
+            "no mask": out(_attend(q, k, v, None)),
+            "new keys only": out(_attend(q, k[:, :, cached:], v[:, :, cached:], upper_left)),
+            "new keys only, no mask": out(_attend(q, k[:, :, cached:], v[:, :, cached:], None)),
+            "no w_o": rearrange(_attend(q, k, v, torch.ones(total, total, dtype=torch.bool).tril()[cached:]),
+                                "batch heads seq d_head -> batch seq (heads d_head)"),
+        }
+
+
+STEP_HINTS = {
+    "first rows": "Your mask hides the cached keys from the new queries: it is the *first* `new` rows of the causal "
+                  "mask (a triangle aligned to the first key, as torch.ones(new, total).tril() gives). The new "
+                  "queries are the last `new` positions: align the triangle to the last key, "
+                  ".tril(diagonal=total - new), so that new query i reads keys 0 ... cached + i.",
+    "no mask": "Your output ignores the causal mask: the new positions of one call must not read each other's "
+               "future (a (new, total) mask, True on and below the diagonal aligned to the last key).",
+    "new keys only": "Your new queries read only the new keys: attend over every key and value the cache returns "
+                     "(what cache.append gives back), not only the ones you just projected.",
+    "new keys only, no mask": "Your new queries read only the new keys, without a mask: attend over every key and "
+                              "value the cache returns, under the causal mask.",
+    "no w_o": "You return the concatenated heads without the output projection: apply attention.w_o.",
+}
+
+
+@check
+def check_cached_attention(functions: tuple[Callable[..., Any], Callable[..., Any]], seed: int = 0,
+                           dtype: torch.dtype = torch.float32) -> None:
+    """A prefill, then one position at a time, then two: equal to one causal pass of torch.nn.MultiheadAttention.
+
+    ``functions`` is ``(cached_self_attention, KVCache)``: the student's step and the cache class
+    its signature names (both the student's objects, so they travel together).
+    """
+    fn, cache_cls = functions
+    s = _sizes(seed)
+    _, module, x, expected = _attention_setup(s, dtype, seed)
+    b, d_model = s["batch"], x.shape[-1]
+    cache = call(cache_cls)
+    cached = 0
+    for length in _schedule(s):
+        new = length - cached
+        what = ("the prefill (empty cache, " if cached == 0 else f"a step with {cached} cached positions (") + \
+            f"{new} new)"
+        try:
+            got = call(fn, module, x[:, :length], cache)
+        except CheckFailure as failure:
+            raise CheckFailure(f"{failure} (during {what}; if the error comes from cache.append, your KVCache of "
+                               "exercise 1 needs fixing first)") from None
+        got = expect_tensor(got, f"the output for {what}", (b, new, d_model), "batch new d_model", dtype)
+        want = expected[:, cached:length]
+        if not close(got, want, dtype):
+            variants = _step_variants(module, x[:, :length], cached)
+            hint = next((STEP_HINTS[name] for name, value in variants.items() if close(got, value, dtype)),
+                        "Project x[:, len(cache):] with w_q, w_k and w_v, split the heads, append k and v to the "
+                        "cache, attend with the keys and values it returns under a (new, total) causal mask "
+                        "aligned to the last key, merge the heads and apply w_o.")
+            raise CheckFailure(
+                f"For {what}, your output differs from the same positions of one causal pass of "
+                f"torch.nn.MultiheadAttention over the whole sequence (largest difference "
+                f"{(got - want).nan_to_num(1e9).abs().max().item():.3g}). {hint}"
+            )
+        cached = length
+    keys, values = call(_contents, cache)
+    heads, d_head = module.heads, d_model // module.heads
+    for name, t in (("keys", keys), ("values", values)):
+        if type(t) is not Tensor or tuple(t.shape) != (b, heads, cached, d_head):
+            shape = tuple(t.shape) if type(t) is Tensor else kind(t)
+            raise CheckFailure(
+                f"After decoding {cached} positions the cache's {name} should have shape (batch={b}, heads={heads}, "
+                f"cached={cached}, d_head={d_head}), got {shape}: append each call's new keys and values (split into "
+                "heads) once."
+            )
+    passed(f"prefill of {s['prefill']}, {s['steps']} single steps and a step of two equal one causal pass of "
+           f"torch.nn.MultiheadAttention; the cache holds every position once ({_dtype_name(dtype)})")
+
+
+@check
+def check_projects_new_only(functions: tuple[Callable[..., Any], Callable[..., Any]], seed: int = 0) -> None:
+    """Each call projects only its new positions: the rows through w_q, w_k and w_v do not grow with the prefix."""
+    fn, cache_cls = functions
+    s = _sizes(seed)
+    _, module, x, _ = _attention_setup(s, torch.float32, seed + 50)
+    b = s["batch"]
+    cache = call(cache_cls)
+    cached = 0
+    for length in _schedule(s):
+        new = length - cached
+        call(fn, module, x[:, :length], cache)
+        rows = call(_take_rows, module)
+        for name in ("w_k", "w_v", "w_q"):
+            if rows.get(name) == b * new:
+                continue
+            if rows.get(name) == b * length:
+                raise CheckFailure(
+                    f"With {cached} cached positions and {new} new, {name} projected all {length} positions of each "
+                    f"sequence ({rows[name]} rows for a batch of {b}): your step re-projects the whole prefix every "
+                    f"time, so its cost grows with the length, which is what the cache is there to avoid. The "
+                    f"values may be right, but project only the new positions, x[:, len(cache):], and take the "
+                    f"earlier keys and values from the cache."
+                )
+            raise CheckFailure(f"With {cached} cached positions and {new} new, {name} projected {rows.get(name)} rows "
+                               f"for a batch of {b}; it should project the {new} new position(s) of each sequence "
+                               f"once: {b * new} rows.")
+        cached = length
+    passed(f"every call projects only its new positions ({s['prefill']} for the prefill, then 1 per step, then 2): "
+           "the prefix is never projected again")
+
+
+# -- exercise 3: predict, then measure -------------------------------------------------------
+
+def _measured_cache_bytes(layers: int, heads: int, kv_heads: int, d_head: int, length: int, batch: int,
+                          dtype: torch.dtype, seed: int) -> int:
+    """Decode ``length`` tokens with a small Transformer and a KV-cache; the bytes of its self-attention caches."""
+    from stepformer.kvcache import new_cache
+    from stepformer.transformer import Transformer
+
+    threads = torch.get_num_threads()
+    # Tensors this small run fastest on one thread (several only wait for each other on a busy machine).
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            vocab = 11
+            # Learned positions: any d_model will do (sinusoids need an even one).
+            model = Transformer(vocab, vocab, heads * d_head, heads, 1, layers, 8, dropout=0.0, positional="learned",
+                                kv_heads=kv_heads)
+            model = model.to(dtype).eval()
+            src = torch.randint(3, vocab, (batch, 3))
+            memory = model.encode(src)
+            cache = new_cache(layers)
+            tokens = torch.ones(batch, 1, dtype=torch.long)
+            for _ in range(length):
+                hidden = model.decode(tokens, memory, None, None, cache)
+                tokens = model.generator(hidden[:, -1]).argmax(-1, keepdim=True)
+    finally:
+        torch.set_num_threads(threads)
+    return sum(layer.self_attn.keys.nbytes + layer.self_attn.values.nbytes for layer in cache)
+
+
+FORMULA_MISTAKES = [  # (hint, what the mistaken formula gives, from the right one and the case)
+    ("That is half: the factor 2 counts the keys *and* the values.", lambda right, c: right // 2),
+    ("That is one sequence's cache: every sequence of the batch keeps its own, so multiply by batch.",
+     lambda right, c: right // c["batch"]),
+    ("That is one layer's cache: every decoder layer keeps its own, so multiply by layers.",
+     lambda right, c: right // c["layers"]),
+    ("Count bytes, not bits: bytes_per_element is already in bytes (4 for float32).", lambda right, c: right * 8),
+    ("That counts numbers, not bytes: multiply by bytes_per_element.",
+     lambda right, c: right // c["bytes_per_element"]),
+]
+
+
+@check
+def check_cache_formula(fn: Callable[..., Any], seed: int = 0) -> None:
+    """The formula's bytes equal those of the self-attention caches of a real model after decoding."""
+    s = _sizes(seed)
+    kv, d_head = s["kv_heads"], s["d_head"]
+    # Layers and batch sizes that differ from each other and from 2, so that each missing factor shows.
+    layers = 3 if s["batch"] != 3 else 4
+    cases = [  # (layers, heads, kv_heads, d_head, length, batch, dtype)
+        (layers, kv, kv, d_head, s["steps"], s["batch"] + (s["batch"] == 2) * 3, torch.float32),
+        (layers + 2, 2 * kv, kv, d_head, s["prefill"], 3 if layers != 3 else 4, torch.float32),
+        (1, kv, 1, d_head, s["steps"] + 1, 1, torch.float64),
+        (layers, kv, kv, d_head, s["prefill"], 5 if layers != 5 else 6, torch.bfloat16),
+    ]
+    results = []
+    for i, (n_layers, heads, kv_heads, d_head_, length, batch, dtype) in enumerate(cases):
+        element = torch.empty((), dtype=dtype).element_size()
+        case = dict(layers=n_layers, kv_heads=kv_heads, d_head=d_head_, length=length, batch=batch,
+                    bytes_per_element=element)
+        got = call(fn, n_layers, kv_heads, d_head_, length, batch, element)
+        if type(got) is not int:
+            raise CheckFailure(f"cache_bytes should return a Python int (a number of bytes), got {kind(got)}.")
+        measured = _measured_cache_bytes(n_layers, heads, kv_heads, d_head_, length, batch, dtype, seed + i)
+        results.append((case, heads, dtype, got, measured))
+    wrong = [r for r in results if r[3] != r[4]]
+    if not wrong:
+        passed("the formula 2 · layers · kv_heads · d_head · length · batch · bytes per element equals the measured "
+               "bytes of the caches (float32, float64, bfloat16; MHA, GQA, MQA)")
+        return
+    # The mistake that explains every case, not only the first (a batch of 2 alone looks like a missing 2).
+    hint = next((h for h, mistaken in FORMULA_MISTAKES if all(got == mistaken(measured, case)
+                                                              for case, _, _, got, measured in results)),
+                "Each layer keeps keys and values of (batch, kv_heads, length, d_head): multiply it all out.")
+    case, heads, dtype, got, measured = wrong[0]
+    raise CheckFailure(
+        f"For {case} you predicted {got:,} bytes; a model with {case['layers']} decoder layer(s), {heads} heads and "
+        f"{case['kv_heads']} key/value heads that decoded {case['length']} tokens for a batch of {case['batch']} in "
+        f"{_dtype_name(dtype)} holds {measured:,} bytes of self-attention keys and values. {hint}"
+    )
+
+
+# -- exercise 4: reading a paged cache -------------------------------------------------------
+
+def _paged_case(s: dict[str, int], block_size: int, length: int, dtype: torch.dtype,
+                seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A pool of random blocks, a block table in no particular order, and the sequence it holds."""
+    g = torch.Generator().manual_seed(seed)
+    kv, d_head = s["kv_heads"], s["d_head"]
+    used = -(-length // block_size)
+    blocks = used + s["batch"]  # other sequences' blocks are in the pool too
+    pool = torch.randn(blocks, kv, block_size, d_head, generator=g, dtype=dtype)
+    table = torch.randperm(blocks, generator=g)[:used]
+    if used > 1 and bool((table[1:] > table[:-1]).all()):  # a sorted table would hide a sort
+        table = table.flip(0)
+    expected = torch.stack([pool[table[p // block_size], :, p % block_size] for p in range(length)], dim=1)
+    return pool, table, expected
+
+
+@check
+def check_gather_blocks(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """The sequence's positions in order, read through the block table; equal to the contiguous cache."""
+    s = _sizes(seed)
+    kv, d_head = s["kv_heads"], s["d_head"]
+    cases = [(s["prefill"], 2 * s["prefill"] + 1 + s["steps"] % (s["prefill"] - 1)),  # a partly filled last block
+             (s["steps"], s["steps"] * 3),  # full blocks only
+             (1, s["prefill"])]  # one position per block
+    for i, (block_size, length) in enumerate(cases):
+        pool, table, expected = _paged_case(s, block_size, length, dtype, seed + 31 * i)
+        what = f"block_size={block_size}, length={length}, block table {table.tolist()}"
+        got = call(fn, pool, table, length)
+        if type(got) is Tensor and got.dim() == 3 and got.shape[1] == table.numel() * block_size \
+                and got.shape[1] != length:
+            raise CheckFailure(
+                f"For {what} you returned {got.shape[1]} positions, every slot of the table's blocks; the sequence "
+                f"has {length}. The last block is only partly filled: keep the first `length` positions."
+            )
+        got = expect_tensor(got, f"the gathered keys for {what}", (kv, length, d_head), "kv_heads length d_head",
+                            dtype)
+        if torch.equal(got, expected):
+            continue
+        used = pool[table]
+        interleaved = rearrange(used, "used kv_heads slot d_head -> kv_heads (slot used) d_head")[:, :length]
+        in_pool_order = rearrange(pool[table.sort().values], "used kv_heads slot d_head -> kv_heads (used slot) d_head")
+        first_blocks = rearrange(pool[: table.numel()], "used kv_heads slot d_head -> kv_heads (used slot) d_head")
+        if torch.equal(got, interleaved):
+            hint = ("You laid the positions out as (slot used): slot 0 of every block, then slot 1, ... Position p "
+                    "is slot p % block_size of the table's block p // block_size, so the blocks go outermost: "
+                    "'used kv_heads slot d_head -> kv_heads (used slot) d_head'.")
+        elif torch.equal(got, in_pool_order[:, :length]):
+            hint = ("You read the blocks in the pool's order; a sequence's blocks can be anywhere in the pool, in "
+                    "any order: read them in the block table's order, pool[table].")
+        elif torch.equal(got, first_blocks[:, :length]):
+            hint = "You read the pool's first blocks; read the ones the block table lists: pool[table]."
+        else:
+            hint = ("Take pool[table] (the sequence's blocks in order), put the slots of each block after each "
+                    "other along the sequence, and keep the first `length` positions.")
+        raise CheckFailure(f"For {what}, your gathered keys are not the sequence's positions in order. {hint}")
+    passed(f"gather_blocks reads the blocks in the table's order, slots within blocks, and stops at the sequence's "
+           f"length ({_dtype_name(dtype)})")

@@ -1,0 +1,211 @@
+"""Chapter 07: the encoder. Embeddings, the encoder layer (self-attention and FFN in residual sublayers), the stack.
+
+Every piece comes from an earlier chapter: attention (01, 03), masks (02), the feed-forward
+network (04), LayerNorm and the residual sublayer (05), positions (06). Parameter names follow
+``torch.nn.TransformerEncoderLayer``, so its weights copy across (``encoder_from_torch``).
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from beartype import beartype
+from jaxtyping import Bool, Float, Int, jaxtyped
+from torch import Tensor, nn
+
+from stepformer.ffn import FeedForward
+from stepformer.multihead import MultiHeadAttention
+from stepformer.multihead import from_torch as attention_from_torch
+from stepformer.norms import LayerNorm
+from stepformer.positional import LearnedPositionalEmbedding, sinusoidal_encoding
+
+POSITIONALS = ("sinusoidal", "learned", "rope")
+# A mask is boolean, True = may attend, broadcast against the scores (batch, heads, queries, keys).
+SelfMask = Bool[Tensor, "#batch #heads #seq #seq"] | Bool[Tensor, "#seq #seq"] | None
+
+
+def add_and_norm(
+    x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.Module, dropout: nn.Module, norm_first: bool
+) -> Tensor:
+    """One residual sublayer (chapter 05).
+
+    Post-norm: ``norm(x + dropout(f(x)))``; pre-norm: ``x + dropout(f(norm(x)))``.
+    """
+    if norm_first:
+        return x + dropout(sublayer(norm(x)))
+    return norm(x + dropout(sublayer(x)))
+
+
+class Embedding(nn.Module):
+    """Token embeddings scaled by sqrt(d_model), plus positions, then dropout.
+
+    ``positional`` is ``"sinusoidal"`` (the fixed code of chapter 06, computed for any
+    length), ``"learned"`` (a table of ``max_len`` rows) or ``"rope"`` (nothing is added here:
+    the attention rotates queries and keys instead). The scale (section 3.4 of the paper) makes
+    small token vectors, entries of about 1/sqrt(d_model) as a table shared with the output layer
+    or Glorot's initialisation gives them, about as long as the positional code they are added
+    to. (``nn.Embedding``'s own N(0, 1) entries are long already: the full model re-initialises.)
+    """
+
+    def __init__(
+        self, vocab: int, d_model: int, positional: str = "sinusoidal", max_len: int = 512, dropout: float = 0.0
+    ) -> None:
+        super().__init__()  # first: the submodules assigned below register with nn.Module
+        if positional not in POSITIONALS:
+            raise ValueError(f"positional must be one of {POSITIONALS}, got {positional!r}")
+        self.d_model, self.positional = d_model, positional
+        self.tokens = nn.Embedding(vocab, d_model)
+        self.positions = LearnedPositionalEmbedding(max_len, d_model) if positional == "learned" else None
+        self.dropout = nn.Dropout(dropout)  # on the sum of tokens and positions, section 5.4 of the paper
+
+    @jaxtyped(typechecker=beartype)
+    def forward(self, tokens: Int[Tensor, "batch seq"], start: int = 0) -> Float[Tensor, "batch seq d_model"]:
+        """Embed ``tokens`` at positions ``start ... start + seq - 1`` (``start > 0``: decoding with a cache)."""
+        x = self.tokens(tokens) * math.sqrt(self.d_model)
+        seq = tokens.shape[1]
+        if self.positional == "sinusoidal":
+            x = x + sinusoidal_encoding(start + seq, self.d_model)[start:].to(x)
+        elif self.positional == "learned":
+            x = x + self.positions(torch.arange(start, start + seq, device=tokens.device))
+        return self.dropout(x)
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then the feed-forward network, each in a residual sublayer (Add & Norm).
+
+    Attributes as in ``torch.nn.TransformerEncoderLayer``: ``self_attn``, ``ffn`` (a
+    :class:`~stepformer.ffn.FeedForward` holding ``linear1`` and ``linear2``), ``norm1``,
+    ``norm2``, ``dropout1``, ``dropout2``. ``dropout`` acts on the attention weights, the
+    hidden activations of the FFN and each sublayer's output, as in PyTorch.
+    The attention is chapter 03's :class:`~stepformer.multihead.MultiHeadAttention`; a full
+    :class:`~stepformer.transformer.Transformer` may swap in chapter 10's grouped-query attention,
+    which has the same parameters.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        norm_first: bool = False,
+        activation: str = "relu",
+    ) -> None:
+        super().__init__()  # first: the submodules assigned below register with nn.Module
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(d_model, heads, dropout=dropout)
+        self.ffn = FeedForward(d_model, d_ff, activation, dropout)
+        self.norm1, self.norm2 = LayerNorm(d_model), LayerNorm(d_model)
+        self.dropout1, self.dropout2 = nn.Dropout(dropout), nn.Dropout(dropout)
+
+    @jaxtyped(typechecker=beartype)
+    def forward(
+        self, x: Float[Tensor, "batch seq d_model"], mask: SelfMask = None
+    ) -> Float[Tensor, "batch seq d_model"]:
+        """``mask``: ``True`` = may attend; a padding mask ``(batch, 1, 1, seq)`` keeps padding unread."""
+        x = add_and_norm(x, lambda h: self.self_attn(h, h, h, mask), self.norm1, self.dropout1, self.norm_first)
+        return add_and_norm(x, self.ffn, self.norm2, self.dropout2, self.norm_first)
+
+
+class Encoder(nn.Module):
+    """A stack of ``layers`` :class:`EncoderLayer` s, then a final LayerNorm (``norm``).
+
+    The final norm is needed with pre-norm, whose residual stream is never normalised;
+    ``torch.nn.Transformer`` has one in both cases, so ``final_norm`` defaults to ``True``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        d_ff: int,
+        layers: int,
+        dropout: float = 0.1,
+        norm_first: bool = False,
+        activation: str = "relu",
+        final_norm: bool = True,
+    ) -> None:
+        super().__init__()  # first: the submodules assigned below register with nn.Module
+        self.layers = nn.ModuleList(
+            EncoderLayer(d_model, heads, d_ff, dropout, norm_first, activation) for _ in range(layers)
+        )
+        self.norm = LayerNorm(d_model) if final_norm else nn.Identity()
+
+    @jaxtyped(typechecker=beartype)
+    def forward(
+        self, x: Float[Tensor, "batch seq d_model"], mask: SelfMask = None
+    ) -> Float[Tensor, "batch seq d_model"]:
+        """The encoder's memory: one vector per source position, every layer reading the same padding ``mask``."""
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.norm(x)
+
+
+@jaxtyped(typechecker=beartype)
+def residual_norms(
+    layers: nn.ModuleList, x: Float[Tensor, "batch seq d_model"], mask: SelfMask = None
+) -> Float[Tensor, " depth"]:
+    """How large the residual stream is through a stack: the mean length of a position's vector.
+
+    Entry 0 is for ``x``, entry ``i`` for the output of ``layers[i - 1]``, so ``depth =
+    len(layers) + 1``. Each layer is called as ``layer(x, mask)``; the length is the L2 norm over
+    ``d_model``, averaged over ``batch`` and ``seq``. Measured without gradients.
+    """
+    with torch.no_grad():
+        lengths = [torch.linalg.vector_norm(x, dim=-1).mean()]
+        for layer in layers:
+            x = layer(x, mask)
+            lengths.append(torch.linalg.vector_norm(x, dim=-1).mean())
+    return torch.stack(lengths)
+
+
+def check_plain(layer: nn.Module) -> tuple[str, float]:
+    """The activation and dropout of a PyTorch encoder or decoder layer, if this library can copy it."""
+    activation = layer.activation
+    if activation is F.relu or isinstance(activation, nn.ReLU):
+        name = "relu"
+    elif activation is F.gelu or (isinstance(activation, nn.GELU) and activation.approximate == "none"):
+        name = "gelu"
+    else:
+        raise ValueError(f"only activation='relu' or 'gelu' can be copied, got {activation}")
+    if abs(layer.norm1.eps - 1e-5) > 1e-12:
+        raise ValueError(f"only LayerNorm eps=1e-5 can be copied, got {layer.norm1.eps}")
+    return name, layer.dropout.p
+
+
+def encoder_layer_from_torch(layer: nn.TransformerEncoderLayer) -> EncoderLayer:
+    """An :class:`EncoderLayer` with the weights of a ``torch.nn.TransformerEncoderLayer`` (batch_first or not)."""
+    activation, dropout = check_plain(layer)
+    attn = layer.self_attn
+    ours = EncoderLayer(
+        attn.embed_dim, attn.num_heads, layer.linear1.out_features, dropout, layer.norm_first, activation
+    )
+    ours = ours.to(dtype=layer.linear1.weight.dtype, device=layer.linear1.weight.device)
+    ours.self_attn.load_state_dict(attention_from_torch(attn).state_dict())
+    ours.ffn.linear1.load_state_dict(layer.linear1.state_dict())
+    ours.ffn.linear2.load_state_dict(layer.linear2.state_dict())
+    ours.norm1.load_state_dict(layer.norm1.state_dict())
+    ours.norm2.load_state_dict(layer.norm2.state_dict())
+    return ours
+
+
+def encoder_from_torch(encoder: nn.TransformerEncoder) -> Encoder:
+    """An :class:`Encoder` with the weights of a ``torch.nn.TransformerEncoder`` (its final ``norm`` if it has one)."""
+    layers = [encoder_layer_from_torch(layer) for layer in encoder.layers]
+    first = encoder.layers[0]
+    ours = Encoder(
+        first.self_attn.embed_dim,
+        first.self_attn.num_heads,
+        first.linear1.out_features,
+        len(layers),
+        first.dropout.p,
+        first.norm_first,
+        check_plain(first)[0],
+        final_norm=encoder.norm is not None,
+    )
+    ours = ours.to(dtype=first.linear1.weight.dtype, device=first.linear1.weight.device)
+    ours.layers = nn.ModuleList(layers)
+    if encoder.norm is not None:
+        ours.norm.load_state_dict(encoder.norm.state_dict())
+    return ours

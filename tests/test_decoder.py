@@ -1,0 +1,541 @@
+"""stepformer.transformer against torch.nn.TransformerDecoderLayer / nn.Transformer on random shapes, its
+defining properties (teacher forcing, per-sentence EOS, tied embeddings, fast == plain), and the chapter's checks."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import stepformer.attention
+import stepformer.encoder
+import stepformer.ffn
+import stepformer.masks
+import stepformer.multihead
+import stepformer.norms
+import stepformer.transformer
+from stepformer.checks._core import RECORD_ENV, CheckFailure, replaying
+from stepformer.checks.decoder import (
+    EOS,
+    PAD,
+    ToyModel,
+    _sizes,
+    _sources,
+    check_decoder_layer_init,
+    check_decoder_layer_post_norm,
+    check_decoder_layer_pre_norm,
+    check_greedy,
+    check_logits_that_change,
+    check_target_mask,
+)
+from stepformer.masks import causal_mask, padding_mask
+from stepformer.transformer import (
+    Transformer,
+    decoder_layer_from_torch,
+    generate,
+    greedy,
+    load_torch_transformer,
+    logits_that_change,
+    target_mask,
+)
+from tests.fixtures.student import student_copy
+
+
+def _randomise(module, g):
+    """Random weights, biases and norm parameters, so that nothing is left at PyTorch's 0/1 defaults."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.3 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[1]))
+
+
+def _padded(batch, length, vocab, g, pad_id=0):
+    """Token ids (batch, length) with padding at the end of some sentences; every sentence has >= 1 real token."""
+    tokens = torch.randint(1, vocab, (batch, length), generator=g)
+    lengths = torch.randint(1, length + 1, (batch,), generator=g)
+    lengths[0] = length
+    tokens[torch.arange(length)[None, :] >= lengths[:, None]] = pad_id
+    return tokens
+
+
+def _torch_masks(src, tgt, pad_id=0):
+    """PyTorch's masks: True = ignore (the opposite of ours)."""
+    tgt_len = tgt.shape[1]
+    return dict(src_key_padding_mask=src == pad_id, memory_key_padding_mask=src == pad_id,
+                tgt_key_padding_mask=tgt == pad_id,
+                tgt_mask=~torch.ones(tgt_len, tgt_len, dtype=torch.bool).tril())
+
+
+sizes = st.tuples(st.integers(1, 4), st.integers(1, 7), st.integers(1, 7), st.sampled_from([1, 2, 3, 4]),
+                  st.integers(1, 4), st.integers(1, 12))
+
+
+@settings(max_examples=20, deadline=None)
+@given(s=sizes, norm_first=st.booleans(), layers=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       seed=st.integers(0, 2**16))
+def test_full_model_matches_torch_transformer_float64(s, norm_first, layers, seed):
+    """Encoder + decoder of Transformer == torch.nn.Transformer with copied weights, padding and causal masks."""
+    batch, src_len, tgt_len, heads, d_head, d_ff = s
+    d_model = heads * d_head
+    g = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        theirs = nn.Transformer(d_model, heads, layers[0], layers[1], d_ff, dropout=0.0, batch_first=True,
+                                norm_first=norm_first, dtype=torch.float64)
+    _randomise(theirs, g)
+    theirs.eval()
+    ours = Transformer(11, 11, d_model, heads, layers[0], layers[1], d_ff, dropout=0.0, norm_first=norm_first)
+    ours = ours.double().eval()
+    load_torch_transformer(ours, theirs)
+    src, tgt = _padded(batch, src_len, 11, g), _padded(batch, tgt_len, 11, g)
+    x = torch.randn(batch, src_len, d_model, generator=g, dtype=torch.float64)
+    y = torch.randn(batch, tgt_len, d_model, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        expected = theirs(x, y, **_torch_masks(src, tgt))
+        src_mask = padding_mask(src, 0)
+        got = ours.decoder(y, ours.encoder(x, src_mask), src_mask, target_mask(tgt, 0))
+    difference = (got - expected).abs().max().item()
+    assert difference < 1e-5, difference
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decoder_layer_matches_pytorch_float64(norm_first):
+    g = torch.Generator().manual_seed(1)
+    layer = nn.TransformerDecoderLayer(12, 3, 10, dropout=0.0, batch_first=True, norm_first=norm_first,
+                                       dtype=torch.float64)
+    _randomise(layer, g)
+    layer.eval()
+    ours = decoder_layer_from_torch(layer).eval()
+    src, tgt = _padded(2, 5, 9, g), _padded(2, 4, 9, g)
+    y, memory = torch.randn(2, 4, 12, generator=g, dtype=torch.float64), torch.randn(2, 5, 12, generator=g,
+                                                                                    dtype=torch.float64)
+    masks = _torch_masks(src, tgt)
+    with torch.no_grad():
+        expected = layer(y, memory, tgt_mask=masks["tgt_mask"], tgt_key_padding_mask=masks["tgt_key_padding_mask"],
+                         memory_key_padding_mask=masks["memory_key_padding_mask"])
+        got = ours(y, memory, padding_mask(src, 0), target_mask(tgt, 0))
+    assert (got - expected).abs().max().item() < 1e-10
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 4), length=st.integers(1, 8), pad_id=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_target_mask_is_causal_and_padding(batch, length, pad_id, seed):
+    tokens = torch.randint(0, 6, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = target_mask(tokens, pad_id)
+    assert mask.shape == (batch, 1, length, length)
+    for b in range(batch):
+        for i in range(length):
+            for j in range(length):
+                assert bool(mask[b, 0, i, j]) == (j <= i and int(tokens[b, j]) != pad_id)
+
+
+def _small_model(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    options = dict(d_model=16, heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=24, dropout=0.0, max_len=40)
+    return Transformer(13, 13, **{**options, **kwargs}).double().eval()
+
+
+def test_teacher_forcing_equals_prefix_by_prefix():
+    """One parallel pass gives, at position i, the logits that the prefix tgt[:, :i + 1] alone gives."""
+    model = _small_model()
+    g = torch.Generator().manual_seed(4)
+    src, tgt = _padded(3, 6, 13, g), torch.randint(1, 13, (3, 5), generator=g)
+    with torch.no_grad():
+        parallel = model(src, tgt)
+        for i in range(tgt.shape[1]):
+            one = model(src, tgt[:, :i + 1])[:, -1]
+            assert (one - parallel[:, i]).abs().max() < 1e-12
+
+
+def test_a_later_target_token_changes_only_later_logits():
+    model = _small_model(1)
+    g = torch.Generator().manual_seed(5)
+    src, tgt = _padded(2, 6, 13, g), torch.randint(1, 13, (2, 7), generator=g)
+    for position in (0, 3, 6):
+        changed = logits_that_change(model, src, tgt, position, int(tgt[0, position] % 12 + 1))
+        assert torch.equal(changed[0], torch.arange(7) >= position)
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_positional_options_and_tied_embeddings(positional, tie):
+    model = _small_model(positional=positional, tie_embeddings=tie)
+    g = torch.Generator().manual_seed(6)
+    src, tgt = _padded(2, 6, 13, g), _padded(2, 5, 13, g)
+    logits = model(src, tgt)
+    assert logits.shape == (2, 5, 13) and torch.isfinite(logits).all()
+    shared = model.generator.weight is model.tgt_embed.tokens.weight
+    assert shared == tie
+    assert (model.src_embed.tokens.weight is model.tgt_embed.tokens.weight) == tie
+    if tie:  # one tensor: a gradient step on the generator moves the embedding
+        names = [n for n, p in model.named_parameters() if p is model.generator.weight]
+        assert len(names) == 1
+
+
+def test_tied_embeddings_with_two_vocabularies_share_only_the_target_side():
+    torch.manual_seed(0)
+    model = Transformer(9, 13, d_model=8, heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=8,
+                        tie_embeddings=True)
+    assert model.generator.weight is model.tgt_embed.tokens.weight
+    assert model.src_embed.tokens.weight is not model.tgt_embed.tokens.weight
+    untied = Transformer(9, 13, d_model=8, heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=8)
+    saved = sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in model.parameters())
+    assert saved == 13 * 8
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal", "rope"])
+def test_positions_are_used(positional):
+    """Without positions a permutation of the source would not change the logits; with them it does."""
+    model = _small_model(2, positional=positional)
+    g = torch.Generator().manual_seed(7)
+    src, tgt = torch.randint(1, 13, (2, 6), generator=g), torch.randint(1, 13, (2, 4), generator=g)
+    with torch.no_grad():
+        assert (model(src, tgt) - model(src.flip(1), tgt)).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_fast_equals_plain(norm_first):
+    plain = _small_model(3, norm_first=norm_first)
+    fast = _small_model(3, norm_first=norm_first, fast=True)
+    fast.load_state_dict(plain.state_dict())
+    g = torch.Generator().manual_seed(8)
+    src, tgt = _padded(3, 7, 13, g), _padded(3, 5, 13, g)
+    with torch.no_grad():
+        assert (fast(src, tgt) - plain(src, tgt)).abs().max() < 1e-10
+
+
+def test_generate_stops_each_sentence_at_its_eos_and_pads_after():
+    model = ToyModel(16, seed=0)
+    src = _sources([3, 1, 5, 2], 6, seed=0)
+    tokens, logits = greedy(model, src, 8, 1, EOS, model.next_logits)
+    assert tokens.shape == (4, 6) and logits.shape == (4, 5, 16)
+    for row, stop in zip(tokens.tolist(), [3, 1, 5, 2], strict=True):
+        assert row[stop] == EOS and EOS not in row[1:stop]
+        assert all(t == PAD for t in row[stop + 1:])
+        assert PAD not in row[:stop]
+    never = _sources([0, 2], 6, seed=1)
+    tokens, _ = greedy(model, never, 5, 1, EOS, model.next_logits)
+    assert tokens.shape == (2, 6) and EOS not in tokens[0].tolist()
+
+
+def test_generate_batch_equals_each_sentence_alone():
+    """Batched greedy decoding of the real model == decoding each sentence by itself, up to its EOS."""
+    model = _small_model(4)
+    g = torch.Generator().manual_seed(9)
+    src = _padded(4, 6, 13, g)
+    eos = int(generate(model, src[:1], 3, 1, 2)[0][0, 2])  # a token the model does produce, to get some EOS
+    tokens, logits = generate(model, src, 6, 1, eos)
+    assert tokens[:, 0].eq(1).all() and logits.shape == (4, tokens.shape[1] - 1, 13)
+    for b in range(4):
+        real = src[b:b + 1, : int((src[b] != 0).sum())]
+        alone, _ = generate(model, real, 6, 1, eos)
+        row = tokens[b].tolist()
+        end = row.index(eos) + 1 if eos in row[1:] else len(row)
+        assert row[:end] == alone[0, :end].tolist()
+        assert all(t == model.pad_id for t in row[end:])
+    assert model.training is False
+
+
+def test_generate_restores_training_mode():
+    model = _small_model(5).train()
+    generate(model, torch.tensor([[3, 4, 5]]), 2, 1, 2)
+    assert model.training
+
+
+def test_greedy_needs_a_step():
+    with pytest.raises(ValueError, match="at least 1"):
+        generate(_small_model(), torch.tensor([[3, 4]]), 0, 1, 2)
+
+
+# -- the checks ------------------------------------------------------------------------------
+
+def _student_transformer():
+    """The library as a student's notebook has it: its own copy, with the given pieces as copies too."""
+    multihead = student_copy(stepformer.multihead)
+    multihead.scaled_dot_product_attention = student_copy(stepformer.attention).scaled_dot_product_attention
+    masks = student_copy(stepformer.masks)
+    copy = student_copy(stepformer.transformer)
+    copy.MultiHeadAttention = multihead.MultiHeadAttention
+    copy.FeedForward = student_copy(stepformer.ffn).FeedForward
+    copy.LayerNorm = student_copy(stepformer.norms).LayerNorm
+    copy.add_and_norm = student_copy(stepformer.encoder).add_and_norm
+    copy.padding_mask, copy.causal_mask = masks.padding_mask, masks.causal_mask
+    return copy
+
+
+student = _student_transformer()
+
+
+def test_checks_pass_on_the_solution(capsys):
+    check_target_mask(student.target_mask)
+    check_decoder_layer_init(student.DecoderLayer)
+    check_decoder_layer_post_norm(student.DecoderLayer)
+    check_decoder_layer_pre_norm(student.DecoderLayer)
+    check_greedy(student.greedy)
+    check_logits_that_change(student.logits_that_change)
+    out = capsys.readouterr()
+    assert out.out.count("✔") == 6 and out.err == ""
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_checks_pass_in_float64_on_other_seeds(seed):
+    check_target_mask(student.target_mask, seed=seed)
+    check_decoder_layer_post_norm(student.DecoderLayer, seed=seed, dtype=torch.float64)
+    check_decoder_layer_pre_norm(student.DecoderLayer, seed=seed, dtype=torch.float64)
+    check_greedy(student.greedy, seed=seed, dtype=torch.float64)
+    check_logits_that_change(student.logits_that_change, seed=seed, dtype=torch.float64)
+
+
+def test_sizes_are_pairwise_distinct_for_every_seed():
+    for seed in range(60):
+        s = _sizes(seed)
+        assert len(set(s.values())) == len(s) and s["d_model"] == s["heads"] * s["d_head"]
+
+
+def _stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+class StubLayer(nn.Module):
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError()
+
+
+@pytest.mark.parametrize("check", [check_target_mask, check_greedy, check_logits_that_change])
+def test_function_checks_fail_on_the_stub(check):
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        check(_stub)
+
+
+@pytest.mark.parametrize("check", [check_decoder_layer_init, check_decoder_layer_post_norm,
+                                   check_decoder_layer_pre_norm])
+def test_layer_checks_fail_on_the_stub(check):
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        check(StubLayer)
+
+
+# Mistakes in target_mask.
+def _padding_only(tgt, pad_id):
+    return student.padding_mask(tgt, pad_id)
+
+
+def _causal_only(tgt, pad_id):
+    return student.causal_mask(tgt.shape[1])
+
+
+def _either(tgt, pad_id):
+    return student.padding_mask(tgt, pad_id) | student.causal_mask(tgt.shape[1])
+
+
+def _upper(tgt, pad_id):
+    return student.padding_mask(tgt, pad_id) & student.causal_mask(tgt.shape[1]).T
+
+
+def _no_diagonal(tgt, pad_id):
+    return student.padding_mask(tgt, pad_id) & student.causal_mask(tgt.shape[1]).tril(-1)
+
+
+@pytest.mark.parametrize(("fn", "message"), [
+    (_padding_only, "only the padding mask"), (_causal_only, "only the causal mask"),
+    (_either, r"with \| \(or\)"), (_upper, "upper triangle"), (_no_diagonal, "leaves out the diagonal"),
+])
+def test_target_mask_check_names_the_mistake(fn, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_target_mask(fn)
+
+
+# Mistakes in the decoder layer: the library's layer with one sublayer changed.
+def layer_mistake(mistake):
+    class Mistaken(student.DecoderLayer):
+        def forward(self, x, memory, src_mask=None, tgt_mask=None, cache=None):
+            add_and_norm = student.add_and_norm
+            self_mask = None if mistake == "no target mask" else tgt_mask
+            x = add_and_norm(x, lambda h: self.self_attn(h, h, h, self_mask), self.norm1, self.dropout1,
+                             self.norm_first)
+            if mistake == "cross reads the decoder":
+                def cross(h):
+                    return self.cross_attn(h, h, h, src_mask)
+            elif mistake == "no source mask":
+                def cross(h):
+                    return self.cross_attn(h, memory, memory)
+            else:
+                def cross(h):
+                    return self.cross_attn(h, memory, memory, src_mask)
+            if mistake == "normed memory":
+                def cross(h):  # noqa: F811
+                    m = self.norm2(memory)
+                    return self.cross_attn(h, m, m, src_mask)
+            if mistake != "no cross-attention":
+                x = add_and_norm(x, cross, self.norm2, self.dropout2, self.norm_first)
+            return add_and_norm(x, self.ffn, self.norm3, self.dropout3, self.norm_first)
+
+    return Mistaken
+
+
+@pytest.mark.parametrize(("check", "mistake", "message"), [
+    (check_decoder_layer_post_norm, "cross reads the decoder", "reads its keys and values from the decoder"),
+    (check_decoder_layer_pre_norm, "cross reads the decoder", "reads its keys and values from the decoder"),
+    (check_decoder_layer_post_norm, "no target mask", "ignores tgt_mask"),
+    (check_decoder_layer_pre_norm, "no source mask", "ignores src_mask"),
+    (check_decoder_layer_post_norm, "no cross-attention", "leaves out cross-attention"),
+    (check_decoder_layer_pre_norm, "normed memory", "normalised the encoder's memory"),
+])
+def test_layer_checks_name_the_mistake(check, mistake, message):
+    with pytest.raises(CheckFailure, match=message):
+        check(layer_mistake(mistake))
+
+
+def test_mistake_free_layer_copy_passes():
+    check_decoder_layer_post_norm(layer_mistake(""))
+    check_decoder_layer_pre_norm(layer_mistake(""), seed=4, dtype=torch.float64)
+
+
+def test_init_check_names_shared_norms_and_missing_dropout():
+    class SharedNorm(student.DecoderLayer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.norm3 = self.norm2
+
+    class NoDropout3(student.DecoderLayer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            del self.dropout3
+
+    with pytest.raises(CheckFailure, match="one and the same module"):
+        check_decoder_layer_init(SharedNorm)
+    with pytest.raises(CheckFailure, match="no dropout3"):
+        check_decoder_layer_init(NoDropout3)
+
+
+# Mistakes in greedy generation.
+def _greedy_mistake(mistake):
+    def wrong(model, src, max_new_tokens, bos_id, eos_id, next_logits):
+        src_mask = student.padding_mask(src, model.pad_id)
+        memory = model.encode(src, src_mask)
+        tokens = torch.full((src.shape[0], 1), bos_id)
+        finished = torch.zeros(src.shape[0], dtype=torch.bool)
+        steps = []
+        for _ in range(max_new_tokens):
+            logits = next_logits(tokens, memory, src_mask)
+            steps.append(logits)
+            token = logits.argmax(-1)
+            if mistake != "no padding":
+                token = token.masked_fill(finished, model.pad_id)
+            tokens = torch.cat([tokens, token[:, None]], dim=1)
+            finished |= token == eos_id
+            if mistake == "first eos" and finished.any():
+                break
+            if mistake != "all steps" and finished.all():
+                break
+        if mistake == "all steps":
+            tokens = torch.cat([tokens, torch.full((src.shape[0], max_new_tokens + 1 - tokens.shape[1]),
+                                                   model.pad_id)], 1)
+        return tokens, torch.stack(steps, 1)
+
+    return wrong
+
+
+@pytest.mark.parametrize(("mistake", "message"), [
+    ("first eos", "stops every sentence at the first EOS"),
+    ("no padding", "keeps writing its argmax tokens"),
+    ("all steps", "always runs max_new_tokens"),
+])
+def test_greedy_check_names_the_mistake(mistake, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_greedy(_greedy_mistake(mistake))
+
+
+def test_greedy_check_wants_logits_and_bos():
+    with pytest.raises(CheckFailure, match=r"tuple \(tokens, logits\)"):
+        check_greedy(lambda *args: _greedy_mistake("")(*args)[0])
+    with pytest.raises(CheckFailure, match="start with bos_id"):
+        check_greedy(lambda *args: tuple(t[:, 1:] if i == 0 else t
+                                         for i, t in enumerate(_greedy_mistake("")(*args))))
+
+
+# Mistakes in the measurement.
+def _assumed(model, src, tgt, position, token):
+    return (torch.arange(tgt.shape[1]) >= position).expand(tgt.shape[0], -1).clone()
+
+
+def _in_place(model, src, tgt, position, token):
+    before = model(src, tgt)
+    tgt[:, position] = token
+    return (model(src, tgt) - before).abs().amax(-1) > 1e-6
+
+
+def _per_vocab(model, src, tgt, position, token):
+    changed = tgt.clone()
+    changed[:, position] = token
+    return (model(src, changed) - model(src, tgt)).abs() > 1e-6
+
+
+@pytest.mark.parametrize(("fn", "message"), [
+    (_assumed, "not a measurement"), (_in_place, "in place"), (_per_vocab, "reduce over vocab only"),
+])
+def test_measurement_check_names_the_mistake(fn, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_logits_that_change(fn)
+
+
+def test_using_the_reference_is_not_own_work():
+    with pytest.raises(CheckFailure, match="Not your own work"):
+        check_decoder_layer_post_norm(stepformer.transformer.DecoderLayer)
+    with pytest.raises(CheckFailure, match="Not your own work"):
+        check_target_mask(stepformer.transformer.target_mask)
+    with pytest.raises(CheckFailure, match="Not your own work"):
+        check_greedy(stepformer.transformer.greedy)
+
+    class UsesPyTorch(nn.Module):
+        def __init__(self, d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
+            super().__init__()
+            self.inner = nn.TransformerDecoderLayer(d_model, heads, d_ff, dropout, batch_first=True)
+
+    with pytest.raises(CheckFailure, match="Not your own work"):
+        check_decoder_layer_init(UsesPyTorch)
+
+
+def test_replay_of_a_module_check_needs_no_module(monkeypatch, tmp_path):
+    for folder, cls in ((tmp_path / "right", student.DecoderLayer),
+                        (tmp_path / "wrong", layer_mistake("cross reads the decoder"))):
+        monkeypatch.setenv(RECORD_ENV, str(folder))
+        try:
+            check_decoder_layer_post_norm(cls, seed=2)
+        except CheckFailure:
+            pass
+        monkeypatch.delenv(RECORD_ENV)
+    with replaying(tmp_path / "right"):
+        check_decoder_layer_post_norm(object(), seed=2)  # the object is never touched
+    with replaying(tmp_path / "wrong"), pytest.raises(CheckFailure, match="from the decoder"):
+        check_decoder_layer_post_norm(object(), seed=2)
+
+
+def test_causal_mask_in_target_mask_is_the_library_one():
+    tokens = torch.tensor([[4, 5, 0]])
+    assert torch.equal(target_mask(tokens, 0)[0, 0], causal_mask(3) & padding_mask(tokens, 0)[0, 0])
+
+
+def test_target_mask_check_names_a_single_mask_refused_by_the_signature():
+    """With the notebook's annotated signature, one mask alone fails the return type: the check still names it."""
+    from beartype import beartype
+    from jaxtyping import Bool, Int, jaxtyped
+    from torch import Tensor
+
+    @jaxtyped(typechecker=beartype)
+    def padding_only(tgt: Int[Tensor, "batch tgt_len"], pad_id: int) -> Bool[Tensor, "batch 1 tgt_len tgt_len"]:
+        return student.padding_mask(tgt, pad_id)
+
+    @jaxtyped(typechecker=beartype)
+    def causal_only(tgt: Int[Tensor, "batch tgt_len"], pad_id: int) -> Bool[Tensor, "batch 1 tgt_len tgt_len"]:
+        return student.causal_mask(tgt.shape[1])
+
+    with pytest.raises(CheckFailure, match="padding mask alone"):
+        check_target_mask(padding_only)
+    with pytest.raises(CheckFailure, match="causal mask alone"):
+        check_target_mask(causal_only)

@@ -1,0 +1,534 @@
+"""stepformer.encoder against torch.nn.TransformerEncoderLayer / TransformerEncoder on random shapes, its
+defining properties (padding invariance, the embedding's formula), and the chapter's checks."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jaxtyping import TypeCheckError
+from torch import nn
+
+import stepformer.attention
+import stepformer.encoder
+import stepformer.ffn
+import stepformer.multihead
+import stepformer.norms
+import stepformer.positional
+from stepformer.checks._core import RECORD_ENV, CheckFailure, replaying
+from stepformer.checks.encoder import (
+    _sizes,
+    check_add_and_norm,
+    check_embedding_learned,
+    check_embedding_sinusoidal,
+    check_encoder,
+    check_encoder_layer_dropout,
+    check_encoder_layer_init,
+    check_encoder_layer_post_norm,
+    check_encoder_layer_pre_norm,
+    check_residual_norms,
+)
+from stepformer.encoder import (
+    Embedding,
+    Encoder,
+    EncoderLayer,
+    add_and_norm,
+    encoder_from_torch,
+    encoder_layer_from_torch,
+    residual_norms,
+)
+from stepformer.masks import padding_mask
+from stepformer.positional import sinusoidal_encoding
+from tests.fixtures.student import student_copy
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
+
+
+def _randomise(module, g):
+    """Random weights, biases and norm parameters, so that nothing is left at PyTorch's 0/1 defaults."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            p.copy_(1 + 0.3 * noise if "norm" in name and name.endswith("weight")
+                    else 0.3 * noise if p.dim() == 1 else noise / math.sqrt(p.shape[1]))
+
+
+def _padding(batch, seq, g):
+    lengths = torch.randint(1, seq + 1, (batch,), generator=g)
+    return torch.arange(seq).view(1, 1, 1, seq) < lengths.view(batch, 1, 1, 1)
+
+
+def _assert_close(actual, expected, dtype):
+    torch.testing.assert_close(actual, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+layer_shapes = st.fixed_dictionaries({
+    "batch": st.integers(1, 3),
+    "seq": st.integers(1, 7),
+    "heads": st.integers(1, 4),
+    "d_head": st.integers(1, 5),
+    "d_ff": st.integers(1, 9),
+    "norm_first": st.booleans(),
+    "activation": st.sampled_from(["relu", "gelu"]),
+    "seed": st.integers(0, 2**31 - 1),
+    "dtype": st.sampled_from([torch.float32, torch.float64]),
+})
+
+
+@settings(max_examples=40, deadline=None)
+@given(layer_shapes, st.booleans())
+def test_layer_matches_pytorch(s, masked):
+    g = torch.Generator().manual_seed(s["seed"])
+    d_model, dtype = s["heads"] * s["d_head"], s["dtype"]
+    theirs = nn.TransformerEncoderLayer(d_model, s["heads"], s["d_ff"], dropout=0.0, activation=s["activation"],
+                                        batch_first=True, norm_first=s["norm_first"], dtype=dtype).eval()
+    _randomise(theirs, g)
+    ours = encoder_layer_from_torch(theirs).eval()
+    assert ours.norm_first == s["norm_first"]
+    x = torch.randn(s["batch"], s["seq"], d_model, generator=g, dtype=dtype)
+    mask = _padding(s["batch"], s["seq"], g) if masked else None
+    with torch.no_grad():
+        expected = theirs(x, src_key_padding_mask=None if mask is None else ~mask[:, 0, 0, :])
+        _assert_close(ours(x, mask), expected, dtype)
+
+
+@settings(max_examples=15, deadline=None)
+@given(layer_shapes, st.integers(1, 3), st.booleans())
+def test_stack_matches_pytorch(s, layers, final_norm):
+    g = torch.Generator().manual_seed(s["seed"])
+    d_model, dtype = s["heads"] * s["d_head"], s["dtype"]
+    layer = nn.TransformerEncoderLayer(d_model, s["heads"], s["d_ff"], dropout=0.0, activation=s["activation"],
+                                       batch_first=True, norm_first=s["norm_first"], dtype=dtype)
+    norm = nn.LayerNorm(d_model, dtype=dtype) if final_norm else None
+    theirs = nn.TransformerEncoder(layer, layers, norm=norm, enable_nested_tensor=False).eval()
+    _randomise(theirs, g)
+    ours = encoder_from_torch(theirs).eval()
+    assert isinstance(ours.norm, nn.Identity) != final_norm
+    x = torch.randn(s["batch"], s["seq"], d_model, generator=g, dtype=dtype)
+    mask = _padding(s["batch"], s["seq"], g)
+    with torch.no_grad():
+        _assert_close(ours(x, mask), theirs(x, src_key_padding_mask=~mask[:, 0, 0, :]), dtype)
+
+
+def test_float64_agrees_to_1e12_post_and_pre_norm():
+    g = torch.Generator().manual_seed(0)
+    for norm_first in (False, True):
+        layer = nn.TransformerEncoderLayer(12, 3, 20, dropout=0.0, batch_first=True, norm_first=norm_first,
+                                           dtype=torch.float64)
+        theirs = nn.TransformerEncoder(layer, 4, norm=nn.LayerNorm(12, dtype=torch.float64),
+                                       enable_nested_tensor=False).eval()
+        _randomise(theirs, g)
+        x = torch.randn(3, 6, 12, generator=g, dtype=torch.float64)
+        mask = _padding(3, 6, g)
+        with torch.no_grad():
+            diff = encoder_from_torch(theirs).eval()(x, mask) - theirs(x, src_key_padding_mask=~mask[:, 0, 0, :])
+        assert diff.abs().max() < 1e-12
+
+
+def test_gradients_match_pytorch():
+    g = torch.Generator().manual_seed(1)
+    theirs = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, norm_first=True,
+                                        dtype=torch.float64).eval()
+    _randomise(theirs, g)
+    ours = encoder_layer_from_torch(theirs).eval()
+    x = torch.randn(2, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(2, 5, 8, generator=g, dtype=torch.float64)
+    (grad_ours,) = torch.autograd.grad((ours(x) * upstream).sum(), x)
+    (grad_theirs,) = torch.autograd.grad((theirs(x) * upstream).sum(), x)
+    _assert_close(grad_ours, grad_theirs, torch.float64)
+    _assert_close(ours.ffn.linear1.weight, theirs.linear1.weight, torch.float64)
+
+
+def test_add_and_norm_is_the_two_placements():
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    norm = nn.LayerNorm(6, dtype=torch.float64)
+    _randomise(nn.ModuleDict({"norm": norm}), torch.Generator().manual_seed(2))
+    f, keep = torch.tanh, nn.Identity()
+    _assert_close(add_and_norm(x, f, norm, keep, norm_first=False), norm(x + f(x)), torch.float64)
+    _assert_close(add_and_norm(x, f, norm, keep, norm_first=True), x + f(norm(x)), torch.float64)
+    drop = nn.Dropout(1.0).train()
+    _assert_close(add_and_norm(x, f, norm, drop, norm_first=False), norm(x), torch.float64)
+    _assert_close(add_and_norm(x, f, norm, drop, norm_first=True), x, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_embedding_is_scaled_tokens_plus_positions(dtype):
+    torch.manual_seed(3)
+    tokens = torch.randint(0, 11, (2, 7))
+    sinus = Embedding(11, 8).to(dtype).eval()
+    rows = sinus.tokens.weight[tokens]
+    _assert_close(sinus(tokens), rows * math.sqrt(8) + sinusoidal_encoding(7, 8).to(dtype), dtype)
+    _assert_close(sinus(tokens, start=4), rows * math.sqrt(8) + sinusoidal_encoding(11, 8)[4:].to(dtype), dtype)
+    learned = Embedding(11, 8, "learned", max_len=12).to(dtype).eval()
+    expected = learned.tokens.weight[tokens] * math.sqrt(8) + learned.positions.embedding.weight[3:10]
+    _assert_close(learned(tokens, start=3), expected, dtype)
+    rope = Embedding(11, 8, "rope").to(dtype).eval()
+    _assert_close(rope(tokens), rope.tokens.weight[tokens] * math.sqrt(8), dtype)
+    assert [n for n, _ in sinus.named_parameters()] == ["tokens.weight"]
+    with pytest.raises(ValueError, match="learned table"):
+        learned(tokens, start=6)
+    with pytest.raises(ValueError, match="positional"):
+        Embedding(11, 8, "absolute")
+
+
+def test_embedding_dropout_only_in_training():
+    tokens = torch.randint(0, 11, (2, 7), generator=torch.Generator().manual_seed(4))
+    emb = Embedding(11, 8, dropout=1.0)
+    assert torch.equal(emb.train()(tokens), torch.zeros(2, 7, 8))
+    expected = emb.tokens.weight[tokens] * math.sqrt(8) + sinusoidal_encoding(7, 8)
+    torch.testing.assert_close(emb.eval()(tokens), expected)
+
+
+def test_the_scale_brings_small_token_vectors_to_the_size_of_the_code():
+    """With Glorot-sized token vectors (std about 1/sqrt(d_model)) the scale makes them as long as the code."""
+    d_model = 256
+    emb = Embedding(1000, d_model)
+    nn.init.normal_(emb.tokens.weight, std=d_model**-0.5)
+    tokens = torch.arange(1000).view(1, 1000)
+    length = torch.linalg.vector_norm(emb.tokens(tokens) * math.sqrt(d_model), dim=-1).mean()
+    code = torch.linalg.vector_norm(sinusoidal_encoding(64, d_model), dim=-1).mean()
+    assert abs(code - math.sqrt(d_model / 2)) < 1e-3  # d_model / 2 (sin, cos) pairs of length 1
+    assert 1.2 < length / code < 1.6  # sqrt(2): the same order, neither drowns the other
+    assert torch.linalg.vector_norm(emb.tokens(tokens), dim=-1).mean() < 1.1  # unscaled: 1, drowned by ~11
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_real_positions_do_not_see_appended_padding(norm_first):
+    torch.manual_seed(5)
+    pad = 0
+    emb, enc = Embedding(20, 16, dropout=0.0).double().eval(), Encoder(16, 4, 32, 3, 0.0, norm_first).double().eval()
+    short = torch.tensor([[5, 6, 7, 8, pad], [9, 3, pad, pad, pad]])
+    for extra in (1, 4, 9):
+        longer = torch.cat([short, torch.full((2, extra), pad)], dim=1)
+        with torch.no_grad():
+            a = enc(emb(short), padding_mask(short, pad))
+            b = enc(emb(longer), padding_mask(longer, pad))
+            c = enc(emb(longer), None)
+        real = padding_mask(short, pad)[:, 0, 0, :]
+        assert (a - b[:, :5])[real].abs().max() < 1e-12
+        assert (a - c[:, :5])[real].abs().max() > 1e-3  # without the mask the padding is read
+
+
+def test_residual_norms_post_norm_stays_pre_norm_grows():
+    torch.manual_seed(6)
+    x = torch.randn(2, 5, 32)
+    post = residual_norms(Encoder(32, 4, 64, 12, 0.0, norm_first=False).layers, x)
+    pre = residual_norms(Encoder(32, 4, 64, 12, 0.0, norm_first=True).layers, x)
+    assert post.shape == pre.shape == (13,)
+    assert post[0] == pre[0] == torch.linalg.vector_norm(x, dim=-1).mean()
+    torch.testing.assert_close(post[1:], torch.full((12,), math.sqrt(32)), rtol=1e-4, atol=1e-4)
+    assert pre[-1] > 1.5 * pre[0] and (pre.diff() > 0).float().mean() > 0.8
+
+
+def test_check_plain_refuses_what_cannot_be_copied():
+    with pytest.raises(ValueError, match="activation"):
+        encoder_layer_from_torch(nn.TransformerEncoderLayer(8, 2, 16, activation=nn.SiLU()))
+    with pytest.raises(ValueError, match="eps"):
+        encoder_layer_from_torch(nn.TransformerEncoderLayer(8, 2, 16, layer_norm_eps=1e-6))
+
+
+def test_wrong_shapes_fail_naming_the_axis():
+    layer = EncoderLayer(8, 2, 16)
+    with pytest.raises(TypeCheckError):
+        layer(torch.randn(5, 8))  # no batch axis
+    with pytest.raises(TypeCheckError):
+        layer(torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(TypeCheckError):
+        Embedding(11, 8)(torch.randn(2, 5))
+
+
+# -- the checks ------------------------------------------------------------------------------
+
+def _student_encoder():
+    """The library's encoder as a student's notebook has it: its own copy, with the given pieces as copies too."""
+    multihead = student_copy(stepformer.multihead)
+    multihead.scaled_dot_product_attention = student_copy(stepformer.attention).scaled_dot_product_attention
+    positional = student_copy(stepformer.positional)
+    copy = student_copy(stepformer.encoder)
+    copy.MultiHeadAttention = multihead.MultiHeadAttention
+    copy.FeedForward = student_copy(stepformer.ffn).FeedForward
+    copy.LayerNorm = student_copy(stepformer.norms).LayerNorm
+    copy.sinusoidal_encoding = positional.sinusoidal_encoding
+    copy.LearnedPositionalEmbedding = positional.LearnedPositionalEmbedding
+    return copy
+
+
+student = _student_encoder()
+LAYER_CHECKS = [check_encoder_layer_init, check_encoder_layer_post_norm, check_encoder_layer_pre_norm,
+                check_encoder_layer_dropout]
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+class Stub(nn.Module):
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError()
+
+
+def test_checks_pass_on_the_solution(capsys):
+    for seed in (0, 17):
+        check_embedding_sinusoidal(student.Embedding, seed=seed)
+        check_embedding_learned(student.Embedding, seed=seed)
+        check_add_and_norm(student.add_and_norm, seed=seed)
+        for layer_check in LAYER_CHECKS:
+            layer_check(student.EncoderLayer, seed=seed)
+        check_encoder(student.Encoder, seed=seed)
+        check_residual_norms(student.residual_norms, seed=seed)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 2 * 9
+
+
+def test_checks_pass_in_float64():
+    check_embedding_sinusoidal(student.Embedding, seed=3, dtype=torch.float64)
+    check_embedding_learned(student.Embedding, seed=3, dtype=torch.float64)
+    check_add_and_norm(student.add_and_norm, seed=3, dtype=torch.float64)
+    check_encoder_layer_post_norm(student.EncoderLayer, seed=3, dtype=torch.float64)
+    check_encoder_layer_pre_norm(student.EncoderLayer, seed=3, dtype=torch.float64)
+    check_encoder(student.Encoder, seed=3, dtype=torch.float64)
+    check_residual_norms(student.residual_norms, seed=3, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("check", [check_embedding_sinusoidal, check_embedding_learned, *LAYER_CHECKS, check_encoder])
+def test_module_checks_fail_on_the_stub(check):
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        check(Stub)
+
+
+@pytest.mark.parametrize("check", [check_add_and_norm, check_residual_norms])
+def test_function_checks_fail_on_the_stub(check):
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        check(stub)
+
+
+def test_sizes_are_pairwise_distinct_for_every_seed():
+    for seed in range(60):
+        s = _sizes(seed)
+        assert len(set(s.values())) == len(s) and s["d_head"] % 2 == 0, s
+
+
+# Mistakes, written the way a student would write them.
+
+class MistakenEmbedding(student.Embedding):
+    mistake = ""
+
+    def forward(self, tokens, start=0):
+        scale = {"no scale": 1.0, "scale d": self.d_model}.get(self.mistake, math.sqrt(self.d_model))
+        x = self.tokens(tokens)
+        seq = tokens.shape[1]
+        first = 0 if self.mistake == "ignores start" else start
+        if self.positional == "sinusoidal":
+            pe = student.sinusoidal_encoding(first + seq, self.d_model)[first:].to(x)
+        elif self.positional == "learned":
+            pe = self.positions(torch.arange(first, first + seq))
+        else:
+            pe = torch.zeros_like(x)
+        if self.mistake == "no positions":
+            pe = torch.zeros_like(x)
+        out = (x + pe) * scale if self.mistake == "scale positions" else x * scale + pe
+        return self.dropout(out)
+
+
+def embedding_mistake(name):
+    return type(name.replace(" ", "_"), (MistakenEmbedding,), {"mistake": name})
+
+
+@pytest.mark.parametrize(
+    ("check", "name", "message"),
+    [
+        (check_embedding_sinusoidal, "no scale", "did not scale the token vectors"),
+        (check_embedding_sinusoidal, "scale d", r"scaled the token vectors by d_model; the scale is sqrt"),
+        (check_embedding_sinusoidal, "scale positions", "scaled the positions too"),
+        (check_embedding_sinusoidal, "ignores start", "start at 0 whatever `start` is"),
+        (check_embedding_sinusoidal, "no positions", "adds no positions"),
+        (check_embedding_learned, "ignores start", "start at 0 whatever `start` is"),
+        (check_embedding_learned, "scale positions", "scaled the positions too"),
+    ],
+)
+def test_embedding_checks_name_the_mistake(check, name, message):
+    with pytest.raises(CheckFailure, match=message):
+        check(embedding_mistake(name))
+
+
+class MistakenLayer(nn.Module):
+    """An encoder layer with switches for the usual mistakes (not the library's code)."""
+
+    mistake = ""
+
+    def __init__(self, d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
+        super().__init__()
+        self.norm_first = norm_first and self.mistake != "ignores norm_first"
+        self.self_attn = student.MultiHeadAttention(d_model, heads, dropout=dropout)
+        self.ffn = student.FeedForward(d_model, d_ff, activation, dropout)
+        self.norm1 = student.LayerNorm(d_model)
+        self.norm2 = self.norm1 if self.mistake == "shared norm" else student.LayerNorm(d_model)
+        if self.mistake != "no dropout1":
+            self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+
+    def sublayer(self, x, f, norm, dropout):
+        if self.mistake == "no dropout":
+            dropout = nn.Identity()
+        if self.norm_first:
+            if self.mistake == "normed residual":
+                x = norm(x)
+                return x + dropout(f(x))
+            return x + dropout(f(norm(x)))
+        if self.mistake == "norm before add":
+            return x + dropout(norm(f(x)))
+        if self.mistake == "dropout on residual":
+            return norm(dropout(x + f(x)))
+        return norm(x + dropout(f(x)))
+
+    def forward(self, x, mask=None):
+        mask = None if self.mistake == "no mask" else mask
+        h = self.sublayer(x, lambda t: self.self_attn(t, t, t, mask), self.norm1,
+                          getattr(self, "dropout1", nn.Identity()))
+        norm2 = self.norm1 if self.mistake == "norm1 twice" else self.norm2
+        return self.sublayer(x if self.mistake == "ffn reads x" else h, self.ffn, norm2, self.dropout2)
+
+
+def layer_mistake(name):
+    return type(name.replace(" ", "_"), (MistakenLayer,), {"mistake": name})
+
+
+def test_layer_checks_pass_on_the_mistake_free_layer():
+    for layer_check in LAYER_CHECKS:
+        layer_check(MistakenLayer, seed=5)
+
+
+@pytest.mark.parametrize(
+    ("check", "name", "message"),
+    [
+        (check_encoder_layer_post_norm, "no mask", "ignores the padding mask"),
+        (check_encoder_layer_pre_norm, "no mask", "ignores the padding mask"),
+        (check_encoder_layer_post_norm, "norm before add", "the norm comes after the residual add"),
+        (check_encoder_layer_pre_norm, "ignores norm_first", r"ignores norm_first=True"),
+        (check_encoder_layer_pre_norm, "normed residual", "normalised the residual stream itself"),
+        (check_encoder_layer_post_norm, "norm1 twice", "normalise both sublayers with norm1"),
+        (check_encoder_layer_post_norm, "ffn reads x", "reads the layer's input x"),
+        (check_encoder_layer_init, "shared norm", "one and the same module"),
+        (check_encoder_layer_post_norm, "shared norm", "one and the same module"),
+        (check_encoder_layer_init, "no dropout1", "has no dropout1"),
+        (check_encoder_layer_dropout, "no dropout", "ignores dropout"),
+        (check_encoder_layer_dropout, "dropout on residual", "never on the residual stream"),
+    ],
+)
+def test_layer_checks_name_the_mistake(check, name, message):
+    with pytest.raises(CheckFailure, match=message):
+        check(layer_mistake(name))
+
+
+def test_add_and_norm_check_names_the_mistake():
+    def norm_before_add(x, sublayer, norm, dropout, norm_first):
+        return x + dropout(sublayer(norm(x))) if norm_first else x + dropout(norm(sublayer(x)))
+
+    def always_pre(x, sublayer, norm, dropout, norm_first):
+        return x + dropout(sublayer(norm(x)))
+
+    def normed_residual(x, sublayer, norm, dropout, norm_first):
+        if norm_first:
+            x = norm(x)
+            return x + dropout(sublayer(x))
+        return norm(x + dropout(sublayer(x)))
+
+    def dropout_on_sum(x, sublayer, norm, dropout, norm_first):
+        return dropout(x + sublayer(norm(x))) if norm_first else norm(dropout(x + sublayer(x)))
+
+    for wrong, message in ((norm_before_add, "normalised before the residual add"),
+                           (always_pre, "pre-norm form x \\+ f\\(norm\\(x\\)\\) for norm_first=False"),
+                           (normed_residual, "added the normalised x back"),
+                           (dropout_on_sum, "Dropout must act on the sublayer's output only")):
+        with pytest.raises(CheckFailure, match=message):
+            check_add_and_norm(wrong)
+
+
+class MistakenEncoder(student.Encoder):
+    mistake = ""
+
+    def forward(self, x, mask=None):
+        for i, layer in enumerate(self.layers):
+            x = layer(x, None if self.mistake == "no mask" or (self.mistake == "mask only first" and i) else mask)
+            if self.mistake == "norm every layer":
+                x = self.norm(x)
+        return x if self.mistake in ("no final norm", "norm every layer") else self.norm(x)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("no final norm", "leaves out the final LayerNorm"), ("no mask", "ignores the padding mask"),
+     ("mask only first", "Only your first layer gets the padding mask"),
+     ("norm every layer", "final norm after every layer")],
+)
+def test_encoder_check_names_the_mistake(name, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_encoder(type(name.replace(" ", "_"), (MistakenEncoder,), {"mistake": name}))
+
+
+def test_encoder_check_needs_a_module_list_and_a_norm():
+    class NoFinalNorm(student.Encoder):
+        def __init__(self, *args, final_norm=True, **kwargs):
+            super().__init__(*args, final_norm=False, **kwargs)
+
+    with pytest.raises(CheckFailure, match="has no parameter norm.weight"):
+        check_encoder(NoFinalNorm)
+
+
+def test_residual_norms_check_names_the_mistake():
+    def after_each_layer_only(layers, x, mask=None):
+        return student.residual_norms(layers, x, mask)[1:]
+
+    def squared(layers, x, mask=None):
+        return student.residual_norms(layers, x, mask) ** 2
+
+    def without_mask(layers, x, mask=None):
+        return student.residual_norms(layers, x)
+
+    def summed(layers, x, mask=None):
+        return student.residual_norms(layers, x, mask) * x.shape[0] * x.shape[1]
+
+    def as_list(layers, x, mask=None):
+        return student.residual_norms(layers, x, mask).tolist()
+
+    for wrong, message in ((after_each_layer_only, "measured after each layer only"),
+                           (without_mask, "did not pass the mask on"), (summed, "added the lengths up"),
+                           (as_list, "should return a torch.Tensor")):
+        with pytest.raises(CheckFailure, match=message):
+            check_residual_norms(wrong)
+    with pytest.raises(CheckFailure, match="differ from the expected"):
+        check_residual_norms(squared)
+
+
+class UsesPyTorch(nn.Module):
+    def __init__(self, d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
+        super().__init__()
+        self.inner = nn.TransformerEncoderLayer(d_model, heads, d_ff, dropout, batch_first=True, norm_first=norm_first)
+
+    def forward(self, x, mask=None):
+        return self.inner(x, src_key_padding_mask=None if mask is None else ~mask[:, 0, 0, :])
+
+
+def test_using_the_reference_is_not_own_work():
+    for cheat in (UsesPyTorch, stepformer.encoder.EncoderLayer):
+        with pytest.raises(CheckFailure, match="Not your own work"):
+            check_encoder_layer_post_norm(cheat)
+    with pytest.raises(CheckFailure, match="Not your own work"):
+        check_encoder(stepformer.encoder.Encoder)
+    with pytest.raises(CheckFailure, match="Not your own work"):
+        check_residual_norms(stepformer.encoder.residual_norms)
+
+
+def test_replay_of_a_module_check_needs_no_module(monkeypatch, tmp_path):
+    for folder, cls in ((tmp_path / "right", student.EncoderLayer), (tmp_path / "wrong", layer_mistake("no mask"))):
+        monkeypatch.setenv(RECORD_ENV, str(folder))
+        try:
+            check_encoder_layer_post_norm(cls, seed=2)
+        except CheckFailure:
+            pass
+        monkeypatch.delenv(RECORD_ENV)
+    with replaying(tmp_path / "right"):
+        check_encoder_layer_post_norm(object(), seed=2)  # the object is never touched
+    with replaying(tmp_path / "wrong"), pytest.raises(CheckFailure, match="ignores the padding mask"):
+        check_encoder_layer_post_norm(object(), seed=2)

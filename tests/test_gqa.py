@@ -1,0 +1,576 @@
+"""stepformer.gqa against PyTorch's fused grouped attention and multi-head attention, and the chapter's checks."""
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from einops import rearrange, reduce
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import stepformer.attention
+import stepformer.gqa
+import stepformer.kvcache
+import stepformer.multihead
+import stepformer.positional
+from stepformer.checks._core import RECORD_ENV, CheckFailure, replaying
+from stepformer.checks.gqa import (
+    _sizes,
+    check_cache_measurement,
+    check_from_multihead,
+    check_gqa_cache,
+    check_gqa_cross_attention,
+    check_gqa_init,
+    check_gqa_self_attention,
+    check_grouped_attention,
+    check_repeat_kv,
+)
+from stepformer.decoding import generate_cached
+from stepformer.gqa import GroupedQueryAttention, from_multihead, grouped_attention, measure_cache_bytes, repeat_kv
+from stepformer.kvcache import KVCache, cache_bytes, new_cache
+from stepformer.masks import causal_mask
+from stepformer.multihead import MultiHeadAttention
+from stepformer.transformer import Transformer, generate
+from tests.fixtures.student import student_copy
+
+shapes = st.fixed_dictionaries({
+    "batch": st.integers(1, 3),
+    "kv_heads": st.integers(1, 4),
+    "group": st.integers(1, 4),
+    "d_head": st.integers(1, 6),
+    "q_len": st.integers(1, 7),
+    "k_len": st.integers(1, 7),
+    "seed": st.integers(0, 2**31 - 1),
+})
+
+
+def _randomised(module: nn.Module, g: torch.Generator) -> nn.Module:
+    """Random weights and biases (biases start at 0 otherwise, which would hide a missing one)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) / math.sqrt(p.shape[-1]))
+    return module.eval()
+
+
+def _split(x, heads):
+    return rearrange(x, "batch seq (heads d_head) -> batch heads seq d_head", heads=heads)
+
+
+def _masks(s, g):
+    """None, a causal mask (every row keeps a key) and a padding mask with fully masked rows."""
+    q_len, k_len, b = s["q_len"], s["k_len"], s["batch"]
+    causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    causal[:, 0] = True
+    padding = torch.rand(b, 1, q_len, k_len, generator=g) < 0.5
+    padding[0, 0, 0] = False  # one query that may read nothing
+    return [None, causal, padding]
+
+
+def _zero_unreadable(out, mask):
+    """The library's rule for a query with no readable key: zeros (PyTorch's kernel gives NaN)."""
+    if mask is None:
+        return out
+    readable = mask.expand(*out.shape[:-1], mask.shape[-1]).any(dim=-1, keepdim=True)
+    return torch.where(readable, out, torch.zeros_like(out))
+
+
+# -- the library ---------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_module_matches_fused_attention_with_enable_gqa(s):
+    g = torch.Generator().manual_seed(s["seed"])
+    kv, heads = s["kv_heads"], s["kv_heads"] * s["group"]
+    d_model = heads * s["d_head"]
+    module = _randomised(GroupedQueryAttention(d_model, heads, kv).double(), g)
+    query = torch.randn(s["batch"], s["q_len"], d_model, generator=g, dtype=torch.float64)
+    memory = torch.randn(s["batch"], s["k_len"], d_model, generator=g, dtype=torch.float64)
+    for mask in _masks(s, g):
+        q = _split(module.w_q(query), heads)
+        k, v = _split(module.w_k(memory), kv), _split(module.w_v(memory), kv)
+        fused = _zero_unreadable(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), mask)
+        expected = module.w_o(rearrange(fused, "batch heads seq d_head -> batch seq (heads d_head)"))
+        got = module(query, memory, memory, mask)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes)
+def test_grouped_attention_matches_fused_attention(s):
+    g = torch.Generator().manual_seed(s["seed"])
+    kv, heads = s["kv_heads"], s["kv_heads"] * s["group"]
+    q = torch.randn(s["batch"], heads, s["q_len"], s["d_head"], generator=g, dtype=torch.float64)
+    k, v = (torch.randn(s["batch"], kv, s["k_len"], s["d_head"], generator=g, dtype=torch.float64) for _ in range(2))
+    for mask in _masks(s, g):
+        expected = _zero_unreadable(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), mask)
+        torch.testing.assert_close(grouped_attention(q, k, v, mask), expected, rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes, st.booleans())
+def test_kv_heads_equal_to_heads_is_multihead_attention(s, cross):
+    g = torch.Generator().manual_seed(s["seed"])
+    heads = s["kv_heads"] * s["group"]
+    d_model = heads * s["d_head"]
+    mha = _randomised(MultiHeadAttention(d_model, heads).double(), g)
+    gqa = GroupedQueryAttention(d_model, heads, heads).double().eval()
+    gqa.load_state_dict(mha.state_dict())  # strict: the same names and shapes
+    assert GroupedQueryAttention(d_model, heads).state_dict().keys() == mha.state_dict().keys()
+    query = torch.randn(s["batch"], s["q_len"], d_model, generator=g, dtype=torch.float64)
+    memory = torch.randn(s["batch"], s["k_len"], d_model, generator=g, dtype=torch.float64) if cross else query
+    mask = torch.rand(s["batch"], 1, s["q_len"], memory.shape[1], generator=g) < 0.5
+    mask[..., 0] = True  # PyTorch's module gives NaN for a query that reads nothing; chapter 03's too is compared
+    torch.testing.assert_close(gqa(query, memory, memory), mha(query, memory, memory), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gqa(query, memory, memory, mask), mha(query, memory, memory, mask),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 6])
+def test_fast_path_equals_grouped_attention_and_fully_masked_rows_are_zero(kv_heads):
+    torch.manual_seed(kv_heads)
+    d_model, heads = 24, 6
+    slow = GroupedQueryAttention(d_model, heads, kv_heads).double().eval()
+    fast = GroupedQueryAttention(d_model, heads, kv_heads, fast=True).double().eval()
+    fast.load_state_dict(slow.state_dict())
+    x = torch.randn(3, 5, d_model, dtype=torch.float64)
+    mask = torch.rand(3, 1, 5, 5) < 0.5
+    mask[1, 0, 2] = False  # a query that may read nothing
+    mask[2] = False  # a whole sentence that may read nothing
+    for m in (None, causal_mask(5), mask):
+        torch.testing.assert_close(fast(x, x, x, m), slow(x, x, x, m), rtol=1e-12, atol=1e-12)
+    for module in (slow, fast):
+        out = module(x, x, x, mask)
+        assert not out.isnan().any()
+        # Zero heads before W_O: the output of a query that reads nothing is W_O's bias.
+        torch.testing.assert_close(out[1, 2], module.w_o.bias)
+        torch.testing.assert_close(out[2], module.w_o.bias.expand(5, d_model))
+
+
+def test_dropout_acts_only_in_training_in_both_paths():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 24)
+    for fast in (False, True):
+        module = GroupedQueryAttention(24, 6, 2, dropout=1.0, fast=fast)
+        plain = GroupedQueryAttention(24, 6, 2)
+        plain.load_state_dict(module.state_dict())
+        torch.testing.assert_close(module.eval()(x, x, x), plain.eval()(x, x, x))
+        torch.testing.assert_close(module.train()(x, x, x), module.w_o.bias.expand(2, 5, 24))
+
+
+def test_repeat_kv_order():
+    x = torch.arange(3, dtype=torch.float32).reshape(1, 3, 1, 1)  # key/value heads 0, 1, 2
+    assert repeat_kv(x, 6).flatten().tolist() == [0, 0, 1, 1, 2, 2]  # query head h reads h // group
+    assert repeat_kv(x, 3).flatten().tolist() == [0, 1, 2]
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(2, 3, 5, 4, generator=g)
+    assert torch.equal(repeat_kv(y, 12), y.repeat_interleave(4, dim=1))
+    assert not torch.equal(repeat_kv(y, 12), y.repeat(1, 4, 1, 1))
+    # Through attention: PyTorch's enable_gqa groups the same way.
+    q = torch.randn(2, 12, 5, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 3, 7, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    fused = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, repeat_kv(k, 12), repeat_kv(v, 12)), fused)
+
+
+def test_sizes_that_do_not_divide_are_refused():
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        GroupedQueryAttention(24, 6, 4)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        GroupedQueryAttention(24, 6, 0)
+    with pytest.raises(ValueError, match="multiple of heads"):
+        GroupedQueryAttention(25, 6, 2)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        repeat_kv(torch.randn(1, 4, 2, 3), 6)
+    with pytest.raises(ValueError, match="cannot be pooled"):
+        from_multihead(GroupedQueryAttention(24, 6, 2), 3)
+
+
+def test_parameter_shapes_and_counts():
+    module = GroupedQueryAttention(48, 8, 2)
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    assert shapes == {"w_q.weight": (48, 48), "w_q.bias": (48,), "w_k.weight": (12, 48), "w_k.bias": (12,),
+                      "w_v.weight": (12, 48), "w_v.bias": (12,), "w_o.weight": (48, 48), "w_o.bias": (48,)}
+    assert sum(p.numel() for p in GroupedQueryAttention(48, 8, bias=False).parameters()) == 4 * 48 * 48
+
+
+def test_from_multihead_is_exact_for_kv_heads_equal_heads_and_pools_group_means():
+    g = torch.Generator().manual_seed(3)
+    mha = _randomised(MultiHeadAttention(24, 6).double(), g)
+    x = torch.randn(2, 5, 24, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(from_multihead(mha, 6)(x, x, x), mha(x, x, x), rtol=0, atol=0)
+    for kv_heads in (1, 2, 3):
+        gqa = from_multihead(mha, kv_heads)
+        group, d_head = 6 // kv_heads, 4
+        assert gqa.kv_heads == kv_heads and gqa.w_k.weight.dtype == torch.float64
+        for ours, theirs in ((gqa.w_k, mha.w_k), (gqa.w_v, mha.w_v)):
+            for j in range(kv_heads):
+                heads_of_group = range(j * group, (j + 1) * group)  # consecutive heads
+                rows = torch.stack([theirs.weight[h * d_head:(h + 1) * d_head] for h in heads_of_group])
+                torch.testing.assert_close(ours.weight[j * d_head:(j + 1) * d_head], rows.mean(dim=0))
+                biases = torch.stack([theirs.bias[h * d_head:(h + 1) * d_head] for h in heads_of_group])
+                torch.testing.assert_close(ours.bias[j * d_head:(j + 1) * d_head], biases.mean(dim=0))
+        assert torch.equal(gqa.w_q.weight, mha.w_q.weight) and torch.equal(gqa.w_o.bias, mha.w_o.bias)
+    # A GQA source pools further and keeps its options; MQA from MHA equals the mean of every head.
+    gqa2 = from_multihead(GroupedQueryAttention(24, 6, 2, rope=True, fast=True), 1)
+    assert gqa2.rope is not None and gqa2.fast and gqa2.kv_heads == 1
+    torch.testing.assert_close(from_multihead(mha, 1).w_v.bias, reduce(mha.w_v.bias, "(h d) -> d", "mean", h=6))
+
+
+def test_mean_pooling_loses_less_than_keeping_the_first_head():
+    torch.manual_seed(4)
+    mha = MultiHeadAttention(64, 8).eval()
+    x = torch.randn(4, 12, 64)
+    with torch.no_grad():
+        reference = mha(x, x, x)
+        pooled = from_multihead(mha, 2)
+        first = from_multihead(mha, 2)
+        for ours, theirs in ((first.w_k, mha.w_k), (first.w_v, mha.w_v)):
+            w = rearrange(theirs.weight, "(kv group d) m -> kv group d m", kv=2, d=8)[:, 0]
+            ours.weight.copy_(rearrange(w, "kv d m -> (kv d) m"))
+            ours.bias.copy_(rearrange(theirs.bias, "(kv group d) -> kv group d", kv=2, d=8)[:, 0].flatten())
+        assert (pooled(x, x, x) - reference).norm() < (first(x, x, x) - reference).norm()
+
+
+def test_cache_of_a_gqa_layer_holds_kv_heads_heads_and_equals_the_full_pass():
+    torch.manual_seed(5)
+    for rope in (False, True):
+        module = GroupedQueryAttention(24, 6, 2, rope=rope).double().eval()
+        x = torch.randn(3, 7, 24, dtype=torch.float64)
+        full = module(x, x, x, causal_mask(7))
+        cache = KVCache()
+        steps = [module(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], cache=cache) for t in range(7)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-12, atol=1e-12)
+        assert cache.keys.shape == cache.values.shape == (3, 2, 7, 4)
+        assert cache.nbytes == cache_bytes(1, 2, 4, 7, batch=3, bytes_per_element=8)
+    # A fixed (cross-attention) cache is projected once and read afterwards (no RoPE across two sequences).
+    module = GroupedQueryAttention(24, 6, 2).double().eval()
+    memory = torch.randn(3, 5, 24, dtype=torch.float64)
+    fixed = KVCache(fixed=True)
+    first = module(x[:, :2], memory, memory, cache=fixed)
+    again = module(x[:, :2], memory * 0, memory * 0, cache=fixed)
+    torch.testing.assert_close(first, again)
+    assert fixed.keys.shape == (3, 2, 5, 4)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_transformer_cache_holds_kv_heads_and_cached_decoding_equals_uncached(kv_heads):
+    torch.manual_seed(6)
+    model = Transformer(30, 30, 32, 4, 1, 2, 64, dropout=0.0, kv_heads=kv_heads).eval()
+    src = torch.randint(3, 30, (2, 6))
+    tokens, logits = generate_cached(model, src, 8, 1, -1)
+    expected_tokens, expected_logits = generate(model, src, 8, 1, -1)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+    cache = new_cache(2)
+    with torch.no_grad():
+        memory = model.encode(src)
+        model.decode(tokens[:, :5], memory, None, causal_mask(5), cache)
+    for layer in cache:
+        assert layer.self_attn.keys.shape == (2, kv_heads, 5, 8)
+        assert layer.cross_attn.keys.shape == (2, kv_heads, 6, 8)
+    assert sum(layer.self_attn.nbytes for layer in cache) == cache_bytes(2, kv_heads, 8, 5, batch=2)
+
+
+def test_measure_cache_bytes_follows_the_formula_and_keeps_the_random_state():
+    state = torch.random.get_rng_state()
+    for kv_heads in (8, 4, 2, 1):
+        assert measure_cache_bytes(64, 8, kv_heads, 9, batch=3) == cache_bytes(1, kv_heads, 8, 9, batch=3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+# -- the checks ------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _patched(pairs):
+    saved = [(module, name, getattr(module, name)) for module, name, _ in pairs]
+    for module, name, value in pairs:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def _student_modules():
+    """The library as a student would define it in the notebook: every earlier piece is their own too."""
+    attention = student_copy(stepformer.attention)
+    multihead = student_copy(stepformer.multihead)
+    positional = student_copy(stepformer.positional)
+    kvcache = student_copy(stepformer.kvcache)
+    multihead.scaled_dot_product_attention = attention.scaled_dot_product_attention
+    # The copy of gqa imports these names when it is executed: it must find the student's versions.
+    with _patched([(stepformer.attention, "scaled_dot_product_attention", attention.scaled_dot_product_attention),
+                   (stepformer.multihead, "split_heads", multihead.split_heads),
+                   (stepformer.multihead, "merge_heads", multihead.merge_heads),
+                   (stepformer.positional, "RotaryEmbedding", positional.RotaryEmbedding),
+                   (stepformer.kvcache, "KVCache", kvcache.KVCache)]):
+        gqa = student_copy(stepformer.gqa)
+    return gqa, multihead, kvcache
+
+
+student, _, student_kvcache = _student_modules()
+StudentGQA, StudentKVCache = student.GroupedQueryAttention, student_kvcache.KVCache
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+class Stub(nn.Module):
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError()
+
+
+def test_every_check_passes_on_the_solution(capsys):
+    for seed, dtype in ((0, torch.float32), (17, torch.float64), (33, torch.float32)):
+        check_repeat_kv(student.repeat_kv, seed=seed, dtype=dtype)
+        check_grouped_attention(student.grouped_attention, seed=seed, dtype=dtype)
+        check_gqa_init(StudentGQA, seed=seed)
+        check_gqa_self_attention(StudentGQA, seed=seed, dtype=dtype)
+        check_gqa_cross_attention(StudentGQA, seed=seed, dtype=dtype)
+        check_gqa_cache((StudentGQA, StudentKVCache), seed=seed, dtype=dtype)
+        check_from_multihead(student.from_multihead, seed=seed, dtype=dtype)
+        check_cache_measurement(student.measure_cache_bytes, seed=seed)
+    assert capsys.readouterr().out.count("✔") == 24
+
+
+@pytest.mark.parametrize("check", [
+    check_repeat_kv, check_grouped_attention, check_gqa_init, check_gqa_self_attention, check_gqa_cross_attention,
+    check_from_multihead, check_cache_measurement,
+])
+def test_every_check_fails_on_the_stub(check):
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        check(Stub if check in (check_gqa_init, check_gqa_self_attention, check_gqa_cross_attention) else stub)
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        check_gqa_cache((Stub, StudentKVCache))
+
+
+def test_sizes_are_pairwise_distinct_for_every_seed():
+    for seed in range(50):
+        s = _sizes(seed)
+        sizes = [s[a] for a in ("batch", "kv_heads", "group", "q_len", "k_len", "d_head", "heads")]
+        assert len(set(sizes)) == len(sizes)
+        assert s["d_model"] == s["heads"] * s["d_head"]
+
+
+def repeat_tiled(x, heads):
+    return x.repeat(1, heads // x.shape[1], 1, 1)
+
+
+def repeat_without_validation(x, heads):
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def test_repeat_kv_check_names_the_mistakes():
+    with pytest.raises(CheckFailure, match=r"\(group kv_heads\) order, the order of Tensor.repeat"):
+        check_repeat_kv(repeat_tiled)
+    with pytest.raises(CheckFailure, match="should raise a ValueError"):
+        check_repeat_kv(repeat_without_validation)
+
+
+def _grouped(repeat=None, scale=None, use_mask=True, dropout_used=True):
+    """grouped_attention with a switch for one mistake."""
+    def fn(q, k, v, mask=None, dropout=None):
+        heads = q.shape[1]
+        k, v = (repeat or student.repeat_kv)(k, heads), (repeat or student.repeat_kv)(v, heads)
+        scores = q @ k.transpose(-2, -1) / (scale(q) if scale else math.sqrt(q.shape[-1]))
+        if mask is not None and use_mask:
+            scores = scores.masked_fill(~mask, -math.inf)
+        weights = torch.softmax(scores, dim=-1)
+        if dropout is not None and dropout_used:
+            weights = dropout(weights)
+        return weights @ v
+    return fn
+
+
+def uses_pytorch(q, k, v, mask=None, dropout=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize(("fn", "message"), [
+    (_grouped(repeat=repeat_tiled), r"\(group kv_heads\) order"),
+    (_grouped(scale=lambda q: math.sqrt(q.shape[1] * q.shape[-1])), "other than sqrt\\(d_head\\)"),
+    (_grouped(scale=lambda q: 1.0), "did not scale"),
+    (_grouped(), "contains NaN"),  # masks with -inf alone: a fully masked row is NaN
+])
+def test_grouped_attention_check_names_the_mistakes(fn, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_grouped_attention(fn)
+
+
+def test_grouped_attention_check_catches_ignored_masks_and_dropout():
+    # Without fully masked rows a masked_fill -inf version is right except where it ignores something.
+    def nan_safe(**switches):
+        inner = _grouped(**switches)
+
+        def fn(q, k, v, mask=None, dropout=None):
+            return inner(q, k, v, mask, dropout).nan_to_num()
+        return fn
+
+    with pytest.raises(CheckFailure, match="ignores the mask"):
+        check_grouped_attention(nan_safe(use_mask=False))
+    with pytest.raises(CheckFailure, match="apply `dropout`"):
+        check_grouped_attention(nan_safe(dropout_used=False))
+    check_grouped_attention(nan_safe())
+
+
+class Attention(nn.Module):
+    """A standalone GQA module with switches for the usual mistakes (not the library's code)."""
+
+    mistake: str = ""
+
+    def __init__(self, d_model, heads, kv_heads=None, bias=True, dropout=0.0, rope=False, fast=False):
+        super().__init__()
+        kv_heads = heads if kv_heads is None else kv_heads
+        if (heads % kv_heads or d_model % heads) and self.mistake != "no validation":
+            raise ValueError("sizes do not divide")
+        self.heads, self.kv_heads, self.d_head, self.p = heads, kv_heads, d_model // heads, dropout
+        kv_width = d_model if self.mistake == "k and v to d_model" else kv_heads * self.d_head
+        self.w_q = nn.Linear(d_model, d_model, bias=bias)
+        self.w_k = nn.Linear(d_model, kv_width, bias=bias)
+        self.w_v = nn.Linear(d_model, kv_width, bias=bias)
+        self.w_o = nn.Linear(d_model, d_model, bias=bias)
+
+    def forward(self, query, key, value, mask=None, cache=None, positions=None):
+        kv_heads = self.heads if self.mistake == "k and v to d_model" else self.kv_heads
+        q = _split(self.w_q(query), self.heads)
+        k, v = _split(self.w_k(key), kv_heads), _split(self.w_v(value), kv_heads)
+        group = self.heads // kv_heads
+        if self.mistake == "cache after repeat":
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if cache is not None:
+            all_k, all_v = cache.append(k, v)
+            if self.mistake != "attends to new only":
+                k, v = all_k, all_v
+        if self.mistake == "repeat":
+            k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
+        elif self.mistake != "cache after repeat":
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scale = math.sqrt(query.shape[-1] if self.mistake == "sqrt(d_model)" else self.d_head)
+        scores = q @ k.transpose(-2, -1) / scale
+        if mask is not None and self.mistake != "ignores mask":
+            scores = scores.masked_fill(~mask, -math.inf)
+        weights = torch.softmax(scores, dim=-1).nan_to_num()
+        if self.mistake != "no dropout":
+            weights = F.dropout(weights, self.p, self.training)
+        concat = rearrange(weights @ v, "batch heads seq d_head -> batch seq (heads d_head)")
+        return concat if self.mistake == "no w_o" else self.w_o(concat)
+
+
+def mistake(name):
+    return type(name.replace(" ", "_"), (Attention,), {"mistake": name})
+
+
+class UsesPyTorch(Attention):
+    """Shares the key/value heads through PyTorch's enable_gqa instead of doing it itself."""
+
+    def forward(self, query, key, value, mask=None, cache=None, positions=None):
+        q = _split(self.w_q(query), self.heads)
+        k, v = _split(self.w_k(key), self.kv_heads), _split(self.w_v(value), self.kv_heads)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.w_o(rearrange(out, "batch heads seq d_head -> batch seq (heads d_head)"))
+
+
+def test_grouped_attention_must_not_use_pytorchs_grouping_but_the_module_may():
+    with pytest.raises(CheckFailure, match="Not your own work.*scaled_dot_product_attention"):
+        check_grouped_attention(uses_pytorch)
+    # The module's `fast` path is PyTorch's kernel (the reference has one too): allowed there.
+    check_gqa_cross_attention(UsesPyTorch)
+    check_gqa_self_attention(StudentGQA)
+
+
+def test_module_checks_pass_on_an_independent_module(capsys):
+    for check in (check_gqa_init, check_gqa_self_attention, check_gqa_cross_attention):
+        check(Attention, seed=5)
+    check_gqa_cache((Attention, StudentKVCache), seed=5)
+    assert capsys.readouterr().out.count("✔") == 4
+
+
+@pytest.mark.parametrize(("check", "name", "message"), [
+    (check_gqa_init, "k and v to d_model", "still projects to all d_model"),
+    (check_gqa_init, "no validation", "should raise a ValueError"),
+    (check_gqa_self_attention, "k and v to d_model", "GQA saves no memory"),
+    (check_gqa_self_attention, "repeat", r"\(group kv_heads\) order"),
+    (check_gqa_self_attention, "sqrt(d_model)", r"scaled the scores by sqrt\(d_model\)"),
+    (check_gqa_self_attention, "no w_o", "without the output projection"),
+    (check_gqa_self_attention, "ignores mask", "ignores the mask"),
+    (check_gqa_self_attention, "no dropout", "apply self.dropout"),
+    (check_gqa_cross_attention, "repeat", r"\(group kv_heads\) order"),
+    (check_gqa_cross_attention, "sqrt(d_model)", r"sqrt\(d_model\)"),
+])
+def test_module_checks_name_the_mistake(check, name, message):
+    with pytest.raises(CheckFailure, match=message):
+        check(mistake(name))
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("attends to new only", "not only the new one"),
+    ("cache after repeat", r"It holds \d+ heads"),
+])
+def test_cache_check_names_the_mistake(name, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_gqa_cache((mistake(name), StudentKVCache))
+
+
+def _converter(pattern):
+    def fn(mha, kv_heads):
+        gqa = StudentGQA(mha.w_q.in_features, mha.heads, kv_heads).to(mha.w_q.weight.dtype)
+        d_head = gqa.d_head
+        with torch.no_grad():
+            gqa.w_q.load_state_dict(mha.w_q.state_dict())
+            gqa.w_o.load_state_dict(mha.w_o.state_dict())
+            for ours, theirs in ((gqa.w_k, mha.w_k), (gqa.w_v, mha.w_v)):
+                for p, t in ((ours.weight, theirs.weight), (ours.bias, theirs.bias)):
+                    if pattern == "first":
+                        first = rearrange(t, "(kv_heads group d_head) ... -> kv_heads group d_head ...",
+                                          kv_heads=kv_heads, d_head=d_head)[:, 0]
+                        p.copy_(rearrange(first, "kv_heads d_head ... -> (kv_heads d_head) ..."))
+                    else:
+                        p.copy_(reduce(t, f"{pattern} ... -> (kv_heads d_head) ...", "mean",
+                                       kv_heads=kv_heads, d_head=d_head))
+        return gqa
+    return fn
+
+
+def test_from_multihead_check_names_the_mistakes():
+    check_from_multihead(_converter("(kv_heads group d_head)"))
+    with pytest.raises(CheckFailure, match="averaged across the groups"):
+        check_from_multihead(_converter("(group kv_heads d_head)"))
+    with pytest.raises(CheckFailure, match="kept the first head"):
+        check_from_multihead(_converter("first"))
+
+
+def test_cache_measurement_check_names_the_mistakes():
+    def keys_only(d_model, heads, kv_heads, length, batch=1):
+        return student.measure_cache_bytes(d_model, heads, kv_heads, length, batch) // 2
+
+    def as_multihead(d_model, heads, kv_heads, length, batch=1):
+        return student.measure_cache_bytes(d_model, heads, heads, length, batch)
+
+    def as_tensor(d_model, heads, kv_heads, length, batch=1):
+        return torch.tensor(student.measure_cache_bytes(d_model, heads, kv_heads, length, batch))
+
+    for wrong, message in ((keys_only, "count the values"), (as_multihead, "what multi-head attention keeps"),
+                           (as_tensor, "Python int")):
+        with pytest.raises(CheckFailure, match=message):
+            check_cache_measurement(wrong)
+
+
+def test_replay_of_module_checks_needs_no_module(monkeypatch, tmp_path):
+    for folder, cls in ((tmp_path / "right", StudentGQA), (tmp_path / "wrong", mistake("repeat"))):
+        monkeypatch.setenv(RECORD_ENV, str(folder))
+        with contextlib.suppress(CheckFailure):
+            check_gqa_cross_attention(cls, seed=2)
+        with contextlib.suppress(CheckFailure):
+            check_gqa_cache((cls, StudentKVCache), seed=2)
+        monkeypatch.delenv(RECORD_ENV)
+    with replaying(tmp_path / "right"):
+        check_gqa_cross_attention(object(), seed=2)  # the object is never touched
+        check_gqa_cache((object(), object()), seed=2)
+    with replaying(tmp_path / "wrong"), pytest.raises(CheckFailure, match=r"\(group kv_heads\) order"):
+        check_gqa_cross_attention(object(), seed=2)
