@@ -1,7 +1,6 @@
 """stepformer.transformer against torch.nn.TransformerDecoderLayer / nn.Transformer on random shapes, its
 defining properties (teacher forcing, per-sentence EOS, tied embeddings, fast == plain), and the chapter's checks."""
 
-import math
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from stepformer.checks.decoder import (
     check_logits_that_change,
     check_target_mask,
 )
+from stepformer.checks.encoder import _randomise
 from stepformer.masks import causal_mask, padding_mask
 from stepformer.transformer import (
     Transformer,
@@ -41,19 +41,6 @@ from stepformer.transformer import (
     target_mask,
 )
 from tests.fixtures.student import student_copy
-
-
-def _randomise(module, g):
-    """Random weights, biases and norm parameters, so that nothing is left at PyTorch's 0/1 defaults."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1 + 0.3 * noise)
-            elif p.dim() == 1:
-                p.copy_(0.3 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[1]))
 
 
 def _padded(batch, length, vocab, g, pad_id=0):

@@ -34,6 +34,7 @@ from stepformer.kvcache import KVCache, cache_bytes, new_cache
 from stepformer.masks import causal_mask
 from stepformer.multihead import MultiHeadAttention
 from stepformer.transformer import Transformer, generate
+from tests.fixtures.student import patched as _patched
 from tests.fixtures.student import student_copy
 
 shapes = st.fixed_dictionaries({
@@ -283,17 +284,6 @@ def test_measure_cache_bytes_follows_the_formula_and_keeps_the_random_state():
 
 
 # -- the checks ------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _patched(pairs):
-    saved = [(module, name, getattr(module, name)) for module, name, _ in pairs]
-    for module, name, value in pairs:
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
 
 
 def _student_modules():

@@ -41,6 +41,7 @@ from stepformer.kvcache import (
 from stepformer.masks import causal_mask, padding_mask
 from stepformer.multihead import MultiHeadAttention
 from stepformer.transformer import Transformer, generate, greedy
+from tests.fixtures.student import patched as _patched
 from tests.fixtures.student import student_copy
 
 BOS, EOS, PAD = 1, 2, 0
@@ -291,17 +292,6 @@ def test_released_blocks_return_to_the_pool_and_are_reused():
 
 
 # -- the checks ----------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _patched(items):
-    saved = [(module, name, getattr(module, name)) for module, name, _ in items]
-    for module, name, value in items:
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
 
 
 def _student_modules():

@@ -174,38 +174,57 @@ def check_plain(layer: nn.Module) -> tuple[str, float]:
     return name, layer.dropout.p
 
 
-def encoder_layer_from_torch(layer: nn.TransformerEncoderLayer) -> EncoderLayer:
-    """An :class:`EncoderLayer` with the weights of a ``torch.nn.TransformerEncoderLayer`` (batch_first or not)."""
+def layer_from_torch(layer: nn.Module, ours: type[nn.Module], attention: dict[str, str]) -> nn.Module:
+    """Build ``ours`` with the sizes of a PyTorch encoder or decoder layer and copy its weights.
+
+    ``attention`` maps our attention attributes to PyTorch's (``{"self_attn": "self_attn"}``);
+    the FFN's ``linear1``/``linear2`` and every ``norm1``, ``norm2``, ... are copied by name.
+    """
     activation, dropout = check_plain(layer)
-    attn = layer.self_attn
-    ours = EncoderLayer(
-        attn.embed_dim, attn.num_heads, layer.linear1.out_features, dropout, layer.norm_first, activation
+    first = getattr(layer, next(iter(attention.values())))
+    copy = ours(first.embed_dim, first.num_heads, layer.linear1.out_features, dropout, layer.norm_first, activation)
+    copy = copy.to(dtype=layer.linear1.weight.dtype, device=layer.linear1.weight.device)
+    for mine, theirs in attention.items():
+        getattr(copy, mine).load_state_dict(attention_from_torch(getattr(layer, theirs)).state_dict())
+    copy.ffn.linear1.load_state_dict(layer.linear1.state_dict())
+    copy.ffn.linear2.load_state_dict(layer.linear2.state_dict())
+    for name, norm in copy.named_children():
+        if name.startswith("norm"):
+            norm.load_state_dict(getattr(layer, name).state_dict())
+    return copy
+
+
+def stack_from_torch(
+    stack: nn.Module, ours: type[nn.Module], copy_layer: Callable[[nn.Module], nn.Module]
+) -> nn.Module:
+    """Build ``ours`` (an encoder or decoder stack) like PyTorch's ``stack``, with its layers and final norm copied."""
+    first = stack.layers[0]
+    copy = ours(
+        first.self_attn.embed_dim,
+        first.self_attn.num_heads,
+        first.linear1.out_features,
+        len(stack.layers),
+        first.dropout.p,
+        first.norm_first,
+        check_plain(first)[0],
+        final_norm=stack.norm is not None,
     )
-    ours = ours.to(dtype=layer.linear1.weight.dtype, device=layer.linear1.weight.device)
-    ours.self_attn.load_state_dict(attention_from_torch(attn).state_dict())
-    ours.ffn.linear1.load_state_dict(layer.linear1.state_dict())
-    ours.ffn.linear2.load_state_dict(layer.linear2.state_dict())
-    ours.norm1.load_state_dict(layer.norm1.state_dict())
-    ours.norm2.load_state_dict(layer.norm2.state_dict())
-    return ours
+    copy = copy.to(dtype=first.linear1.weight.dtype, device=first.linear1.weight.device)
+    copy.layers = nn.ModuleList(copy_layer(layer) for layer in stack.layers)
+    if stack.norm is not None:
+        copy.norm.load_state_dict(stack.norm.state_dict())
+    return copy
+
+
+def encoder_layer_from_torch(layer: nn.TransformerEncoderLayer) -> EncoderLayer:
+    """An :class:`EncoderLayer` with the weights of a ``torch.nn.TransformerEncoderLayer`` (batch_first or not).
+
+    PyTorch packs the three input projections of its attention into one ``in_proj_weight``
+    (chapter 03's ``from_torch`` unpacks it); every other weight has our name already.
+    """
+    return layer_from_torch(layer, EncoderLayer, {"self_attn": "self_attn"})
 
 
 def encoder_from_torch(encoder: nn.TransformerEncoder) -> Encoder:
     """An :class:`Encoder` with the weights of a ``torch.nn.TransformerEncoder`` (its final ``norm`` if it has one)."""
-    layers = [encoder_layer_from_torch(layer) for layer in encoder.layers]
-    first = encoder.layers[0]
-    ours = Encoder(
-        first.self_attn.embed_dim,
-        first.self_attn.num_heads,
-        first.linear1.out_features,
-        len(layers),
-        first.dropout.p,
-        first.norm_first,
-        check_plain(first)[0],
-        final_norm=encoder.norm is not None,
-    )
-    ours = ours.to(dtype=first.linear1.weight.dtype, device=first.linear1.weight.device)
-    ours.layers = nn.ModuleList(layers)
-    if encoder.norm is not None:
-        ours.norm.load_state_dict(encoder.norm.state_dict())
-    return ours
+    return stack_from_torch(encoder, Encoder, encoder_layer_from_torch)

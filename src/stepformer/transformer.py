@@ -14,13 +14,12 @@ from einops import reduce
 from jaxtyping import Bool, Float, Int, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.encoder import Embedding, Encoder, add_and_norm, check_plain, encoder_from_torch
+from stepformer.encoder import Embedding, Encoder, add_and_norm, encoder_from_torch, layer_from_torch, stack_from_torch
 from stepformer.ffn import FeedForward
 from stepformer.gqa import GroupedQueryAttention
 from stepformer.kvcache import LayerCache
 from stepformer.masks import causal_mask, padding_mask
 from stepformer.multihead import MultiHeadAttention
-from stepformer.multihead import from_torch as attention_from_torch
 from stepformer.norms import LayerNorm
 
 # With a cache, a target mask spans the cached positions as well: `total` keys.
@@ -309,41 +308,14 @@ def logits_that_change(
 
 
 def decoder_layer_from_torch(layer: nn.TransformerDecoderLayer) -> DecoderLayer:
-    """A :class:`DecoderLayer` with the weights of a ``torch.nn.TransformerDecoderLayer``."""
-    activation, dropout = check_plain(layer)
-    attn = layer.self_attn
-    ours = DecoderLayer(
-        attn.embed_dim, attn.num_heads, layer.linear1.out_features, dropout, layer.norm_first, activation
-    )
-    ours = ours.to(dtype=layer.linear1.weight.dtype, device=layer.linear1.weight.device)
-    ours.self_attn.load_state_dict(attention_from_torch(attn).state_dict())
-    ours.cross_attn.load_state_dict(attention_from_torch(layer.multihead_attn).state_dict())
-    ours.ffn.linear1.load_state_dict(layer.linear1.state_dict())
-    ours.ffn.linear2.load_state_dict(layer.linear2.state_dict())
-    for i in (1, 2, 3):
-        getattr(ours, f"norm{i}").load_state_dict(getattr(layer, f"norm{i}").state_dict())
-    return ours
+    """A :class:`DecoderLayer` with the weights of a ``torch.nn.TransformerDecoderLayer``: its
+    ``multihead_attn`` is our ``cross_attn``; every other weight has our name already."""
+    return layer_from_torch(layer, DecoderLayer, {"self_attn": "self_attn", "cross_attn": "multihead_attn"})
 
 
 def decoder_from_torch(decoder: nn.TransformerDecoder) -> Decoder:
     """A :class:`Decoder` with the weights of a ``torch.nn.TransformerDecoder`` (its final ``norm`` if it has one)."""
-    layers = [decoder_layer_from_torch(layer) for layer in decoder.layers]
-    first = decoder.layers[0]
-    ours = Decoder(
-        first.self_attn.embed_dim,
-        first.self_attn.num_heads,
-        first.linear1.out_features,
-        len(layers),
-        first.dropout.p,
-        first.norm_first,
-        check_plain(first)[0],
-        final_norm=decoder.norm is not None,
-    )
-    ours = ours.to(dtype=first.linear1.weight.dtype, device=first.linear1.weight.device)
-    ours.layers = nn.ModuleList(layers)
-    if decoder.norm is not None:
-        ours.norm.load_state_dict(decoder.norm.state_dict())
-    return ours
+    return stack_from_torch(decoder, Decoder, decoder_layer_from_torch)
 
 
 def load_torch_transformer(model: Transformer, theirs: nn.Transformer) -> None:

@@ -20,6 +20,9 @@ from einops import einsum, rearrange
 from torch import Tensor, nn
 
 from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed
+from stepformer.checks._modules import error_of as _error_of
+from stepformer.checks._modules import load_state as _load
+from stepformer.checks._modules import set_training as _set_training
 
 AXES = ("batch", "seq", "heads", "d_head", "d_ff", "vocab", "start")
 # What this chapter asks students to write themselves. (Not MultiHeadAttention, FeedForward or
@@ -74,28 +77,6 @@ def _layout(module: nn.Module) -> dict[str, Any]:
         "aliases": aliases,
         "dropouts": {name: float(m.p) for name, m in module.named_modules() if isinstance(m, nn.Dropout)},
     }
-
-
-def _load(module: nn.Module, state: dict[str, Tensor]) -> None:
-    """Give the module these weights and their dtype, and put it in eval mode."""
-    module.to(next(iter(state.values())).dtype)
-    params = dict(module.named_parameters())
-    with torch.no_grad():
-        for name, value in state.items():
-            params[name].copy_(value)
-    module.eval()
-
-
-def _set_training(module: nn.Module, training: bool) -> None:
-    module.train(training)
-
-
-def _construction_error(cls: type, *args: Any, **kwargs: Any) -> str | None:
-    try:
-        cls(*args, **kwargs)
-    except Exception as error:  # which exception is the answer
-        return type(error).__name__
-    return None
 
 
 def _expect_parameters(module: Any, expected: dict[str, list[int]], what: str, hint: str) -> dict[str, Any]:
@@ -370,7 +351,7 @@ def check_embedding_learned(cls: Callable[..., Any], seed: int = 0, dtype: torch
     module, table, _ = _embedding_module(cls, s, dtype, seed, "rope", max_len)
     zeros = torch.zeros(max_len, s["d_model"], dtype=dtype)
     _check_embedding_output(module, table, zeros, s, dtype, seed, "positional='rope' (no positions are added)")
-    error = call(_construction_error, cls, s["vocab"], s["d_model"], "absolute", max_len)
+    error = call(_error_of, cls, s["vocab"], s["d_model"], "absolute", max_len)
     if error != "ValueError":
         got = "no error" if error is None else f"a {error}"
         raise CheckFailure(f"Embedding(..., positional='absolute') should raise a ValueError (only 'sinusoidal', "

@@ -17,6 +17,12 @@ from einops import einsum, rearrange, reduce, repeat
 from torch import Tensor, nn
 
 from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed
+from stepformer.checks._modules import error_of as _error_of
+from stepformer.checks._modules import load_state as _load
+from stepformer.checks._modules import parameter_shapes as _parameter_shapes
+from stepformer.checks._modules import parameters_of as _state_of
+from stepformer.checks._modules import set_training as _set_training
+from stepformer.checks.multihead import _inputs, _padding_mask
 
 AXES = ("batch", "kv_heads", "group", "q_len", "k_len", "d_head")
 PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
@@ -87,14 +93,6 @@ def check_repeat_kv(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = 
         )
     passed(f"repeat_kv: (batch, kv_heads, seq, d_head) -> (batch, heads, seq, d_head) in the (kv_heads group) order, "
            f"ValueError when kv_heads does not divide heads ({_dtype_name(dtype)})")
-
-
-def _error_of(fn: Callable[..., Any], *args: Any) -> str | None:
-    try:
-        fn(*args)
-    except Exception as error:  # which exception is the answer
-        return type(error).__name__
-    return None
 
 
 # -- exercise 2: grouped attention -----------------------------------------------------------
@@ -188,35 +186,6 @@ def check_grouped_attention(fn: Callable[..., Any], seed: int = 0, dtype: torch.
 
 
 # -- exercise 3: the module ------------------------------------------------------------------
-
-def _parameter_shapes(module: nn.Module) -> dict[str, list[int]]:
-    return {name: list(p.shape) for name, p in module.named_parameters()}
-
-
-def _load(module: nn.Module, state: dict[str, Tensor]) -> None:
-    """Give the module the oracle's weights and dtype, and put it in eval mode."""
-    module.to(state["w_q.weight"].dtype)
-    params = dict(module.named_parameters())
-    with torch.no_grad():
-        for name, value in state.items():
-            params[name].copy_(value)
-    module.eval()
-
-
-def _set_training(module: nn.Module, training: bool) -> None:
-    module.train(training)
-
-
-def _state_of(module: nn.Module) -> dict[str, Tensor]:
-    return {name: p.detach().clone() for name, p in module.named_parameters()}
-
-
-def _construction_error(cls: type, *args: Any) -> str | None:
-    try:
-        cls(*args)
-    except Exception as error:  # which exception is the answer
-        return type(error).__name__
-    return None
 
 
 def _expected_shapes(d_model: int, kv_heads: int, d_head: int, bias: bool) -> dict[str, list[int]]:
@@ -337,20 +306,6 @@ def _compare(module: Any, state: dict[str, Tensor], s: dict[str, int], kv_heads:
         )
 
 
-def _inputs(s: dict[str, int], dtype: torch.dtype, seed: int, *lengths: int) -> list[Tensor]:
-    g = torch.Generator().manual_seed(seed + 3)
-    return [torch.randn(s["batch"], n, s["d_model"], generator=g, dtype=dtype) for n in lengths]
-
-
-def _padding_mask(s: dict[str, int], k_len: int, seed: int) -> Tensor:
-    """(batch, 1, 1, k_len), True = a real token; the first sentence is full, the others shorter."""
-    g = torch.Generator().manual_seed(seed + 5)
-    lengths = torch.randint(1, k_len + 1, (s["batch"],), generator=g)
-    lengths[0] = k_len
-    lengths[-1] = max(1, k_len - 2)
-    return rearrange(torch.arange(k_len), "k_len -> 1 1 1 k_len") < rearrange(lengths, "batch -> batch 1 1 1")
-
-
 @check
 def check_gqa_init(cls: Callable[..., Any], seed: int = 0) -> None:
     """w_k, w_v map d_model to kv_heads * d_head; kv_heads=None means heads; bad sizes raise ValueError."""
@@ -364,7 +319,7 @@ def check_gqa_init(cls: Callable[..., Any], seed: int = 0) -> None:
                        f"{heads} query heads (check heads % kv_heads)"),
                       ((d_model + 1, heads, kv), f"{heads} heads cannot share {d_model + 1} features equally "
                        "(check d_model % heads)")):
-        error = call(_construction_error, cls, *args)
+        error = call(_error_of, cls, *args)
         if error != "ValueError":
             got = "no error" if error is None else f"a {error}"
             raise CheckFailure(f"GroupedQueryAttention{args} should raise a ValueError, since {why}; it raised {got}.")

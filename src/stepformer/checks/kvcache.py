@@ -19,6 +19,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed
+from stepformer.checks._modules import error_of as _error_of
 
 AXES = ("batch", "kv_heads", "d_head", "prefill", "steps")
 
@@ -58,14 +59,6 @@ def _contents(cache: Any) -> tuple[Any, Any]:
 
 def _nbytes(cache: Any) -> Any:
     return cache.nbytes
-
-
-def _error_of(fn: Callable[..., Any], *args: Any) -> str | None:
-    try:
-        fn(*args)
-    except Exception as error:  # which exception is the answer
-        return type(error).__name__
-    return None
 
 
 def _append_error(cache: Any, keys: Tensor, values: Tensor) -> str | None:

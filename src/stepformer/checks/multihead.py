@@ -14,6 +14,10 @@ from einops import einsum, rearrange
 from torch import Tensor, nn
 
 from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed
+from stepformer.checks._modules import error_of as _error_of
+from stepformer.checks._modules import load_state as _load
+from stepformer.checks._modules import parameter_shapes as _parameter_shapes
+from stepformer.checks._modules import set_training as _set_training
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_head")
 PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
@@ -91,31 +95,6 @@ def check_merge_heads(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype 
 
 
 # -- helpers that touch the student's module, always through call() -------------------------
-
-def _parameter_shapes(module: nn.Module) -> dict[str, list[int]]:
-    return {name: list(p.shape) for name, p in module.named_parameters()}
-
-
-def _load(module: nn.Module, state: dict[str, Tensor]) -> None:
-    """Give the module the oracle's weights and dtype, and put it in eval mode."""
-    module.to(state["w_q.weight"].dtype)
-    params = dict(module.named_parameters())
-    with torch.no_grad():
-        for name, value in state.items():
-            params[name].copy_(value)
-    module.eval()
-
-
-def _set_training(module: nn.Module, training: bool) -> None:
-    module.train(training)
-
-
-def _construction_error(cls: type, d_model: int, heads: int) -> str | None:
-    try:
-        cls(d_model, heads)
-    except Exception as error:  # which exception is the answer
-        return type(error).__name__
-    return None
 
 
 def _expect_parameters(module: Any, d_model: int, bias: bool) -> None:
@@ -272,7 +251,7 @@ def check_mha_init(cls: Callable[..., Any], seed: int = 0) -> None:
     d_model, heads = s["d_model"], s["heads"]
     _expect_parameters(call(cls, d_model, heads), d_model, bias=True)
     _expect_parameters(call(cls, d_model, heads, bias=False), d_model, bias=False)
-    error = call(_construction_error, cls, d_model + 1, heads)
+    error = call(_error_of, cls, d_model + 1, heads)
     if error != "ValueError":
         got = "no error" if error is None else f"a {error}"
         raise CheckFailure(

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from stepformer.checks._core import CheckFailure, call, check, expect_tensor, kind, passed, show
+from stepformer.checks._modules import parameters_of as _parameters
+from stepformer.checks._modules import set_training as _set_training
 
 AXES = ("batch", "seq", "d_model")
 # What exercises 1-3 ask students to write themselves (and to use in their Residual).
@@ -58,9 +60,6 @@ def _near(actual: Tensor, expected: Tensor, tolerance: float) -> bool:
 
 # -- helpers that run inside ``call`` (never reference PyTorch's norms here) -----------------
 
-def _parameters(module: nn.Module) -> dict[str, Tensor]:
-    return {name: p.detach().clone() for name, p in module.named_parameters()}
-
 
 def _load(module: nn.Module, state: dict[str, Tensor]) -> None:
     module.to(next(iter(state.values())).dtype)
@@ -82,10 +81,6 @@ def _set_norm(module: nn.Module, norm: nn.Module) -> str:
         return "missing"
     module.norm = norm
     return "ok"
-
-
-def _set_training(module: nn.Module, training: bool) -> None:
-    module.train(training)
 
 
 class _ReferenceNorm(nn.Module):
