@@ -32,7 +32,7 @@ lab: $(STAMP) ## open JupyterLab on the student exercises
 	$(BIN)/jupyter lab exercises/
 
 test: $(STAMP) ## run the whole test suite (what CI runs)
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 lint: $(STAMP) ## ruff on the library, the tests and the notebooks
 	$(BIN)/ruff check .

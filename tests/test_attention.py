@@ -106,8 +106,10 @@ def test_gradients_match_pytorch(masked):
     (F.scaled_dot_product_attention(*theirs, attn_mask=mask) * upstream).sum().backward()
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-9)
-    assert torch.autograd.gradcheck(lambda *x: scaled_dot_product_attention(*x, mask)[0],
-                                    [x.clone().requires_grad_() for x in inputs])
+    # Numerical differentiation costs two calls per input entry: one batch entry and one head suffice.
+    one = None if mask is None else mask[:1]
+    assert torch.autograd.gradcheck(lambda *x: scaled_dot_product_attention(*x, one)[0],
+                                    [x[:1, :1].clone().requires_grad_() for x in inputs])
 
 
 def test_large_scores_do_not_overflow():

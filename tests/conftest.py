@@ -1,0 +1,51 @@
+"""How `make test` spreads the suite over its workers (``pytest -n 2 --dist loadgroup``).
+
+Tests that share an expensive fixture (one book build, one graded corpus, one graded chapter)
+must run on the same worker, so they form an xdist group; every other test is a unit of its own.
+The heaviest groups go first (longest-processing-time-first scheduling), so that the workers
+finish together instead of one grading a corpus while the other has long been idle.
+"""
+
+import pytest
+
+# Rough seconds of each group on two idle cores, measured from earlier runs; only the order matters.
+WEIGHTS = {
+    "book": 500,
+    "corpus": 450,
+    "corpus-resume": 240,
+    "grading": 120,
+    "sandbox": 90,
+    "postgres": 60,
+}
+CHAPTER_GRADING = 80  # each chapter's mistake fixtures: nbgrader's release plus ~6 notebooks
+NOTEBOOK_RUN = 30  # one solution notebook executed top to bottom
+
+
+def _group(item: pytest.Item) -> str | None:
+    """The xdist group of a test, or None for a test that shares nothing expensive."""
+    module = item.path.stem
+    if module == "test_book":
+        return "book"
+    if module == "test_corpus":
+        return "corpus-resume" if item.name.startswith("test_killed_run") else "corpus"
+    if module == "test_chapter_mistakes" and hasattr(item, "callspec"):
+        return f"mistakes-{item.callspec.params['chapter'].ASSIGNMENT}"
+    return {"test_grading": "grading", "test_sandbox": "sandbox", "test_gradebook_postgres": "postgres"}.get(module)
+
+
+def _weight(item: pytest.Item, group: str | None) -> float:
+    if group is None:
+        return NOTEBOOK_RUN if item.name.startswith("test_solution_notebook_runs") else 0
+    return CHAPTER_GRADING if group.startswith("mistakes-") else WEIGHTS[group]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist appends each group's name to the test ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    weights = {}
+    for item in items:
+        group = _group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        weights[item.nodeid] = _weight(item, group)
+    # A stable sort: within a group (and among the light tests) the file order is kept.
+    items.sort(key=lambda item: -weights[item.nodeid])
