@@ -1,6 +1,6 @@
 """Decoding speed: tokens/s with and without the KV-cache, for MHA, GQA and MQA, and the cache's bytes.
 
-    .venv/bin/python benchmarks/decoding.py [--lengths 128 512] [--d-model 256] [--heads 8] [--device cpu]
+    .venv/bin/python benchmarks/decoding.py [--lengths 128 512] [--repeats 5] [--d-model 256] [--device cpu]
 
 A randomly initialised ``stepformer.Transformer`` (untrained: speed does not depend on the
 weights) generates exactly ``length`` tokens greedily for a batch, once recomputing the whole
@@ -9,28 +9,44 @@ prefix at every step (``stepformer.transformer.generate``) and once with the KV-
 checks. Attention runs with ``kv_heads`` = heads (MHA), a middle value (GQA) and 1 (MQA). The
 cache's bytes are measured on the actual tensors after decoding and compared with the formula
 2 · layers · kv_heads · d_head · length · batch · bytes per element. Not a test: it prints a table.
+
+Each model is warmed up first (a short run of both paths). The cached path is timed
+``--repeats`` times and the median kept; the uncached one, minutes long at 512 tokens, runs
+``--uncached-repeats`` times (default once). The runtime shape checks (jaxtyping with beartype)
+are switched off for the timed runs: they cost a fixed few milliseconds per call, which on a
+CPU is as much as a cached step itself and would hide the cache's speed-up. The library reads
+``JAXTYPING_DISABLE`` when it is imported, so the script sets it before importing stepformer.
 """
 
 import argparse
+import os
+import statistics
 import time
 
-import torch
+os.environ.setdefault("JAXTYPING_DISABLE", "1")  # before stepformer is imported: jaxtyping reads it then
 
-from stepformer.decoding import generate_cached
-from stepformer.kvcache import cache_bytes, new_cache
-from stepformer.transformer import Transformer, generate
+import jaxtyping  # noqa: E402
+import torch  # noqa: E402
+
+from stepformer.decoding import generate_cached  # noqa: E402
+from stepformer.kvcache import cache_bytes, new_cache  # noqa: E402
+from stepformer.transformer import Transformer, generate  # noqa: E402
 
 BOS, NEVER = 1, -1  # an end-of-sequence id that argmax cannot produce: every run makes `length` tokens
 
 
-def timed(fn, device: str) -> tuple[float, object]:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    result = fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - started, result
+def timed(fn, device: str, repeats: int = 1) -> tuple[float, object]:
+    """The median seconds of ``repeats`` calls of ``fn``, and the last call's result."""
+    seconds = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        result = fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds), result
 
 
 def self_attention_cache_bytes(model: Transformer, src: torch.Tensor, length: int) -> int:
@@ -55,6 +71,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--src-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of the cached path (median kept)")
+    parser.add_argument("--uncached-repeats", type=int, default=1, help="timed runs of the uncached path")
     parser.add_argument("--no-uncached", action="store_true", help="skip the (slow) runs without a cache")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
@@ -64,22 +82,29 @@ def main() -> None:
     d_head = args.d_model // args.heads
     print(f"d_model={args.d_model} heads={args.heads} layers={args.layers}+{args.layers} vocab={args.vocab} "
           f"batch={args.batch} src_len={args.src_len} device={args.device} threads={torch.get_num_threads()}")
+    checks = "off (JAXTYPING_DISABLE=1)" if jaxtyping.config.jaxtyping_disable else "on"
+    print(f"runtime shape checks {checks}; after a warm-up, median of {args.repeats} cached runs and "
+          f"{args.uncached_repeats} uncached run(s) per row")
     print("| attention | kv_heads | tokens | no cache: tokens/s | cache: tokens/s | speedup | "
           "cache bytes (measured) | formula |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, kv_heads in (("MHA", args.heads), ("GQA", args.gqa_kv_heads), ("MQA", 1)):
         model = Transformer(args.vocab, args.vocab, args.d_model, args.heads, args.layers, args.layers,
                             4 * args.d_model, dropout=0.0, kv_heads=kv_heads).to(args.device).eval()
+        # Warm-up: the first calls pay for allocations and kernel choices that later ones reuse.
+        generate_cached(model, src, 16, BOS, NEVER)
+        if not args.no_uncached:
+            generate(model, src, 16, BOS, NEVER)
         for length in args.lengths:
             produced = args.batch * length
             cached_s, (cached_tokens, _) = timed(
-                lambda m=model, n=length: generate_cached(m, src, n, BOS, NEVER), args.device)
+                lambda m=model, n=length: generate_cached(m, src, n, BOS, NEVER), args.device, args.repeats)
             if args.no_uncached:
                 plain = "-"
                 speedup = "-"
             else:
                 plain_s, (plain_tokens, _) = timed(lambda m=model, n=length: generate(m, src, n, BOS, NEVER),
-                                                   args.device)
+                                                   args.device, args.uncached_repeats)
                 if not torch.equal(plain_tokens, cached_tokens):
                     raise RuntimeError(f"{label}, {length} tokens: cached and uncached decoding differ")
                 plain, speedup = f"{produced / plain_s:.0f}", f"{plain_s / cached_s:.1f}x"

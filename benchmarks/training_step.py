@@ -5,21 +5,29 @@
 One step is forward, cross-entropy, backward and an AdamW step on the same batch (with source
 padding and the causal target mask). PyTorch's module gets the same embeddings and generator
 as ours, so both models have the same parameters and do the same arithmetic. Ours runs twice:
-the didactic path (chapter 01's attention written with einops) and ``fast=True`` (PyTorch's
-fused ``scaled_dot_product_attention``); the two are tested equal in ``tests/``. Prints the
-median step time of each and its speed relative to PyTorch's (above 1: faster). Not a test.
+the didactic path (chapter 10's grouped-query attention, ``grouped_attention`` written with
+einops, and chapter 05's LayerNorm) and ``fast=True`` (PyTorch's fused
+``scaled_dot_product_attention`` and ``nn.LayerNorm``, same parameters); the two are tested
+equal, forward and backward, in ``tests/``. Prints the median step time of each after a
+warm-up and its speed relative to PyTorch's (above 1: faster). The runtime shape checks
+(jaxtyping with beartype) are off for the timed steps: the script sets ``JAXTYPING_DISABLE=1``
+before importing stepformer, since jaxtyping reads it at import. Not a test.
 """
 
 import argparse
 import math
+import os
 import statistics
 import time
 
-import torch
-from torch import nn
+os.environ.setdefault("JAXTYPING_DISABLE", "1")  # before stepformer is imported: jaxtyping reads it then
 
-from stepformer.masks import causal_mask
-from stepformer.transformer import Transformer
+import jaxtyping  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from stepformer.masks import causal_mask  # noqa: E402
+from stepformer.transformer import Transformer  # noqa: E402
 
 PAD = 0
 
@@ -119,6 +127,8 @@ def main() -> None:
     print(f"d_model={args.d_model} heads={args.heads} layers={args.layers}+{args.layers} d_ff={args.d_ff} "
           f"vocab={args.vocab} batch={args.batch} len={args.len} device={args.device} "
           f"threads={torch.get_num_threads()} parameters={counts['ours']:,}")
+    checks = "off (JAXTYPING_DISABLE=1)" if jaxtyping.config.jaxtyping_disable else "on"
+    print(f"runtime shape checks {checks}; median of {args.steps} steps after {args.warmup}, the models taking turns")
     print("| model | ms per step | speed vs torch.nn.Transformer |")
     print("| --- | --- | --- |")
     for name, seconds in rows:

@@ -1,6 +1,7 @@
 """stepformer.transformer against torch.nn.TransformerDecoderLayer / nn.Transformer on random shapes, its
 defining properties (teacher forcing, per-sentence EOS, tied embeddings, fast == plain), and the chapter's checks."""
 
+import warnings
 
 import pytest
 import torch
@@ -30,8 +31,11 @@ from stepformer.checks.decoder import (
     check_target_mask,
 )
 from stepformer.checks.encoder import _randomise
+from stepformer.encoder import Encoder, encoder_layer_from_torch
 from stepformer.masks import causal_mask, padding_mask
 from stepformer.transformer import (
+    Decoder,
+    DecoderLayer,
     Transformer,
     decoder_layer_from_torch,
     generate,
@@ -197,6 +201,24 @@ def test_fast_equals_plain(norm_first):
         assert (fast(src, tgt) - plain(src, tgt)).abs().max() < 1e-10
 
 
+@pytest.mark.parametrize("options", [{}, {"norm_first": True}, {"kv_heads": 2, "positional": "rope"}])
+def test_fast_training_step_has_the_gradients_of_the_plain_one_float64(options):
+    """Backward too: the fused attention and nn.LayerNorm give every parameter the plain path's gradient."""
+    plain = _small_model(6, **options).train()  # dropout=0.0: training mode, yet deterministic
+    fast = _small_model(6, fast=True, **options).train()
+    fast.load_state_dict(plain.state_dict())
+    g = torch.Generator().manual_seed(10)
+    src, tgt = _padded(3, 7, 13, g), _padded(3, 6, 13, g)
+    for model in (plain, fast):
+        model.zero_grad()
+        logits = model(src, tgt[:, :-1])
+        nn.functional.cross_entropy(logits.flatten(0, 1), tgt[:, 1:].flatten(), ignore_index=0).backward()
+    fast_grads = dict(fast.named_parameters())
+    for name, p in plain.named_parameters():
+        assert p.grad is not None and fast_grads[name].grad is not None, name
+        torch.testing.assert_close(fast_grads[name].grad, p.grad, rtol=1e-9, atol=1e-11, msg=name)
+
+
 def test_generate_stops_each_sentence_at_its_eos_and_pads_after():
     model = ToyModel(16, seed=0)
     src = _sources([3, 1, 5, 2], 6, seed=0)
@@ -238,6 +260,113 @@ def test_generate_restores_training_mode():
 def test_greedy_needs_a_step():
     with pytest.raises(ValueError, match="at least 1"):
         generate(_small_model(), torch.tensor([[3, 4]]), 0, 1, 2)
+
+
+# -- the decoder-only (GPT) block ----------------------------------------------------------------
+
+def _gpt_layer_from_encoder_layer(encoder_layer, norm_first):
+    """A decoder layer without cross-attention holding an encoder layer's weights: its FFN norm is norm3."""
+    attention = encoder_layer.self_attn
+    gpt = DecoderLayer(attention.w_q.in_features, attention.heads, encoder_layer.ffn.linear1.out_features,
+                       dropout=0.0, norm_first=norm_first, cross_attention=False).double()
+    gpt.self_attn.load_state_dict(encoder_layer.self_attn.state_dict())
+    gpt.ffn.load_state_dict(encoder_layer.ffn.state_dict())
+    gpt.norm1.load_state_dict(encoder_layer.norm1.state_dict())
+    gpt.norm3.load_state_dict(encoder_layer.norm2.state_dict())
+    return gpt
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_a_decoder_only_block_is_torch_encoder_layer_with_a_causal_mask_float64(norm_first):
+    """GPT's block: DecoderLayer(cross_attention=False) with memory=None == nn.TransformerEncoderLayer + causal mask."""
+    g = torch.Generator().manual_seed(11)
+    batch, seq, heads, d_head, d_ff = 2, 7, 3, 4, 10
+    d_model = heads * d_head
+    theirs = nn.TransformerEncoderLayer(d_model, heads, d_ff, dropout=0.0, batch_first=True, norm_first=norm_first,
+                                        dtype=torch.float64)
+    _randomise(theirs, g)
+    gpt = _gpt_layer_from_encoder_layer(encoder_layer_from_torch(theirs), norm_first)
+    assert gpt.cross_attn is None
+    x = torch.randn(batch, seq, d_model, generator=g, dtype=torch.float64)
+    tokens = _padded(batch, seq, 9, g)
+    # Gradients on: PyTorch's inference fast path would zero the padded positions instead.
+    expected = theirs(x, src_mask=~causal_mask(seq), src_key_padding_mask=tokens == 0)
+    got = gpt(x, None, tgt_mask=target_mask(tokens, 0))
+    assert (got - expected).abs().max().item() < 1e-10
+    # The mask is what makes it a decoder: without it, position 0 would read later positions.
+    later = x.clone()
+    later[:, 1:] += 1.0
+    assert torch.equal(gpt(later, None, tgt_mask=causal_mask(seq))[:, 0], gpt(x, None, tgt_mask=causal_mask(seq))[:, 0])
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_a_decoder_only_stack_is_our_encoder_with_a_causal_mask_float64(norm_first):
+    """Decoder(cross_attention=False) with memory=None == Encoder with the same weights and a causal mask."""
+    torch.manual_seed(12)
+    d_model, heads, d_ff, layers, seq = 12, 3, 10, 3, 6
+    encoder = Encoder(d_model, heads, d_ff, layers, dropout=0.0, norm_first=norm_first).double()
+    _randomise(encoder, torch.Generator().manual_seed(13))
+    decoder = Decoder(d_model, heads, d_ff, layers, dropout=0.0, norm_first=norm_first, cross_attention=False)
+    decoder = decoder.double()
+    decoder.layers = nn.ModuleList(_gpt_layer_from_encoder_layer(layer, norm_first) for layer in encoder.layers)
+    decoder.norm.load_state_dict(encoder.norm.state_dict())
+    x = torch.randn(2, seq, d_model, dtype=torch.float64)
+    with torch.no_grad():
+        difference = (decoder(x, None, tgt_mask=causal_mask(seq)) - encoder(x, causal_mask(seq))).abs().max()
+    assert difference.item() < 1e-12
+
+
+def test_a_cross_attention_layer_without_memory_says_it_needs_the_memory():
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match="needs the encoder's memory"):
+        DecoderLayer(8, 2, 12, dropout=0.0)(x, None)
+    with pytest.raises(ValueError, match="needs the encoder's memory"):
+        Decoder(8, 2, 12, 2, dropout=0.0)(x, None, tgt_mask=causal_mask(3))
+
+
+# -- load_torch_transformer refuses what it cannot copy faithfully --------------------------------
+
+def _torch_transformer(**kwargs):
+    options = dict(d_model=12, nhead=3, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=10,
+                   dropout=0.0, batch_first=True)
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bias=False: PyTorch notes that it skips its nested-tensor path
+        return nn.Transformer(**{**options, **kwargs})
+
+
+def _ours_for_torch(**kwargs):
+    options = dict(d_model=12, heads=3, n_encoder_layers=2, n_decoder_layers=2, d_ff=10, dropout=0.0)
+    return Transformer(11, 11, **{**options, **kwargs})
+
+
+@pytest.mark.parametrize(("ours", "theirs", "named"), [
+    ({"norm_first": True}, {}, "norm_first: ours True, theirs False"),
+    ({}, {"norm_first": True}, "norm_first: ours False, theirs True"),
+    ({"activation": "gelu"}, {}, "activation: ours 'gelu', theirs 'relu'"),
+    ({}, {"activation": "gelu"}, "activation: ours 'relu', theirs 'gelu'"),
+    ({}, {"activation": nn.GELU(approximate="tanh")}, "approximate='tanh'"),
+    ({"dropout": 0.1}, {}, "dropout: ours 0.1, theirs 0.0"),
+    ({}, {"bias": False}, "bias=False"),
+    ({"heads": 4}, {}, "heads: ours 4, theirs 3"),
+    ({"kv_heads": 1}, {}, "kv_heads: ours 1"),
+    ({"positional": "rope"}, {}, "'rope'"),
+    ({"d_ff": 8}, {}, "d_ff: ours 8, theirs 10"),
+    ({"n_decoder_layers": 1}, {}, "decoder layers: ours 1, theirs 2"),
+    ({}, {"layer_norm_eps": 1e-6}, "layer_norm_eps"),
+])
+def test_load_torch_transformer_names_a_mismatched_configuration(ours, theirs, named):
+    model, reference = _ours_for_torch(**ours), _torch_transformer(**theirs)
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    with pytest.raises(ValueError, match="cannot copy this torch.nn.Transformer") as error:
+        load_torch_transformer(model, reference)
+    assert named in str(error.value)
+    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())  # nothing half-copied
+
+
+def test_load_torch_transformer_accepts_matching_configurations_fast_or_not():
+    for options in ({}, {"fast": True}, {"norm_first": True, "activation": "gelu", "dropout": 0.1}):
+        torch_options = {k: v for k, v in options.items() if k != "fast"}
+        load_torch_transformer(_ours_for_torch(**options), _torch_transformer(**torch_options))
 
 
 # -- the checks ------------------------------------------------------------------------------

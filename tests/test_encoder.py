@@ -40,6 +40,7 @@ from stepformer.encoder import (
 )
 from stepformer.masks import padding_mask
 from stepformer.positional import sinusoidal_encoding
+from stepformer.transformer import Transformer
 from tests.fixtures.student import student_copy
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
@@ -181,7 +182,8 @@ def test_embedding_dropout_only_in_training():
 
 
 def test_the_scale_brings_small_token_vectors_to_the_size_of_the_code():
-    """With Glorot-sized token vectors (std about 1/sqrt(d_model)) the scale makes them as long as the code."""
+    """With entries of std 1/sqrt(d_model) (a table shared with the output layer) the scale makes them as long as
+    the code."""
     d_model = 256
     emb = Embedding(1000, d_model)
     nn.init.normal_(emb.tokens.weight, std=d_model**-0.5)
@@ -191,6 +193,19 @@ def test_the_scale_brings_small_token_vectors_to_the_size_of_the_code():
     assert abs(code - math.sqrt(d_model / 2)) < 1e-3  # d_model / 2 (sin, cos) pairs of length 1
     assert 1.2 < length / code < 1.6  # sqrt(2): the same order, neither drowns the other
     assert torch.linalg.vector_norm(emb.tokens(tokens), dim=-1).mean() < 1.1  # unscaled: 1, drowned by ~11
+
+
+@pytest.mark.parametrize(("vocab", "low", "high"), [(40, 1.2, 2.0), (4000, 0.2, 0.3)])
+def test_glorot_tables_of_the_full_model_are_as_long_as_the_code_only_for_small_vocabularies(vocab, low, high):
+    """As the Embedding docstring and chapter 07 say: scaled Glorot rows / code = 2 sqrt(d_model/(vocab + d_model))."""
+    torch.manual_seed(0)
+    d_model = 64
+    model = Transformer(vocab, vocab, d_model, 4, 1, 1, 32, dropout=0.0)
+    length = torch.linalg.vector_norm(model.src_embed.tokens.weight * math.sqrt(d_model), dim=-1).mean()
+    code = torch.linalg.vector_norm(sinusoidal_encoding(64, d_model), dim=-1).mean()
+    ratio = (length / code).item()
+    assert abs(ratio - 2 * math.sqrt(d_model / (vocab + d_model))) < 0.05
+    assert low < ratio < high
 
 
 @pytest.mark.parametrize("norm_first", [False, True])

@@ -126,7 +126,26 @@ def test_dropout_is_on_hidden_units_in_training_only():
     reference = ffn(x)
     torch.testing.assert_close(ffn(x), reference)
     ffn.train()
-    assert not torch.allclose(ffn(x), reference)
+    seen = {}
+    ffn.linear2.register_forward_hook(lambda module, inputs, output: seen.update(hidden=inputs[0], out=output))
+    y = ffn(x)
+    assert not torch.allclose(y, reference)
+    hidden = F.relu(ffn.linear1(x))
+    # What reaches linear2 is the hidden layer with each unit either dropped or scaled by 1/(1-p)...
+    assert torch.all((seen["hidden"] == 0) | torch.isclose(seen["hidden"], hidden / 0.5))
+    assert ((seen["hidden"] == 0) & (hidden > 0)).any(), "no live hidden unit was dropped"
+    # ... and nothing acts after linear2 (dropout there would zero whole outputs).
+    torch.testing.assert_close(y, seen["out"], rtol=0, atol=0)
+
+
+def test_checks_leave_the_global_rng_alone():
+    draws = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        check_feedforward_values(student.FeedForward)
+        check_feedforward_dropout(student.FeedForward)
+        draws.append(torch.rand(4))
+    assert not torch.equal(*draws), "a check reset the global RNG to a fixed state"
 
 
 def test_parameter_counts():

@@ -28,7 +28,7 @@ from stepformer.checks.kvcache import (
     check_projects_new_only,
 )
 from stepformer.decoding import cached_self_attention, generate_cached
-from stepformer.gqa import GroupedQueryAttention
+from stepformer.gqa import GroupedQueryAttention, grouped_attention
 from stepformer.kvcache import (
     KVCache,
     LayerCache,
@@ -36,6 +36,7 @@ from stepformer.kvcache import (
     cache_bytes,
     gather_blocks,
     new_cache,
+    paged_attention,
     positions_after,
 )
 from stepformer.masks import causal_mask, padding_mask
@@ -236,6 +237,23 @@ def test_cached_self_attention_projects_only_the_new_positions_and_equals_the_li
     torch.testing.assert_close(ours.keys, theirs.keys)
 
 
+@pytest.mark.parametrize(("kv_heads", "positional"), [(None, "sinusoidal"), (2, "rope"), (1, "learned")])
+def test_fast_cached_decoding_equals_fast_and_plain_uncached(kv_heads, positional):
+    """fast=True (PyTorch's fused attention, also over the cache) decodes as the plain path does, cached or not."""
+    plain = _model(positional, kv_heads, seed=7, dropout=0.0)
+    torch.manual_seed(7)
+    fast = Transformer(23, 29, 8, 4, 2, 2, 20, dropout=0.0, positional=positional, kv_heads=kv_heads, pad_id=PAD,
+                       fast=True).to(torch.float64)
+    fast.load_state_dict(plain.state_dict())
+    src = _padded_source(seed=3)
+    cached_tokens, cached_logits = generate_cached(fast, src, 6, BOS, EOS)
+    tokens, logits = generate(fast, src, 6, BOS, EOS)
+    plain_tokens, plain_logits = generate(plain, src, 6, BOS, EOS)
+    assert torch.equal(cached_tokens, tokens) and torch.equal(tokens, plain_tokens)
+    torch.testing.assert_close(cached_logits, logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(logits, plain_logits, rtol=1e-10, atol=1e-10)
+
+
 # -- the paged cache -----------------------------------------------------------------------------
 
 @settings(max_examples=30, deadline=None)
@@ -272,6 +290,80 @@ def test_gather_blocks_reads_position_p_from_slot_p_mod_block_size_of_block_tabl
         for p in range(length):
             assert torch.equal(got[:, p], pool[table[p // block_size], :, p % block_size])
         assert got.shape == (2, length, 3)
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+def _contiguous_attention(q, keys, values):
+    """PyTorch's attention on the contiguous cache, each key/value head repeated for its group of query heads."""
+    group = q.shape[0] // keys.shape[0]
+    keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+    return nn.functional.scaled_dot_product_attention(q, keys, values)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.sampled_from([1, 2, 3]), st.integers(1, 4), st.integers(1, 3),
+       st.lists(st.tuples(st.integers(0, 2), st.integers(1, 5)), min_size=1, max_size=12), st.integers(0, 2**16))
+def test_paged_attention_reads_the_pool_block_by_block_as_contiguous_attention(
+        block_size, kv_heads, group, d_head, q_len, writes, seed):
+    """No gather: the online softmax across the table's blocks equals attention over the contiguous KVCache."""
+    g = torch.Generator().manual_seed(seed)
+    heads, total = kv_heads * group, sum(n for _, n in writes)
+    paged = PagedKVCache(total + 2, kv_heads, block_size, d_head, dtype=torch.float64)
+    paged.key_pool.fill_(math.nan)  # an unwritten slot that were read would make the output NaN
+    paged.value_pool.fill_(math.nan)
+    paged.free = torch.randperm(total + 2, generator=g).tolist()  # blocks out of order in the pool
+    contiguous = {s: KVCache() for s, _ in writes}
+    for sequence, new in writes:  # interleaved writes: each sequence's blocks are not next to each other
+        k, v = (torch.randn(1, kv_heads, new, d_head, generator=g, dtype=torch.float64) for _ in range(2))
+        paged.append(sequence, k[0], v[0])
+        contiguous[sequence].append(k, v)
+    for sequence, cache in contiguous.items():
+        q = torch.randn(heads, q_len, d_head, generator=g, dtype=torch.float64)
+        got = paged.attend(sequence, q)
+        expected = _contiguous_attention(q, cache.keys[0], cache.values[0])
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        ours = grouped_attention(q[None], cache.keys, cache.values)[0]  # the library's attention, chapter 10
+        torch.testing.assert_close(got, ours, rtol=1e-12, atol=1e-12)
+        if group == 1:
+            library, _ = stepformer.attention.scaled_dot_product_attention(q, cache.keys[0], cache.values[0])
+            torch.testing.assert_close(got, library, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_with_a_shuffled_table_a_partly_filled_last_block_and_large_scores(device):
+    g = torch.Generator().manual_seed(21)
+    blocks, kv_heads, block_size, d_head, heads = 9, 2, 4, 3, 6
+    key_pool = torch.randn(blocks, kv_heads, block_size, d_head, generator=g, dtype=torch.float64).to(device)
+    value_pool = torch.randn(blocks, kv_heads, block_size, d_head, generator=g, dtype=torch.float64).to(device)
+    table = torch.tensor([7, 2, 5, 0], device=device)  # neither sorted nor adjacent
+    length = 14  # the last block holds 2 of its 4 slots
+    key_pool[0, :, 2:], value_pool[0, :, 2:] = math.nan, math.nan  # the empty slots must not be read
+    keys, values = gather_blocks(key_pool, table, length), gather_blocks(value_pool, table, length)
+    assert not keys.isnan().any()
+    for scale in (1.0, 100.0):  # 100: scores in the thousands, exp overflows without the running max
+        q = scale * torch.randn(heads, 2, d_head, generator=g, dtype=torch.float64).to(device)
+        got = paged_attention(q, key_pool, value_pool, table, length)
+        torch.testing.assert_close(got, _contiguous_attention(q, keys, values), rtol=1e-10, atol=1e-10)
+    assert got.device == key_pool.device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_cache_lives_on_the_device_it_is_given(device):
+    paged = PagedKVCache(blocks=3, kv_heads=1, block_size=2, d_head=4, device=device)
+    assert paged.key_pool.device.type == device and paged.value_pool.device.type == device
+    k = torch.randn(1, 3, 4, device=device)
+    paged.append(0, k, 2 * k)
+    q = torch.randn(1, 1, 4, device=device)
+    torch.testing.assert_close(paged.attend(0, q), _contiguous_attention(q, k, 2 * k))
+
+
+@pytest.mark.parametrize("length", [0, 9])
+def test_paged_attention_refuses_a_length_its_table_does_not_hold(length):
+    pool = torch.zeros(4, 1, 2, 3)
+    with pytest.raises(ValueError, match="fit in 4 blocks of 2"):
+        paged_attention(torch.zeros(1, 1, 3), pool, pool, torch.arange(4), length)
 
 
 def test_released_blocks_return_to_the_pool_and_are_reused():
@@ -517,10 +609,30 @@ def test_replay_of_the_counting_check_needs_no_student_code(monkeypatch, tmp_pat
         check_projects_new_only((object(), object()), seed=4)
 
 
-def test_the_padding_mask_of_the_source_is_what_generation_uses():
-    # A sanity check of the fixture: padded sources really are padded, so the equality tests cover padding.
-    src = _padded_source()
-    assert (~padding_mask(src, PAD)).any()
+@pytest.mark.parametrize("decode", [generate, generate_cached])
+def test_the_padding_mask_of_the_source_is_what_generation_uses(decode):
+    """What stands at the source's padded positions, or how many there are, never reaches the generated tokens."""
+    model = _model(seed=9, dropout=0.0)
+    src = _padded_source(seed=5)
+    assert (~padding_mask(src, PAD)).any() and padding_mask(src, PAD)[0].all()  # padded, but not every sentence
+    tokens, logits = decode(model, src, 6, BOS, EOS)
+    # Another vector for the padding token: only padded source positions carry it.
+    with torch.no_grad():
+        model.src_embed.tokens.weight[PAD] = 5.0 * torch.randn(model.src_embed.tokens.weight.shape[1])
+    other_tokens, other_logits = decode(model, src, 6, BOS, EOS)
+    assert torch.equal(other_tokens, tokens)
+    torch.testing.assert_close(other_logits, logits, rtol=1e-12, atol=1e-12)
+    # More padding at the end: more keys that must not be read.
+    longer = torch.cat([src, torch.full((src.shape[0], 3), PAD)], dim=1)
+    longer_tokens, longer_logits = decode(model, longer, 6, BOS, EOS)
+    assert torch.equal(longer_tokens, tokens)
+    torch.testing.assert_close(longer_logits, logits, rtol=1e-12, atol=1e-12)
+    # The control: read without the mask, the padding vector does reach the real positions' memory.
+    with torch.no_grad():
+        unmasked = model.encode(src, torch.ones(1, 1, 1, src.shape[1], dtype=torch.bool))
+        masked = model.encode(src)
+    real = padding_mask(src, PAD)[:, 0, 0]
+    assert (unmasked - masked)[1:][real[1:]].abs().max() > 1e-3
 
 
 def test_every_check_replays_what_it_recorded(monkeypatch, tmp_path):

@@ -233,6 +233,16 @@ def padding_as_float(tokens, pad_id):
     return (tokens != pad_id)[:, None, None, :].float()
 
 
+def padding_greater(tokens, pad_id):
+    return (tokens > pad_id)[:, None, None, :]
+
+
+def padding_one_wrong(tokens, pad_id):
+    mask = (tokens != pad_id)[:, None, None, :].clone()
+    mask[-1, 0, 0, 0] = False
+    return mask
+
+
 def _ones(q_len, k_len):
     return torch.ones(q_len, q_len if k_len is None else k_len, dtype=torch.bool)
 
@@ -250,6 +260,23 @@ def causal_future(q_len, k_len=None, device=None):
 def causal_strict(q_len, k_len=None, device=None):
     k_len = q_len if k_len is None else k_len
     return _ones(q_len, k_len).tril(k_len - q_len - 1)
+
+
+def causal_flipped_sign(q_len, k_len=None, device=None):
+    k_len = q_len if k_len is None else k_len
+    return _ones(q_len, k_len).tril(q_len - k_len)
+
+
+def causal_off_by_one(q_len, k_len=None, device=None):
+    k_len = q_len if k_len is None else k_len
+    return _ones(q_len, k_len).tril(k_len - q_len + 1)
+
+
+def causal_one_wrong(q_len, k_len=None, device=None):
+    k_len = q_len if k_len is None else k_len
+    mask = _ones(q_len, k_len).tril(k_len - q_len)
+    mask[-1, 0] = False
+    return mask
 
 
 def causal_top_left(q_len, k_len=None, device=None):
@@ -272,7 +299,7 @@ def causal_no_default(q_len, k_len=None, device=None):
     return _ones(q_len, q_len + 1 if k_len is None else k_len).tril(1 if k_len is None else k_len - q_len)
 
 
-def _measure(x, mask, *, queries=True, transpose=False, apply_mask=True, same_copy=False):
+def _measure(x, mask, *, queries=True, keys=True, transpose=False, apply_mask=True, same_copy=False):
     def attend(q, kv):
         scores = q @ kv.T
         if mask is not None and apply_mask:
@@ -285,7 +312,7 @@ def _measure(x, mask, *, queries=True, transpose=False, apply_mask=True, same_co
         other = x.clone()
         other[j] += 1.0
         seen = x if same_copy else other
-        out = attend(seen if queries else x, seen)
+        out = attend(seen if queries else x, seen if keys else x)
         changed[:, j] = (out != base).any(-1)
     return changed.T.contiguous() if transpose else changed
 
@@ -297,6 +324,21 @@ def _measure(x, mask, *, queries=True, transpose=False, apply_mask=True, same_co
         (check_padding_in_attention, padding_inverted, "padding mask is inverted"),
         (check_padding_mask, padding_flat, r"shape \(batch, 1, 1, k_len\)"),
         (check_padding_mask, padding_as_float, "boolean"),
+        (check_padding_in_attention, padding_flat, r"q_len = batch = \d+, so query i of every sentence"),
+        (check_padding_in_attention, padding_as_float, "adds a float mask to the scores"),
+        (check_padding_in_attention, lambda tokens, pad_id: padding_inverted(tokens, pad_id).int(),
+         "Return a boolean mask"),
+        (check_padding_in_attention, lambda tokens, pad_id: (tokens != pad_id)[:, None, :],
+         r"cannot be the mask of attention .* must have shape \(batch, 1, 1, k_len\)"),
+        (check_padding_mask, padding_one_wrong,
+         r"Sentence 1 should keep positions 0\.\.6; yours keeps positions 1\.\.6"),
+        (check_padding_in_attention, padding_one_wrong, r"differs from attention that ignores.*Sentence 1 should keep"),
+        (check_causal_mask_offset, causal_flipped_sign, r"wrong sign: tril\(diagonal=q_len - k_len\)"),
+        (check_causal_mask_offset, causal_off_by_one, "off by one"),
+        (check_causal_mask, causal_off_by_one, "off by one"),
+        (check_causal_mask_offset, causal_one_wrong,
+         r"(?s)Query 3 should read keys 0\.\.6; yours reads keys 1\.\.6\.\nExpected \(1 = True\):\n    1 1 1 1 0 0 0"),
+        (check_which_outputs_change, lambda x, mask=None: _measure(x, mask, keys=False), "only the queries"),
         (check_causal_mask, causal_triu, r"tril, not triu"),
         (check_causal_mask, causal_future, "inverted: it is True on the future"),
         (check_causal_mask, causal_strict, "hides the diagonal"),
@@ -313,6 +355,20 @@ def _measure(x, mask, *, queries=True, transpose=False, apply_mask=True, same_co
 def test_checks_name_the_mistake(check, mistake, message):
     with pytest.raises(CheckFailure, match=message):
         check(mistake)
+
+
+def test_padding_as_greater_than_pad_id_is_named():
+    check_padding_mask(padding_greater, pad_id=0)  # the same mask when pad_id is 0 and ids are >= 0
+    for check in PADDING_CHECKS:
+        with pytest.raises(CheckFailure, match=r"tokens > pad_id.*compare with tokens != pad_id"):
+            check(padding_greater, pad_id=1)
+
+
+def test_padding_in_attention_fails_on_its_own_for_a_flat_mask():
+    # The flat mask is refused by its own behaviour in attention, not by a comparison of masks.
+    for seed in (0, 5, 17, 102):
+        with pytest.raises(CheckFailure, match="broadcast without an error"):
+            check_padding_in_attention(padding_flat, seed=seed, pad_id=seed % 3)
 
 
 def test_hard_coded_pad_zero_is_named_when_pad_id_is_not_zero():

@@ -97,14 +97,41 @@ def test_gradients_match_pytorch():
     theirs, ours, g = _pair(s)
     theirs.train()
     ours.train()
-    x = torch.randn(2, 5, 12, generator=g, dtype=torch.float64)
+    # Separate query, key and value inputs (k_len != q_len), so that each input's gradient is its own.
+    inputs = [torch.randn(2, seq, 12, generator=g, dtype=torch.float64) for seq in (5, 7, 7)]
     upstream = torch.randn(2, 5, 12, generator=g, dtype=torch.float64)
-    (ours(x, x, x) * upstream).sum().backward()
-    (theirs(x, x, x, need_weights=False)[0] * upstream).sum().backward()
+    ours_in = [x.clone().requires_grad_() for x in inputs]
+    theirs_in = [x.clone().requires_grad_() for x in inputs]
+    (ours(*ours_in) * upstream).sum().backward()
+    (theirs(*theirs_in, need_weights=False)[0] * upstream).sum().backward()
     grads = {n: p.grad for n, p in ours.named_parameters()}
     q_grad, k_grad, v_grad = theirs.in_proj_weight.grad.chunk(3)
-    for name, expected in (("w_q", q_grad), ("w_k", k_grad), ("w_v", v_grad), ("w_o", theirs.out_proj.weight.grad)):
-        torch.testing.assert_close(grads[f"{name}.weight"], expected, rtol=1e-9, atol=1e-9)
+    q_bias, k_bias, v_bias = theirs.in_proj_bias.grad.chunk(3)
+    expected = {
+        "w_q.weight": q_grad, "w_k.weight": k_grad, "w_v.weight": v_grad, "w_o.weight": theirs.out_proj.weight.grad,
+        "w_q.bias": q_bias, "w_k.bias": k_bias, "w_v.bias": v_bias, "w_o.bias": theirs.out_proj.bias.grad,
+    }
+    assert set(grads) == set(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-9, atol=1e-9, msg=name)
+    for name, a, b in zip(("query", "key", "value"), ours_in, theirs_in, strict=True):
+        assert a.grad.abs().max() > 0
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-9, msg=f"gradient of the {name}")
+
+
+def test_from_torch_copies_a_sequence_first_module_whose_inputs_are_transposed():
+    g = torch.Generator().manual_seed(5)
+    theirs = nn.MultiheadAttention(12, 3, dtype=torch.float64).eval()  # batch_first=False: (seq, batch, d_model)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) / 4)
+    ours = from_torch(theirs).eval()
+    x, memory = torch.randn(2, 5, 12, generator=g, dtype=torch.float64), torch.randn(2, 7, 12, generator=g,
+                                                                                      dtype=torch.float64)
+    with torch.no_grad():
+        expected = theirs(x.transpose(0, 1), memory.transpose(0, 1), memory.transpose(0, 1), need_weights=False)[0]
+        torch.testing.assert_close(ours(x, memory, memory), expected.transpose(0, 1), rtol=1e-9, atol=1e-9)
+    assert "batch_first" in from_torch.__doc__
 
 
 def test_split_and_merge_heads():

@@ -111,6 +111,16 @@ def test_float64_agrees_to_1e6_including_overflow_cases():
 def test_defaults_match_pytorch_and_state_dicts_load_both_ways():
     ln, rms = LayerNorm(7), RMSNorm(7)
     assert ln.eps == nn.LayerNorm(7).eps == 1e-5 and rms.eps == 1e-6
+    # Compare the defaults by their outputs on small-scale inputs, where eps matters.
+    x = torch.randn(3, 4, 7, generator=torch.Generator().manual_seed(3)) * 1e-3
+    with torch.no_grad():
+        torch.testing.assert_close(ln(x), nn.LayerNorm(7)(x))
+        # The course's RMSNorm default is LLaMA's eps=1e-6, as its docstring and chapter 05 say;
+        # nn.RMSNorm's default eps=None is finfo(float32).eps, which gives other numbers here.
+        torch.testing.assert_close(rms(x), nn.RMSNorm(7, eps=1e-6)(x))
+        assert nn.RMSNorm(7).eps is None
+        assert (rms(x) - nn.RMSNorm(7)(x)).abs().max() > 0.1
+    assert "eps=1e-6" in RMSNorm.__doc__ and "finfo" in RMSNorm.__doc__
     assert [n for n, _ in ln.named_parameters()] == ["weight", "bias"]
     assert [n for n, _ in rms.named_parameters()] == ["weight"]
     assert (ln.weight == 1).all() and (ln.bias == 0).all() and (rms.weight == 1).all()

@@ -218,6 +218,36 @@ class Rotary(torch.nn.Module):
         return torch.stack([first, second], dim=-1).flatten(-2)
 
 
+class CheckedRotary(Rotary):
+    """Rotary with the argument checks that the exercise asks for; ``skip`` leaves one out."""
+
+    skip = None
+
+    def __init__(self, d_head, base=10000.0):
+        if d_head % 2 and self.skip != "odd":
+            raise ValueError(f"d_head must be even, got {d_head}")
+        super().__init__(d_head, base)
+        if self.skip == "store":
+            del self.d_head
+            self.size = d_head
+
+    def forward(self, x, positions):
+        width = self.size if self.skip == "store" else self.d_head
+        if x.shape[-1] != width and self.skip != "width":
+            raise ValueError(f"x has width {x.shape[-1]}, expected d_head={width}")
+        if self.skip != "store":
+            return super().forward(x, positions)
+        self.d_head = width  # Rotary.forward reads it; gone again afterwards
+        try:
+            return super().forward(x, positions)
+        finally:
+            del self.d_head
+
+
+def checked_without(check):
+    return type(f"CheckedRotary_no_{check}", (CheckedRotary,), {"skip": check})
+
+
 def rotary_with(mistake):
     return type(f"Rotary_{mistake}", (Rotary,), {"mistake": mistake})
 
@@ -248,11 +278,13 @@ def test_checks_pass_on_the_solution(capsys):
         check_rope_values(student.RotaryEmbedding, seed=seed, dtype=torch.float64)
         check_rope_properties(student.RotaryEmbedding, seed=seed)
         check_offset_measurement(student.scores_by_offset, seed=seed)
-    check_sinusoidal_errors(student.sinusoidal_encoding)
+    for seed in (0, 603, 11):
+        check_sinusoidal_errors(student.sinusoidal_encoding, seed=seed)
     check_sinusoidal_values(encoding)
     check_rope_values(Rotary)
+    check_rope_properties(CheckedRotary)
     check_offset_measurement(measure_with(Rotary))
-    assert capsys.readouterr().out.count("✔") == 19
+    assert capsys.readouterr().out.count("✔") == 22
 
 
 @pytest.mark.parametrize(("check", "stubbed"), [(check_sinusoidal_values, stub), (check_sinusoidal_errors, stub),
@@ -283,6 +315,11 @@ def _no_value_error(seq_len, d_model):
         (check_rope_values, rotary_with("one_sided_sign"), "not a rotation"),
         (check_rope_properties, rotary_with("one_sided_sign"), "length"),
         (check_rope_properties, LearnedTheta, "no learned parameters|should have none"),
+        (check_rope_properties, Rotary, r"RotaryEmbedding\(9\) should raise ValueError for an odd d_head .*returned"),
+        (check_rope_properties, checked_without("odd"), "should raise ValueError for an odd d_head"),
+        (check_rope_properties, checked_without("width"),
+         r"on x Tensor\(2, 3, 5, 10\) float64 should raise ValueError for an input whose width 10 is not d_head = 8"),
+        (check_rope_properties, checked_without("store"), r"should store self\.d_head = 8 .* self\.d_head = None"),
         (check_offset_measurement, measure_with(rotary_with("one_sided_sign")), "still vary"),
         (check_offset_measurement, measure_with(rotary_with("half_split")), "half-split"),
         (check_offset_measurement, measure_with(Rotary, reverse=True), "wrong way"),
@@ -292,6 +329,24 @@ def _no_value_error(seq_len, d_model):
 def test_checks_name_the_mistake(check, mistake, message):
     with pytest.raises(CheckFailure, match=message):
         check(mistake)
+
+
+@pytest.mark.parametrize("seed", [0, 603, 11])
+def test_sinusoidal_errors_check_names_each_missing_error(seed):
+    def no_odd_check(seq_len, d_model):
+        if seq_len < 1 or d_model < 1:
+            raise ValueError("sizes must be at least 1")
+        return torch.zeros(seq_len, d_model)
+
+    def type_error(seq_len, d_model):
+        if seq_len < 1 or d_model < 1 or d_model % 2:
+            raise TypeError("bad sizes")
+        return encoding(seq_len, d_model)
+
+    with pytest.raises(CheckFailure, match=r"should raise ValueError for an odd d_model .*, but returned"):
+        check_sinusoidal_errors(no_odd_check, seed=seed)
+    with pytest.raises(CheckFailure, match="got TypeError: bad sizes"):
+        check_sinusoidal_errors(type_error, seed=seed)
 
 
 def test_using_the_library_is_not_own_work():

@@ -43,9 +43,10 @@ class Embedding(nn.Module):
     ``positional`` is ``"sinusoidal"`` (the fixed code of chapter 06, computed for any
     length), ``"learned"`` (a table of ``max_len`` rows) or ``"rope"`` (nothing is added here:
     the attention rotates queries and keys instead). The scale (section 3.4 of the paper) makes
-    small token vectors, entries of about 1/sqrt(d_model) as a table shared with the output layer
-    or Glorot's initialisation gives them, about as long as the positional code they are added
-    to. (``nn.Embedding``'s own N(0, 1) entries are long already: the full model re-initialises.)
+    token vectors with entries of about 1/sqrt(d_model), as in a table shared with the output
+    layer, about as long as the positional code they are added to. The full model initialises
+    its tables with Glorot's std sqrt(2 / (vocab + d_model)) instead: as long as the code for small
+    vocabularies, shorter for large ones (0.23 times at vocab 37000, d_model 512).
     """
 
     def __init__(

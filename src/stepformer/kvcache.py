@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 from beartype import beartype
-from einops import rearrange
+from einops import einsum, rearrange, reduce
 from jaxtyping import Float, Int, jaxtyped
 from torch import Tensor
 
@@ -102,13 +102,22 @@ class PagedKVCache:
     cut into blocks of ``block_size`` positions taken from a pool as a sequence grows. Sequence
     ``s``'s block table lists which pool blocks hold its positions 0 ... block_size - 1,
     block_size ... 2 · block_size - 1, and so on; the last block is the only one partly empty.
-    The pool is ``(blocks, kv_heads, block_size, d_head)`` for keys and the same for values.
+    The pool is ``(blocks, kv_heads, block_size, d_head)`` for keys and the same for values, on
+    ``device`` (default: PyTorch's current default device).
     """
 
-    def __init__(self, blocks: int, kv_heads: int, block_size: int, d_head: int, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        blocks: int,
+        kv_heads: int,
+        block_size: int,
+        d_head: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.block_size = block_size
-        self.key_pool = torch.zeros(blocks, kv_heads, block_size, d_head, dtype=dtype)
-        self.value_pool = torch.zeros(blocks, kv_heads, block_size, d_head, dtype=dtype)
+        self.key_pool = torch.zeros(blocks, kv_heads, block_size, d_head, dtype=dtype, device=device)
+        self.value_pool = torch.zeros(blocks, kv_heads, block_size, d_head, dtype=dtype, device=device)
         self.free = list(range(blocks))
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
@@ -136,9 +145,17 @@ class PagedKVCache:
         self, sequence: int
     ) -> tuple[Float[Tensor, "kv_heads length d_head"], Float[Tensor, "kv_heads length d_head"]]:
         """One sequence's keys and values in order, read block by block through its table."""
-        table = torch.tensor(self.block_tables[sequence], dtype=torch.long, device=self.key_pool.device)
-        length = self.lengths[sequence]
+        table, length = self.table(sequence), self.lengths[sequence]
         return gather_blocks(self.key_pool, table, length), gather_blocks(self.value_pool, table, length)
+
+    def table(self, sequence: int) -> Int[Tensor, " used"]:
+        """One sequence's block table as a tensor, on the pool's device."""
+        return torch.tensor(self.block_tables[sequence], dtype=torch.long, device=self.key_pool.device)
+
+    @jaxtyped(typechecker=beartype)
+    def attend(self, sequence: int, query: Float[Tensor, "heads q_len d_head"]) -> Float[Tensor, "heads q_len d_head"]:
+        """Attention of ``query`` over one sequence's cached positions, read from the pool (:func:`paged_attention`)."""
+        return paged_attention(query, self.key_pool, self.value_pool, self.table(sequence), self.lengths[sequence])
 
     def release(self, sequence: int) -> None:
         """A finished sequence gives its blocks back to the pool."""
@@ -159,6 +176,49 @@ def gather_blocks(
     used = pool[table]
     # Block outermost, slot innermost: position p = i * block_size + slot of the table's i-th block.
     return rearrange(used, "used kv_heads slot d_head -> kv_heads (used slot) d_head")[:, :length]
+
+
+@jaxtyped(typechecker=beartype)
+def paged_attention(
+    query: Float[Tensor, "heads q_len d_head"],
+    key_pool: Float[Tensor, "blocks kv_heads block_size d_head"],
+    value_pool: Float[Tensor, "blocks kv_heads block_size d_head"],
+    table: Int[Tensor, " used"],
+    length: int,
+) -> Float[Tensor, "heads q_len d_head"]:
+    """softmax(q kᵀ / sqrt(d_head)) v over one sequence's ``length`` cached positions, block by block from the pool.
+
+    Nothing is gathered into a contiguous copy: each block of the table is read where it lies,
+    as a PagedAttention kernel does, and the softmax is computed online across blocks (Milakov
+    and Gimelshein, 2018; FlashAttention): a running maximum of the scores, a running sum of
+    their exponentials and an accumulator of weighted values, both rescaled by
+    ``exp(old max - new max)`` whenever a block raises the maximum. Every query reads all
+    ``length`` positions (a decoding step); query head ``h`` reads key/value head
+    ``h // (heads // kv_heads)``, the ``(kv_heads group)`` order of chapter 10.
+    """
+    kv_heads, block_size = key_pool.shape[1], key_pool.shape[2]
+    if not 0 < length <= len(table) * block_size:
+        raise ValueError(f"length {length} must be at least 1 and fit in {len(table)} blocks of {block_size}")
+    q = rearrange(query, "(kv_heads group) q_len d_head -> kv_heads group q_len d_head", kv_heads=kv_heads)
+    q = q / query.shape[-1] ** 0.5
+    running_max = torch.full((*q.shape[:-1], 1), -torch.inf, dtype=q.dtype, device=q.device)
+    running_sum = torch.zeros_like(running_max)
+    accumulator = torch.zeros_like(q)
+    for i, block in enumerate(table.tolist()):
+        filled = min(block_size, length - i * block_size)  # only the last block may be partly empty
+        if filled <= 0:
+            break
+        k, v = key_pool[block, :, :filled], value_pool[block, :, :filled]
+        scores = einsum(q, k, "kv_heads group q_len d_head, kv_heads slot d_head -> kv_heads group q_len slot")
+        new_max = torch.maximum(running_max, reduce(scores, "... q_len slot -> ... q_len 1", "max"))
+        rescale = torch.exp(running_max - new_max)  # 0 at the first block, where the old max is -inf
+        weights = torch.exp(scores - new_max)
+        running_sum = running_sum * rescale + reduce(weights, "... q_len slot -> ... q_len 1", "sum")
+        accumulator = accumulator * rescale + einsum(
+            weights, v, "kv_heads group q_len slot, kv_heads slot d_head -> kv_heads group q_len d_head"
+        )
+        running_max = new_max
+    return rearrange(accumulator / running_sum, "kv_heads group q_len d_head -> (kv_heads group) q_len d_head")
 
 
 @jaxtyped(typechecker=beartype)

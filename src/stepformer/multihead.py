@@ -89,6 +89,10 @@ def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     PyTorch packs the three input projections into one ``in_proj_weight`` of shape
     ``(3 * d_model, d_model)``, in the order queries, keys, values; its ``out_proj`` is ``w_o``.
     Only the plain layout is supported (no ``kdim``/``vdim``, ``add_bias_kv`` or ``add_zero_attn``).
+    The weights do not depend on ``module.batch_first``, so any module converts, but the result
+    always takes ``(batch, seq, d_model)``: a ``batch_first=False`` module takes ``(seq, batch,
+    d_model)``, so transpose its inputs and outputs to compare the two (chapter 07 converts such
+    layers with ``encoder_layer_from_torch``).
     """
     if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
         raise ValueError("only nn.MultiheadAttention(d_model, heads) with bias on or off and nothing else is supported")

@@ -42,7 +42,9 @@ class RMSNorm(nn.Module):
     LayerNorm without the centring and without the bias: each position's vector is divided by
     its root mean square, then scaled by a learned ``weight`` of shape ``(d_model,)``
     (initialised to ones). ``eps`` sits inside the square root, as in ``torch.nn.RMSNorm``,
-    whose state dict loads into this module.
+    whose state dict loads into this module. The default ``eps=1e-6`` is LLaMA's, not
+    PyTorch's: ``nn.RMSNorm``'s default ``eps=None`` means ``torch.finfo(x.dtype).eps``
+    (about 1.2e-7 in float32), so this module equals ``nn.RMSNorm(d_model, eps=1e-6)``.
     """
 
     def __init__(self, d_model: int, eps: float = 1e-6) -> None:

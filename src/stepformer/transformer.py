@@ -322,6 +322,60 @@ def load_torch_transformer(model: Transformer, theirs: nn.Transformer) -> None:
     """Copy the encoder and decoder weights of a ``torch.nn.Transformer`` into ``model`` (in place).
 
     ``torch.nn.Transformer`` has no embeddings and no generator, so those are left as they are.
+    The two must be configured alike (sizes, ``norm_first``, activation, dropout, ...): a
+    ``ValueError`` names what differs, since weights that fit would otherwise compute another function.
     """
+    mismatches = configuration_mismatches(model, theirs)
+    if mismatches:
+        raise ValueError("cannot copy this torch.nn.Transformer: " + "; ".join(mismatches))
     model.encoder.load_state_dict(encoder_from_torch(theirs.encoder).state_dict())
     model.decoder.load_state_dict(decoder_from_torch(theirs.decoder).state_dict())
+
+
+def configuration_mismatches(model: Transformer, theirs: nn.Transformer) -> list[str]:
+    """What differs between ``model`` and ``theirs`` beyond the weights, one line each (empty: they match).
+
+    Some differences would make ``load_state_dict`` fail with a list of keys (sizes, ``bias=False``);
+    others would load and quietly compute something else (``norm_first``, activation, dropout, the
+    number of heads, rotary positions). Both kinds are reported here by name.
+    """
+    ours_first, theirs_first = model.encoder.layers[0], theirs.encoder.layers[0]
+    attention = ours_first.self_attn
+    ours_config = {
+        "encoder layers": len(model.encoder.layers),
+        "decoder layers": len(model.decoder.layers),
+        "d_model": attention.w_q.in_features,
+        "heads": attention.heads,
+        "d_ff": ours_first.ffn.linear1.out_features,
+        "norm_first": ours_first.norm_first,
+        "activation": type(ours_first.ffn.activation).__name__.lower(),
+        "dropout": ours_first.dropout1.p,
+        "layer_norm_eps": ours_first.norm1.eps,
+    }
+    activation = theirs_first.activation
+    activation_name = getattr(activation, "__name__", type(activation).__name__).lower()
+    if getattr(activation, "approximate", "none") != "none":  # nn.GELU("tanh") is another function
+        activation_name += f"(approximate={activation.approximate!r})"
+    theirs_config = {
+        "encoder layers": len(theirs.encoder.layers),
+        "decoder layers": len(theirs.decoder.layers),
+        "d_model": theirs.d_model,
+        "heads": theirs.nhead,
+        "d_ff": theirs_first.linear1.out_features,
+        "norm_first": theirs_first.norm_first,
+        "activation": activation_name,
+        "dropout": theirs_first.dropout.p,
+        "layer_norm_eps": theirs_first.norm1.eps,
+    }
+    mismatches = [
+        f"{key}: ours {ours_config[key]!r}, theirs {theirs_config[key]!r}"
+        for key in ours_config
+        if ours_config[key] != theirs_config[key]
+    ]
+    if theirs_first.linear1.bias is None:
+        mismatches.append("bias: theirs was built with bias=False, and every linear layer and LayerNorm here has one")
+    if getattr(attention, "kv_heads", attention.heads) != attention.heads:
+        mismatches.append(f"kv_heads: ours {attention.kv_heads} (grouped-query), theirs {theirs.nhead} (multi-head)")
+    if getattr(attention, "rope", None) is not None:
+        mismatches.append("positional: ours is 'rope', which rotates queries and keys; torch.nn.Transformer does not")
+    return mismatches

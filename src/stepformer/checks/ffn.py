@@ -88,9 +88,12 @@ FFN_BIAS_HINT = "nn.Linear has a bias by default, and the Transformer's FFN uses
 
 
 def _oracle_layer(s: dict[str, int], activation: str, seed: int, dtype: torch.dtype) -> nn.TransformerEncoderLayer:
-    torch.manual_seed(seed + 2000)
-    layer = nn.TransformerEncoderLayer(s["d_model"], 1, s["d_ff"], dropout=0.0, activation=activation,
-                                       batch_first=True, dtype=dtype)
+    # The oracle's weights are part of the check's fixed input; fork_rng leaves the student's
+    # global RNG where it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 2000)
+        layer = nn.TransformerEncoderLayer(s["d_model"], 1, s["d_ff"], dropout=0.0, activation=activation,
+                                           batch_first=True, dtype=dtype)
     return layer.eval().requires_grad_(False)
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from stepformer.checks._core import CheckFailure, call, check, close, kind, passed, show
+from stepformer.checks._core import CheckFailure, call, check, close, kind, passed
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_k")
 # What exercise 2 asks students to write themselves.
@@ -39,6 +39,35 @@ def _sizes(seed: int) -> dict[str, int]:
     # Queries are the last q_len of k_len positions (cross-attention and caching both need k_len > q_len).
     s["q_len"], s["k_len"] = sorted((s["q_len"], s["k_len"]))
     return s
+
+
+def _grid(mask: Tensor) -> str:
+    """A small boolean matrix as rows of 0 and 1 (``show`` prints only 12 elements)."""
+    return "\n".join("    " + " ".join("1" if v else "0" for v in row.tolist()) for row in mask)
+
+
+def _keys(row: Tensor, noun: str = "keys") -> str:
+    """The True positions of a boolean row, as ranges: 'keys 0..5', 'keys 0..2, 4', 'no key'."""
+    on = torch.nonzero(row).flatten().tolist()
+    if not on:
+        return f"no {noun.removesuffix('s')}"
+    runs, start = [], on[0]
+    for a, b in zip(on, [*on[1:], None], strict=True):
+        if b != a + 1:
+            runs.append(f"{start}..{a}" if a > start else f"{a}")
+            start = b
+    return f"{noun} {', '.join(runs)}"
+
+
+def _compare_grids(expected: Tensor, got: Tensor, row: str, col: str, verb: str, verbs: str) -> str:
+    """Name the first wrong row ('query 2 should read keys 0..5; yours reads keys 0..6'), then
+    print both matrices as 0/1 grids when they are small enough to read."""
+    wrong = (expected != got).any(-1).nonzero().flatten()
+    i = int(wrong[0]) if len(wrong) else 0
+    message = f"{row} {i} should {verb} {_keys(expected[i], col)}; yours {verbs} {_keys(got[i], col)}."
+    if expected.shape[-2] <= 10 and expected.shape[-1] <= 10:
+        message += f"\nExpected (1 = True):\n{_grid(expected)}\nYours:\n{_grid(got)}"
+    return message
 
 
 # -- exercise 1: padding_mask ------------------------------------------------------------
@@ -84,16 +113,29 @@ def _padding_result(fn: Callable[..., Any], tokens: Tensor, pad_id: int) -> Tens
                 "Your padding mask is inverted: it is True on the padding. The course's masks say True = "
                 "'may attend', so real tokens are True and padding is False (tokens != pad_id)."
             )
-        if pad_id != 0 and torch.equal(mask, (tokens != 0).view(batch, 1, 1, k_len)):
-            raise CheckFailure(
-                f"Your mask treats token id 0 as padding, but here pad_id={pad_id} and 0 is a real word: "
-                "compare with pad_id, not with 0."
-            )
-        raise CheckFailure(
-            f"Your padding mask differs from tokens != pad_id. For tokens {show(tokens)} with pad_id={pad_id} "
-            f"it should be {show(expected.view(batch, k_len))}, got {show(mask.view(batch, k_len))}."
-        )
+        raise CheckFailure(_diagnose_padding(mask.view(batch, k_len), tokens, pad_id))
     return mask
+
+
+def _diagnose_padding(mask: Tensor, tokens: Tensor, pad_id: int) -> str:
+    """Why a (batch, k_len) boolean mask differs from tokens != pad_id."""
+    expected = tokens != pad_id
+    if torch.equal(mask, ~expected):
+        return ("Your padding mask is inverted: it is True on the padding. The course's masks say True = "
+                "'may attend', so real tokens are True and padding is False (tokens != pad_id).")
+    if pad_id != 0 and torch.equal(mask, tokens != 0):
+        return (f"Your mask treats token id 0 as padding, but here pad_id={pad_id} and 0 is a real word: "
+                "compare with pad_id, not with 0.")
+    if torch.equal(mask, tokens > pad_id):
+        return (f"Your mask is tokens > pad_id: it marks real tokens whose id is below pad_id={pad_id} "
+                "(id 0, for one) as padding. Token ids are names, not sizes: compare with tokens != pad_id.")
+    return (f"Your padding mask differs from tokens != pad_id (pad_id={pad_id}). "
+            + _compare_grids(expected, mask, "Sentence", "positions", "keep", "keeps")
+            + f"\nTokens:\n{_grid_ids(tokens)}")
+
+
+def _grid_ids(tokens: Tensor) -> str:
+    return "\n".join("    " + " ".join(f"{t:2d}" for t in row.tolist()) for row in tokens)
 
 
 @check
@@ -106,26 +148,55 @@ def check_padding_mask(fn: Callable[..., Any], seed: int = 0, pad_id: int = 0) -
 @check
 def check_padding_in_attention(fn: Callable[..., Any], seed: int = 0, pad_id: int = 0,
                                dtype: torch.dtype = torch.float32) -> None:
-    """Cross-attention with the mask ignores padded source tokens: changing them changes no output."""
+    """Cross-attention with your mask equals attention that ignores exactly the padded source tokens."""
     s = _sizes(seed)
     tokens = _tokens(seed, pad_id)
-    mask = _padding_result(fn, tokens, pad_id)
+    batch, heads, k_len, d_k = s["batch"], s["heads"], s["k_len"], s["d_k"]
+    # q_len == batch on purpose: a flat (batch, k_len) mask then broadcasts against the scores
+    # (batch, heads, q_len, k_len) without an error, lining batch up with q_len, and only the
+    # numbers can tell.
+    q_len = batch
+    mask = call(fn, tokens, pad_id)
+    if type(mask) is not Tensor:
+        raise CheckFailure(f"padding_mask should return a torch.Tensor, got {kind(mask)}.")
     g = torch.Generator().manual_seed(seed + 1)
-    batch, heads, q_len, k_len, d_k = s["batch"], s["heads"], s["q_len"], s["k_len"], s["d_k"]
     # Target queries read the padded source sentence: the encoder-decoder's cross-attention.
     q = torch.randn(batch, heads, q_len, d_k, generator=g, dtype=dtype)
     k, v = (torch.randn(batch, heads, k_len, d_k, generator=g, dtype=dtype) for _ in range(2))
-    padded = (tokens == pad_id).view(batch, 1, k_len, 1)
-    other_k, other_v = (torch.where(padded, torch.randn(k.shape, generator=g, dtype=dtype) * 10, t) for t in (k, v))
-    output = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    moved = F.scaled_dot_product_attention(q, other_k, other_v, attn_mask=mask)
-    if not close(output, moved, dtype):
-        raise CheckFailure("Changing the padded tokens' keys and values changed the output: padding must be masked.")
-    # nn.MultiheadAttention's convention is the opposite (True = ignore): ~ converts.
-    key_padding_mask = (tokens == pad_id).view(batch, 1, 1, k_len)
-    if not close(output, F.scaled_dot_product_attention(q, k, v, attn_mask=~key_padding_mask), dtype):
-        raise CheckFailure("Attention with your mask differs from attention that ignores exactly the padded keys.")
-    passed("cross-attention with your mask ignores the padded source tokens (changing them changes nothing)")
+    # The oracle: what nn.MultiheadAttention(..., key_padding_mask=tokens == pad_id) does, in the
+    # course's convention (True = may attend).
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=(tokens != pad_id).view(batch, 1, 1, k_len))
+    try:
+        output = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    except Exception as error:  # a shape that does not broadcast, or a dtype attention refuses
+        raise CheckFailure(
+            f"Your mask of shape {tuple(mask.shape)} and dtype {mask.dtype} cannot be the mask of attention "
+            f"whose scores have shape (batch={batch}, heads={heads}, q_len={q_len}, k_len={k_len}): "
+            f"{str(error).rstrip('. ')}. "
+            + (SHAPE_HINT if mask.dtype == torch.bool
+               else "Return a boolean mask (True = may attend): tokens != pad_id.")
+        ) from None
+    if close(output, expected, dtype):
+        passed("cross-attention with your mask equals attention that ignores exactly the padded source tokens")
+        return
+    what = "Cross-attention with your mask differs from attention that ignores exactly the padded keys."
+    if mask.dtype != torch.bool:
+        raise CheckFailure(
+            f"{what} Your mask has dtype {mask.dtype}: attention adds a float mask to the scores instead of "
+            "hiding keys, so padding still gets weight. Return a boolean mask (tokens != pad_id)."
+        )
+    if tuple(mask.shape) == (batch, k_len):
+        raise CheckFailure(
+            f"{what} Your mask has shape (batch, k_len) = {tuple(mask.shape)}: it broadcast without an error "
+            f"because here q_len = batch = {batch}, so query i of every sentence got sentence i's padding. "
+            + SHAPE_HINT
+        )
+    if mask.numel() == batch * k_len:
+        raise CheckFailure(f"{what} " + _diagnose_padding(mask.reshape(batch, k_len), tokens, pad_id))
+    raise CheckFailure(
+        f"{what} Your mask has shape {tuple(mask.shape)}; it should be (batch={batch}, 1, 1, k_len={k_len}). "
+        + SHAPE_HINT
+    )
 
 
 # -- exercise 2: causal_mask -------------------------------------------------------------
@@ -150,22 +221,35 @@ def _diagnose_causal(mask: Tensor, expected: Tensor) -> str:
     q_len, k_len = expected.shape
     ones = torch.ones(q_len, k_len, dtype=torch.bool)
     offset = k_len - q_len
-    hints = [
-        (~expected, "Your mask is inverted: it is True on the future. True must mean 'may attend' "
-                    "(the past and the token itself), so keep the lower triangle."),
+    # The most specific hints first: on small masks several mistakes can coincide.
+    hints = []
+    if offset:
+        hints += [
+            (ones.tril(), (
+                "Your mask is aligned to the first key, not the last: with k_len > q_len the queries are the "
+                f"last q_len positions, so query i may read keys up to i + k_len - q_len (tril(diagonal={offset}))."
+            )),
+            (ones.tril(-offset), (
+                f"Your diagonal has the wrong sign: tril(diagonal=q_len - k_len) = tril({-offset}) moves the "
+                "triangle away from the keys. The queries are the last q_len positions, so query i may read "
+                f"keys up to i + k_len - q_len: tril(diagonal=k_len - q_len) = tril({offset})."
+            )),
+        ]
+    hints += [
+        (ones.tril(offset + 1), (
+            f"Your diagonal is off by one: each query also reads the key just after its own position, a "
+            f"future token. Keep tril(diagonal={offset})" + (" (k_len - q_len)." if offset else ".")
+        )),
+        (ones.tril(offset - 1), "Your mask hides the diagonal: a token may attend to itself."),
         (ones.triu(offset), "Your mask is the upper triangle: it lets each query read the future. "
                             "Keep the lower triangle (tril, not triu)."),
-        (ones.tril(offset - 1), "Your mask hides the diagonal: a token may attend to itself."),
+        (~expected, "Your mask is inverted: it is True on the future. True must mean 'may attend' "
+                    "(the past and the token itself), so keep the lower triangle."),
     ]
-    if offset:
-        hints.append((ones.tril(), (
-            "Your mask is aligned to the first key, not the last: with k_len > q_len the queries are the "
-            f"last q_len positions, so query i may read keys up to i + k_len - q_len (tril(diagonal={offset}))."
-        )))
     for wrong, hint in hints:
         if torch.equal(mask, wrong):
             return hint
-    return f"Expected {show(expected)}, got {show(mask)}."
+    return _compare_grids(expected, mask, "Query", "keys", "read", "reads")
 
 
 @check(forbid=BUILT_IN_CAUSAL)
@@ -195,12 +279,15 @@ def check_causal_mask_offset(fn: Callable[..., Any], seed: int = 0) -> None:
     """With k_len > q_len the triangle is aligned to the last key: cached decoding equals full decoding."""
     s = _sizes(seed)
     k_len = s["k_len"]
-    for q_len in (1, s["q_len"], k_len - 1):
-        mask = _causal_result(fn, q_len, k_len)
+    # q_len = 1 last: a single row cannot tell a sign slip from an inverted mask.
+    masks = {}
+    for q_len in (s["q_len"], k_len - 1, 1):
+        masks[q_len] = mask = _causal_result(fn, q_len, k_len)
         # PyTorch's lower-right causal bias: the queries are the last q_len positions.
         expected = causal_lower_right(q_len, k_len)._materialize()
         if not torch.equal(mask, expected):
             raise CheckFailure(f"causal_mask({q_len}, {k_len}): {_diagnose_causal(mask, expected)}")
+    q_len, mask = s["q_len"], masks[s["q_len"]]
     # The defining property: the last q_len queries, reading all k_len keys (cached ones included)
     # through the mask, give the last q_len rows of full causal attention over the k_len positions.
     g = torch.Generator().manual_seed(seed)
@@ -286,11 +373,16 @@ def check_which_outputs_change(fn: Callable[..., Any], seed: int = 0, dtype: tor
         elif mask is not None and torch.equal(got, mask):
             hint = ("You changed only the keys and values. In self-attention the changed token is also a query: "
                     "run attention on the changed x as queries, keys and values.")
+        elif torch.equal(got, torch.eye(seq, dtype=torch.bool)):
+            hint = ("You changed only the queries: then output i changes only when token i does. Token j is also "
+                    "a key and a value that other queries read: run attention on the changed x as queries, "
+                    "keys and values.")
         elif not got.any():
             hint = "Nothing changed at all: did you run attention on the changed copy of x (not on x)?"
         elif mask is not None and got.all():
             hint = "Every output changed although some keys are masked: pass the mask to the attention."
         else:
-            hint = f"Expected {show(expected)}, got {show(got)}."
+            hint = ("Row i says which changed inputs j reach output i. "
+                    + _compare_grids(expected, got, "Output", "inputs", "change with", "changes with"))
         raise CheckFailure(f"With {name}: {hint}")
     passed("your measurement matches the dependence read off autograd's Jacobian (no mask, causal, random)")

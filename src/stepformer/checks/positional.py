@@ -115,22 +115,33 @@ def _error_of(fn: Callable[..., Any], *args: Any) -> tuple[str, str] | None:
     return None
 
 
+def _expect_value_error(fn: Callable[..., Any], args: tuple, call_text: str, why: str) -> None:
+    raised = call(_error_of, fn, *args)
+    if raised is None:
+        raise CheckFailure(f"{call_text} should raise ValueError for {why}, but returned.")
+    if raised[0] != "ValueError":
+        raise CheckFailure(
+            f"{call_text} should raise ValueError for {why}, got {raised[0]}: {raised[1]}. "
+            "Check the sizes first and raise ValueError yourself."
+        )
+    if not raised[1]:
+        raise CheckFailure(f"{call_text} raised ValueError without a message: say what is wrong.")
+
+
 @check
-def check_sinusoidal_errors(fn: Callable[..., Any]) -> None:
+def check_sinusoidal_errors(fn: Callable[..., Any], seed: int = 0) -> None:
     """An odd d_model or a size below 1 raises ValueError, with a message."""
-    _encoding(fn, 3, 4)
-    for args, why in (((4, 7), "an odd d_model (channels come in (sin, cos) pairs)"),
-                      ((0, 4), "seq_len = 0"), ((4, 0), "d_model = 0"), ((-2, 4), "a negative seq_len")):
-        raised = call(_error_of, fn, *args)
-        if raised is None:
-            raise CheckFailure(f"sinusoidal_encoding{args} should raise ValueError for {why}, but returned.")
-        if raised[0] != "ValueError":
-            raise CheckFailure(
-                f"sinusoidal_encoding{args} should raise ValueError for {why}, got {raised[0]}: {raised[1]}. "
-                "Check the sizes first and raise ValueError yourself."
-            )
-        if not raised[1]:
-            raise CheckFailure(f"sinusoidal_encoding{args} raised ValueError without a message: say what is wrong.")
+    if seed == 0:
+        seq_len, d_model, negative = 4, 4, -2
+    else:
+        g = torch.Generator().manual_seed(seed)
+        seq_len, pairs, negative = (int(n) for n in torch.randint(2, 10, (3,), generator=g))
+        d_model, negative = 2 * pairs, -negative
+    _encoding(fn, seq_len - 1, d_model)
+    for args, why in (((seq_len, d_model + 3), "an odd d_model (channels come in (sin, cos) pairs)"),
+                      ((0, d_model), "seq_len = 0"), ((seq_len, 0), "d_model = 0"),
+                      ((negative, d_model), "a negative seq_len")):
+        _expect_value_error(fn, args, f"sinusoidal_encoding{args}", why)
     passed("odd d_model and sizes below 1 raise ValueError")
 
 
@@ -239,7 +250,31 @@ def check_rope_properties(cls: Callable[..., Any], seed: int = 0) -> None:
                 f"{worst:.3g}); with RoPE they depend only on the offset m − n. Rotate q and k the same way, "
                 "by a proper rotation."
             )
-    passed("q_m·k_n depends only on m − n; lengths are kept; position 0 is the identity; no learned parameters")
+    _check_rope_arguments(cls, rope, s, q, pos_q)
+    passed("q_m·k_n depends only on m − n; lengths are kept; position 0 is the identity; no learned parameters; "
+           "d_head and base are stored and wrong widths raise ValueError")
+
+
+def _stored(module: Any) -> tuple[Any, Any]:
+    """The module's d_head and base attributes, as plain data (None where missing)."""
+    return getattr(module, "d_head", None), getattr(module, "base", None)
+
+
+def _check_rope_arguments(cls: Callable[..., Any], rope: Any, s: dict[str, int], x: Tensor, positions: Tensor) -> None:
+    """What the exercise asks of __init__ and forward besides the rotation: stored sizes, ValueErrors."""
+    d_head = s["d_head"]
+    stored = call(_stored, call(cls, d_head, base=500.0))
+    if stored != (d_head, 500.0):
+        raise CheckFailure(
+            f"RotaryEmbedding({d_head}, base=500.0) should store self.d_head = {d_head} and self.base = 500.0; "
+            f"got self.d_head = {stored[0]!r}, self.base = {stored[1]!r} (None: not stored)."
+        )
+    _expect_value_error(cls, (d_head + 1,), f"RotaryEmbedding({d_head + 1})",
+                        "an odd d_head (channels are rotated in pairs)")
+    wider = torch.cat([x, x[..., :2]], dim=-1)
+    _expect_value_error(rope, (wider, positions), f"RotaryEmbedding({d_head}) on x {describe(wider)}",
+                        f"an input whose width {d_head + 2} is not d_head = {d_head} (compare x.shape[-1] "
+                        "with self.d_head in forward)")
 
 
 # -- exercise 3: measure the scores as a function of the offset ----------------------------
