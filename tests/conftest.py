@@ -8,6 +8,17 @@ finish together instead of one grading a corpus while the other has long been id
 
 import pytest
 
+from tests.fixtures.prerequisites import missing
+
+
+@pytest.fixture(scope="module")
+def sandbox_required() -> None:
+    """Skip (saying why) where the grading sandbox cannot start; in CI, fail instead."""
+    from stepformer.course.sandbox import sandbox_problem
+
+    if (problem := sandbox_problem()) is not None:
+        missing(f"the grading sandbox cannot start here: {problem}")
+
 # Rough seconds of each group on two idle cores, measured from earlier runs; only the order matters.
 WEIGHTS = {
     "book": 500,

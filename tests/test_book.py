@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.fixtures.prerequisites import missing
+
 # One build serves every test here; `make test` runs a file's tests on one worker, so it happens once.
 pytestmark = pytest.mark.slow
 
@@ -159,7 +161,7 @@ RAW_TEX = re.compile(r"\$|\\\(|\\\[|\\[A-Za-z]+\{")
 def test_pages_render_in_chromium(server: str) -> None:
     chromium = shutil.which("chromium")
     if chromium is None:
-        pytest.skip("chromium not installed: apt-get install chromium")
+        missing("chromium not installed: apt-get install chromium")
     from playwright.sync_api import sync_playwright
 
     problems: list[str] = []

@@ -8,6 +8,7 @@ import csv
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from stepformer.course.grade import grade
-from stepformer.course.sandbox import Limits, sandbox_problem
+from stepformer.course.sandbox import Limits
 from stepformer.course.worker import COURSE_ID
 from tests.fixtures.corpus import CORPUS
 from tests.fixtures.submissions import ATTENTION, write_submissions
@@ -25,41 +26,76 @@ ROOT = Path(__file__).resolve().parents[1]
 ASSIGNMENT, NOTEBOOK = "01_attention", "attention.ipynb"
 # Generous per-cell time: two graders share two cores in CI; the looping cases pay it once each.
 LIMITS = Limits(cell_seconds=20, notebook_seconds=200)
-PROBLEM = sandbox_problem()
 ROSTER = [case.name for case in CORPUS if case.status != "not-on-roster"] + ["absent_student"]
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(PROBLEM is not None, reason=f"the grading sandbox cannot start here: {PROBLEM}"),
-]
+# Lines found only in the course's own files: no feedback may contain them.
+SECRETS = ["### BEGIN SOLUTION", "### BEGIN HIDDEN TESTS", "SQLite format 3"]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("sandbox_required")]
+
+
+def _host_sockets(tag: str) -> list[tuple[Path, socket.socket]]:
+    """Listening Unix sockets where host daemons keep theirs (/var/tmp, and /run where writable)."""
+    listeners = []
+    for folder in (Path("/var/tmp"), Path("/run")):
+        if folder.is_dir() and os.access(folder, os.W_OK):
+            path = folder / f"stepformer-{tag}-{os.getpid()}.sock"
+            path.unlink(missing_ok=True)
+            listener = socket.socket(socket.AF_UNIX)
+            listener.bind(str(path))
+            listener.listen(8)
+            listener.settimeout(0.2)
+            listeners.append((path, listener))
+    return listeners
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     base = tmp_path_factory.mktemp("corpus")
     work = base / "work"
+    listeners = _host_sockets("corpus")
     write_submissions(CORPUS, ASSIGNMENT, NOTEBOOK, ROOT / "exercises", base / "submissions",
-                      {"root": str(ROOT), "workdir": str(work)})
+                      {"root": str(ROOT), "workdir": str(work), "sockets": repr([str(p) for p, _ in listeners])})
     os.environ["STEPFORMER_GRADER_SECRET"] = "must-not-reach-the-kernel"
     try:
         results = grade(ROOT, base / "submissions", ASSIGNMENT, base / "out", work, workers=2, limits=LIMITS,
                         roster=ROSTER, progress=False)
+        yield {r.student: r for r in results}, base, listeners
     finally:
-        del os.environ["STEPFORMER_GRADER_SECRET"]
-    return {r.student: r for r in results}, base
+        os.environ.pop("STEPFORMER_GRADER_SECRET", None)
+        for path, listener in listeners:
+            listener.close()
+            path.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("case", CORPUS, ids=lambda c: c.name)
 def test_corpus_case_gets_exactly_its_points(corpus, case):
-    results, base = corpus
+    results, base, _ = corpus
     result = results[case.name]
     assert (result.score, result.status) == (case.points, case.status), result.detail
     page = base / "out" / "feedback" / case.name / ASSIGNMENT / NOTEBOOK.replace(".ipynb", ".html")
     shown = (page.read_text() if page.exists() else "") + result.detail
     assert case.feedback in shown
+    # The feedback is the graded notebook's page and nothing else: no file the kernel planted
+    # or linked (a solution, the gradebook), no solution code, no hidden test.
+    for folder in (base / "out" / "feedback" / case.name, base / "work" / "feedback" / case.name):
+        for path in folder.rglob("*"):
+            assert not path.is_symlink() and (path.is_dir() or path.is_file()), path
+            assert path.is_dir() or path.suffix == ".html", f"{path} in the feedback"
+            if path.is_file():
+                text = path.read_bytes().decode(errors="replace")
+                assert not [s for s in SECRETS if s in text], f"{path} shows {[s for s in SECRETS if s in text]}"
+
+
+def test_no_kernel_reached_a_host_socket(corpus):
+    _, _, listeners = corpus
+    assert listeners, "no socket folder was writable"
+    for path, listener in listeners:
+        with pytest.raises(TimeoutError):
+            listener.accept()
+            pytest.fail(f"a kernel connected to {path}")
 
 
 def test_corpus_run_is_complete_and_repeatable(corpus):
-    results, base = corpus
+    results, base, _ = corpus
     assert results["absent_student"].status == "missing" and results["absent_student"].score == 0
     assert len(CORPUS) >= 25 and set(results) == {c.name for c in CORPUS} | {"absent_student"}
     assert not (ROOT / "solutions" / ASSIGNMENT / "planted.txt").exists(), "a submission wrote into the course"

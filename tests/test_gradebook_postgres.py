@@ -16,6 +16,7 @@ import pytest
 
 from stepformer.course.grade import grade
 from stepformer.course.sandbox import sandbox_problem
+from tests.fixtures.prerequisites import missing
 from tests.fixtures.submissions import ATTENTION, write_submissions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,18 +40,18 @@ def postgres_url():
     """``postgresql+psycopg2://`` URL of an empty database on a server that lives for this test."""
     bin_dir = _server_bin()
     if bin_dir is None:
-        pytest.skip(f"no PostgreSQL server binaries (/usr/lib/postgresql/*/bin/initdb): {INSTALL}")
+        missing(f"no PostgreSQL server binaries (/usr/lib/postgresql/*/bin/initdb): {INSTALL}")
     try:
         import psycopg2  # noqa: F401
     except ImportError:
-        pytest.skip(f"no psycopg2 driver for SQLAlchemy: {INSTALL}")
+        missing(f"no psycopg2 driver for SQLAlchemy: {INSTALL}")
     # initdb and postgres refuse to run as root: run them as nobody, in a folder of nobody's. Not
     # under tmp_path, whose parents are private to root.
     as_user: list[str] = []
     if os.geteuid() == 0:
         runuser = shutil.which("runuser")
         if runuser is None:
-            pytest.skip("running as root without runuser (util-linux) to start PostgreSQL as another user")
+            missing("running as root without runuser (util-linux) to start PostgreSQL as another user")
         as_user = [runuser, "-u", "nobody", "--"]
     home = Path(tempfile.mkdtemp(prefix="stepformer-pg-"))
     data, sockets = home / "data", home / "sock"

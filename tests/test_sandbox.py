@@ -12,10 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from stepformer.course.sandbox import Limits, install_kernelspec, sandbox_problem
+from stepformer.course.sandbox import (
+    RUNTIME_ENV,
+    Limits,
+    SandboxError,
+    bwrap_command,
+    install_kernelspec,
+    make_runtime,
+)
+from tests.fixtures.prerequisites import missing
 
-_problem = sandbox_problem()
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"no bubblewrap sandbox here: {_problem}")
+pytestmark = pytest.mark.usefixtures("sandbox_required")
+
 
 jupyter_client = pytest.importorskip("jupyter_client")
 
@@ -34,8 +42,11 @@ def _layout(root: Path) -> dict[str, Path]:
     (paths["work"] / "autograded" / "other" / "a1" / "answers.ipynb").write_text("another student")
     paths["cwd"] = paths["work"] / "autograded" / "student" / "a1"
     paths["cwd"].mkdir(parents=True)
+    # nbgrader writes the notebook, hidden tests and all, into the kernel's working folder.
+    (paths["cwd"] / "answers.ipynb").write_text("### BEGIN HIDDEN TESTS")
     paths["runtime"] = paths["work"] / "runtime" / "student"
     paths["runtime"].mkdir(parents=True)
+    paths.update(make_runtime(paths["runtime"]))
     paths["home"].mkdir()
     (paths["home"] / "id_rsa").write_text("private key")
     return paths
@@ -46,9 +57,10 @@ def _start(paths: dict[str, Path], limits: Limits, monkeypatch) -> tuple:
     monkeypatch.setenv("HOME", str(paths["home"]))
     monkeypatch.setenv("STEPFORMER_GRADER_SECRET", "x")
     monkeypatch.setenv("JUPYTER_PATH", str(paths["work"] / "jupyter"))
+    monkeypatch.setenv(RUNTIME_ENV, str(paths["runtime"]))
     name = install_kernelspec(paths["work"] / "jupyter" / "kernels", limits=limits,
                               hidden=[paths["repo"], paths["work"]])
-    manager = jupyter_client.KernelManager(kernel_name=name, transport="ipc", ip=str(paths["runtime"] / "ipc"),
+    manager = jupyter_client.KernelManager(kernel_name=name, transport="ipc", ip=str(paths["sock"] / "ipc"),
                                            connection_file=str(paths["runtime"] / "kernel.json"))
     manager.start_kernel(cwd=str(paths["cwd"]))
     client = manager.client()
@@ -110,10 +122,11 @@ print(json.dumps(found))
     assert json.loads(result["stdout"]) == []
 
 
-def test_writes_only_to_cwd_and_tmp(kernel):
+def test_writes_only_to_tmpfs_sockets_and_records(kernel):
     paths = kernel.paths
     forbidden = [paths["repo"] / "x", paths["work"] / "x", paths["cwd"].parent / "x", paths["home"] / "x",
-                 Path("/etc/stepformer-x"), Path("/var/tmp/stepformer-x"), Path("/dev/x")]
+                 paths["runtime"] / "x", Path("/etc/stepformer-x"), Path("/var/tmp/stepformer-x"),
+                 Path("/run/stepformer-x"), Path("/dev/x")]
     result = kernel(f"""
 import json, os
 written = []
@@ -125,14 +138,127 @@ for path in {json.dumps([str(p) for p in forbidden])}:
         pass
 open("answer.txt", "w").write("ok")
 open("/tmp/scratch.txt", "w").write("ok")
+open({str(paths["records"] / "r.txt")!r}, "w").write("ok")
 print(json.dumps(written), os.getcwd())
 """)
     assert result["status"] == "ok", result
     written, cwd = result["stdout"].split()
     assert json.loads(written) == []
     assert cwd == str(paths["cwd"].resolve())
-    assert (paths["cwd"] / "answer.txt").read_text() == "ok"
+    # The working folder is a tmpfs at the same path: the real one is never written.
+    assert not (paths["cwd"] / "answer.txt").exists()
+    assert (paths["records"] / "r.txt").read_text() == "ok"
     assert not any(p.exists() for p in forbidden)
+
+
+def test_working_folder_is_empty_and_the_notebook_unreadable(kernel):
+    result = kernel("""
+import os
+print(sorted(set(os.listdir('.')) - {'answer.txt'}))
+try:
+    print(open('answers.ipynb').read())
+except OSError as error:
+    print(type(error).__name__)
+""")
+    assert result["stdout"] == "[]\nFileNotFoundError\n", result
+
+
+def test_kernel_starts_without_cwd_on_sys_path(kernel):
+    result = kernel("import sys; print(sys.flags.safe_path, sys.flags.isolated)")
+    assert result["stdout"] == "True 0\n", result
+
+
+def test_host_unix_sockets_are_hidden(kernel):
+    folders = [f for f in (Path("/run"), Path("/var/tmp")) if f.is_dir() and os.access(f, os.W_OK)]
+    if not folders:
+        missing("cannot create a socket in /run or /var/tmp here")
+    listeners = []
+    try:
+        for folder in folders:
+            path = folder / f"stepformer-test-{os.getpid()}.sock"
+            listener = socket.socket(socket.AF_UNIX)
+            listener.bind(str(path))
+            listener.listen()
+            listener.settimeout(0.2)
+            listeners.append((path, listener))
+        result = kernel(f"""
+import socket
+for path in {json.dumps([str(p) for p, _ in listeners])}:
+    try:
+        socket.socket(socket.AF_UNIX).connect(path)
+        print("connected", path)
+    except OSError:
+        pass
+""")
+        assert result["status"] == "ok", result
+        assert result["stdout"] == ""
+        for _, listener in listeners:
+            with pytest.raises(TimeoutError):
+                listener.accept()
+    finally:
+        for path, listener in listeners:
+            listener.close()
+            path.unlink(missing_ok=True)
+
+
+def test_links_in_the_socket_folder_do_not_widen_the_sandbox(tmp_path, monkeypatch):
+    """A link planted where the sockets go, then a kernel restart: the new kernel sees no more."""
+    paths = _layout(tmp_path)
+    manager, client = _start(paths, LIMITS, monkeypatch)
+    solutions = paths["repo"] / "solutions"
+    try:
+        client.execute(f"""
+import json, os
+from ipykernel.connect import get_connection_file
+ip = json.load(open(get_connection_file()))["ip"]
+os.symlink({str(solutions / "secret.ipynb")!r}, ip)
+os.symlink({str(solutions)!r}, os.path.join(os.path.dirname(ip), "records"))
+os._exit(1)
+""")
+        deadline = time.monotonic() + 15
+        while manager.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (paths["sock"] / "ipc").is_symlink()
+        manager.restart_kernel(now=True)
+        client.wait_for_ready(timeout=60)
+        stdout = []
+        reply = client.execute_interactive(f"""
+for path in [{str(solutions / "secret.ipynb")!r}, {str(solutions / "planted.txt")!r}]:
+    try:
+        print(open(path, "a+").read())
+    except OSError as error:
+        print(type(error).__name__)
+""", timeout=30, output_hook=lambda m: stdout.append(m["content"].get("text", "")))
+        assert reply["content"]["status"] == "ok"
+        assert "".join(stdout).split() == ["FileNotFoundError", "FileNotFoundError"]
+        assert not (solutions / "planted.txt").exists()
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def test_launcher_refuses_a_linked_runtime_folder(tmp_path):
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    folders = make_runtime(runtime)
+    connection = runtime / "kernel.json"
+    connection.write_text("{}")
+    command = bwrap_command(LIMITS, [tmp_path / "work"], connection, tmp_path, runtime)
+    assert ["--bind", str(folders["sock"]), str(folders["sock"])] == command[command.index(str(folders["sock"])) - 1:
+                                                                            command.index(str(folders["sock"])) + 2]
+    assert ["--ro-bind", str(connection), str(connection)] == command[command.index(str(connection)) - 1:
+                                                                      command.index(str(connection)) + 2]
+    folders["sock"].rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    folders["sock"].symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(SandboxError):
+        bwrap_command(LIMITS, [], connection, tmp_path, runtime)
+    folders["sock"].unlink()
+    folders["sock"].mkdir()
+    connection.unlink()
+    connection.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(SandboxError):
+        bwrap_command(LIMITS, [], connection, tmp_path, runtime)
 
 
 def test_no_network(kernel):

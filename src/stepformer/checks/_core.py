@@ -12,6 +12,15 @@ door gives three things:
   ran, with :func:`replaying`: ``call`` then returns the recorded results instead of calling
   anything. Whatever a submission patched in its kernel (``torch.allclose``, this module,
   ``builtins``, ``sys.modules``) cannot reach that process, so a wrong answer stays wrong.
+
+Limits, honestly: the records are written by the student's kernel, so code in that kernel can
+forge them (patch what ``call`` relies on, or write the files itself). This module makes the
+cheap routes fail (its functions read a snapshot of the module taken at import, see
+:func:`_seal`, so rebinding ``_core._call_own_work`` from a notebook changes nothing), but
+objects it shares with the kernel (``torch``, ``importlib``, classes, ``_state``) stay
+patchable there. What refuses a forgery is the grader's static scan of the student's cells
+(``stepformer.course.trusted.reference_use``): a cell that reaches for this machinery
+(``importlib``, ``sys.modules``, ``__globals__``, the checks' modules, ...) loses every point.
 """
 
 import contextlib
@@ -29,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 RECORD_ENV = "STEPFORMER_RECORD"
 
@@ -142,16 +152,101 @@ def _own_work_message(fn: Callable[..., Any], what: str) -> str:
     )
 
 
-def _forbidden_objects(forbid: dict[str, str]) -> dict[int, str]:
-    found = {}
+# The same operator reached another way: PyTorch's C bindings, the ATen operators behind
+# ``torch.ops.aten`` and the private top-level functions. Forbidding the first forbids the rest.
+_SDPA_OPS = ("_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable",
+             "_scaled_dot_product_attention_math_for_mps")
+EQUIVALENTS: dict[str, tuple[str, ...]] = {
+    "torch.nn.functional.scaled_dot_product_attention": (
+        "torch._C._nn.scaled_dot_product_attention", "torch.ops.aten.scaled_dot_product_attention",
+        *(f"torch.ops.aten.{op}" for op in _SDPA_OPS), *(f"torch.{op}" for op in _SDPA_OPS)),
+    "torch.nn.functional.multi_head_attention_forward": (
+        "torch._native_multi_head_attention", "torch.ops.aten._native_multi_head_attention",
+        "torch._triton_multi_head_attention"),
+    "torch.nn.functional.layer_norm": (
+        "torch.layer_norm", "torch.native_layer_norm", "torch.ops.aten.layer_norm",
+        "torch.ops.aten.native_layer_norm"),
+    "torch.nn.functional.rms_norm": (
+        "torch.rms_norm", "torch._fused_rms_norm", "torch.ops.aten.rms_norm", "torch.ops.aten._fused_rms_norm"),
+}
+
+
+# The ATen operators that only the forbidden function runs: seen at PyTorch's dispatcher while the
+# student's code runs, however the function was reached (a copy taken before the tripwires, a
+# table of PyTorch's, the C bindings). ``_safe_softmax``: the math path of fused attention.
+DISPATCHED: dict[str, tuple[str, ...]] = {
+    "torch.nn.functional.scaled_dot_product_attention": (
+        "scaled_dot_product_attention", "_scaled_dot_product_attention_math", "_safe_softmax", *_SDPA_OPS),
+    "torch.nn.functional.multi_head_attention_forward": ("_native_multi_head_attention",),
+    "torch.nn.functional.layer_norm": ("layer_norm", "native_layer_norm"),
+    "torch.nn.functional.rms_norm": ("rms_norm", "_fused_rms_norm"),
+}
+
+
+def _with_equivalents(forbid: dict[str, str]) -> dict[str, str]:
+    """``forbid`` plus the other ways to reach the same operators (see :data:`EQUIVALENTS`)."""
+    every = dict(forbid)
     for dotted, label in forbid.items():
-        module, _, attr = dotted.rpartition(".")
+        for other in EQUIVALENTS.get(dotted, ()):
+            every.setdefault(other, label)
+    return every
+
+
+def _resolve(dotted: str) -> tuple[Any, str]:
+    """(owner, attribute) for a dotted name whose owner may be a module or an object in one
+    (``torch.ops.aten.rms_norm``: the owner is the ``torch.ops.aten`` namespace)."""
+    owner_name, _, attr = dotted.rpartition(".")
+    if owner_name not in _owners:
+        parts = owner_name.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                owner = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for part in parts[cut:]:
+                owner = getattr(owner, part)
+            _owners[owner_name] = owner
+            break
+        else:
+            raise ImportError(dotted)
+    return _owners[owner_name], attr
+
+
+_owners: dict[str, Any] = {}
+
+
+def _forbidden_objects(forbid: dict[str, str]) -> dict[int, str]:
+    """id -> label of every forbidden object; computed once per ``forbid`` (the objects are kept
+    alive with it, so that their ids stay theirs)."""
+    key = tuple(sorted(forbid.items()))
+    if key not in _forbidden_cache:
+        kept: list[Any] = []
+        _forbidden_cache[key] = (_find_forbidden(forbid, kept), kept)
+    return _forbidden_cache[key][0]
+
+
+_forbidden_cache: dict[tuple, tuple[dict[int, str], list[Any]]] = {}
+
+
+def _find_forbidden(forbid: dict[str, str], kept: list[Any]) -> dict[int, str]:
+    found = {}
+    for dotted, label in _with_equivalents(forbid).items():
         with contextlib.suppress(ImportError, AttributeError):
-            found[id(getattr(importlib.import_module(module), attr))] = f"{dotted} ({label})"
+            owner, attr = _resolve(dotted)
+            value = getattr(owner, attr)
+            kept.append(value)
+            found.setdefault(id(value), f"{dotted} ({label})")  # F.x and torch._C._nn.x are one object
+            if isinstance(value, torch._ops.OpOverloadPacket):  # torch.ops.aten.x.default, ...
+                for overload in value.overloads():
+                    kept.append(getattr(value, overload))
+                    found.setdefault(id(kept[-1]), f"{dotted} ({label})")
     for module_name in library_modules():
         module = importlib.import_module(module_name)
         for name, value in vars(module).items():
             if callable(value) and getattr(value, "__module__", None) == module_name:
+                kept.append(value)
                 found[id(value)] = f"{module_name}.{name} (the course's reference library)"
     return found
 
@@ -180,6 +275,7 @@ def _references_to_forbidden(fn: Any, forbid: dict[str, str]) -> list[str]:
             candidates = [f.__globals__.get(n) for n in globals_used]
             candidates += list(f.__defaults__ or ()) + list((f.__kwdefaults__ or {}).values())
             candidates += [c.cell_contents for c in (f.__closure__ or ()) if _has_contents(c)]
+            candidates += [inner for value in candidates for inner in _one_level_in(value, f)]
             for value in candidates:
                 if id(value) in forbidden:
                     found.append(forbidden[id(value)])
@@ -191,6 +287,29 @@ def _references_to_forbidden(fn: Any, forbid: dict[str, str]) -> list[str]:
                 elif _written_by_student(value, f):
                     pending.append(value)
     return found
+
+
+def _one_level_in(value: Any, beside: types.FunctionType) -> list[Any]:
+    """What a global holds one level down: a container's items, a library function's defaults
+    and closure, a partial's function and arguments, a bound method's object, a student class's
+    attributes. Catches ``_hidden = [F.scaled_dot_product_attention]`` used as ``_hidden[0](...)``."""
+    inner: list[Any] = []
+    with contextlib.suppress(Exception):  # a student's odd object must not break the check
+        if type(value) in (list, tuple, set, frozenset):
+            inner += list(value)[:1000]
+        elif type(value) is dict:
+            inner += [*list(value.values())[:1000], *list(value.keys())[:1000]]
+        elif isinstance(value, functools.partial):
+            inner += [value.func, *value.args, *value.keywords.values()]
+        elif isinstance(value, types.FunctionType) and not _written_by_student(value, beside):
+            inner += list(value.__defaults__ or ()) + list((value.__kwdefaults__ or {}).values())
+            inner += [c.cell_contents for c in (value.__closure__ or ()) if _has_contents(c)]
+        elif isinstance(value, type) and _written_by_student(value, beside):
+            inner += [v for v in vars(value).values() if not isinstance(v, types.FunctionType)]
+        for attr in ("__self__", "__func__"):
+            if (bound := getattr(value, attr, None)) is not None and not isinstance(bound, types.ModuleType):
+                inner.append(bound)
+    return inner
 
 
 def _functions_of(item: Any) -> list[types.FunctionType]:
@@ -237,24 +356,41 @@ def _has_contents(cell: Any) -> bool:
 def _tripwires(tripped: list[str], forbid: dict[str, str]) -> Iterator[None]:
     """Replace forbidden module attributes by wrappers that note their use, then put them back."""
     saved = []
-    targets = [(dotted.rpartition(".")[0], dotted.rpartition(".")[2], f"{dotted} ({label})")
-               for dotted, label in forbid.items()]
+    # ``torch.ops.aten.*`` is left in place (PyTorch itself looks its operators up there): the
+    # dispatcher watch below sees those operators run, however they were reached.
+    targets = [(dotted, f"{dotted} ({label})") for dotted, label in _with_equivalents(forbid).items()
+               if not dotted.startswith("torch.ops.")]
     for module_name in library_modules():
         module = importlib.import_module(module_name)
-        targets += [(module_name, name, f"{module_name}.{name} (the course's reference library)")
+        targets += [(f"{module_name}.{name}", f"{module_name}.{name} (the course's reference library)")
                     for name, value in vars(module).items()
                     if callable(value) and getattr(value, "__module__", None) == module_name]
-    for module_name, attr, label in targets:
-        with contextlib.suppress(ImportError, AttributeError):
-            module = importlib.import_module(module_name)
-            original = getattr(module, attr)
-            saved.append((module, attr, original))
-            setattr(module, attr, _wire(original, label, tripped))
+    for dotted, label in targets:
+        with contextlib.suppress(ImportError, AttributeError, TypeError):
+            owner, attr = _resolve(dotted)
+            original = getattr(owner, attr)
+            setattr(owner, attr, _wire(original, label, tripped))
+            saved.append((owner, attr, original))
+    watched = {op: f"{dotted} ({label})" for dotted, label in forbid.items() for op in DISPATCHED.get(dotted, ())}
     try:
-        yield
+        with _OpWatch(watched, tripped) if watched else contextlib.nullcontext():
+            yield
     finally:
         for module, attr, original in reversed(saved):
             setattr(module, attr, original)
+
+
+class _OpWatch(TorchDispatchMode):
+    """Notes every ATen operator in ``ops`` (name -> label) that runs while it is active."""
+
+    def __init__(self, ops: dict[str, str], tripped: list[str]) -> None:
+        super().__init__()
+        self.ops, self.tripped = ops, tripped
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "aten" and (label := self.ops.get(func.overloadpacket.__name__)):
+            self.tripped.append(label)
+        return func(*args, **(kwargs or {}))
 
 
 def _wire(original: Any, label: str, tripped: list[str]) -> Any:
@@ -420,9 +556,11 @@ def expect_tensor(x: Any, what: str, shape: tuple[int, ...], axes: str, dtype: t
     return x
 
 
-def close(actual: Tensor, expected: Tensor, dtype: torch.dtype) -> bool:
-    """Equal up to a tolerance stated per dtype (float32 rounding grows with the sum length)."""
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-10
+def close(actual: Tensor, expected: Tensor, dtype: torch.dtype, tolerance: float | None = None) -> bool:
+    """Equal up to a tolerance stated per dtype (float32 rounding grows with the sum length),
+    or up to ``tolerance`` where the caller knows the rounding is larger."""
+    if tolerance is None:
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-10
     return actual.shape == expected.shape and bool(
         torch.allclose(actual, expected, rtol=tolerance, atol=tolerance, equal_nan=False)
     )
@@ -439,3 +577,40 @@ def passed(message: str) -> None:
 
 def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
+
+
+# -- sealing --------------------------------------------------------------------------------
+
+def _seal(namespace: dict[str, Any]) -> None:
+    """Make this module's functions read their globals from a snapshot taken now.
+
+    A notebook that rebinds ``stepformer.checks._core._call_own_work`` (or ``_tripwires``,
+    ``_references_to_forbidden``, ...) changes the module, not the snapshot, so ``call`` keeps
+    using the originals. Mutable objects shared with the kernel stay patchable: this is a
+    speed bump, the grader's static scan is the wall (see the module's docstring).
+    """
+    sealed = dict(namespace)
+
+    def rebuilt(f: types.FunctionType) -> types.FunctionType:
+        g = types.FunctionType(f.__code__, sealed, f.__name__, f.__defaults__, f.__closure__)
+        g.__kwdefaults__ = f.__kwdefaults__
+        g.__dict__.update(f.__dict__)
+        for attr in ("__qualname__", "__doc__", "__module__", "__annotations__"):
+            setattr(g, attr, getattr(f, attr))
+        return g
+
+    here = namespace["__name__"]
+    for name, value in list(sealed.items()):
+        if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
+            sealed[name] = rebuilt(value)
+        elif (isinstance(inner := getattr(value, "__wrapped__", None), types.FunctionType)
+              and inner.__globals__ is namespace):
+            sealed[name] = contextlib.contextmanager(rebuilt(inner))  # the only decorator used here
+        elif isinstance(value, type) and value.__module__ == here:
+            for attr, method in list(vars(value).items()):
+                if isinstance(method, types.FunctionType) and method.__globals__ is namespace:
+                    setattr(value, attr, rebuilt(method))
+    namespace.update({name: sealed[name] for name in sealed if sealed[name] is not namespace.get(name)})
+
+
+_seal(globals())

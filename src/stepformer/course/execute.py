@@ -7,20 +7,25 @@
   submission that prints gigabytes cannot exhaust the grader's memory.
 - The whole notebook has a time budget (``notebook_timeout``) on top of nbgrader's per-cell
   ``timeout``; cells past it are not run and say so.
+- A cell that outlives its time and ignores the interrupt (SIGINT ignored, long C code) would
+  keep the kernel busy and make every later cell time out: after a timeout the kernel must
+  answer a silent request within ``answer_seconds``, else it is restarted as if it had died.
 - Before each graded cell the kernel is told, silently, where the checks should record the
   student's results (``STEPFORMER_RECORD``), so that the grader can re-run the checks in its
-  own process (see ``stepformer.checks._core``).
+  own process (see ``stepformer.checks._core``). The records go to ``records_dir`` (the sandbox
+  binds the grader's folder for them), by default beside the notebook.
 """
 
 import time
 from pathlib import Path
+from queue import Empty
 
 from jupyter_core.utils import run_sync
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbformat import NotebookNode
 from nbgrader import utils
 from nbgrader.preprocessors import Execute
-from traitlets import Bool, Integer
+from traitlets import Bool, Integer, Unicode
 
 from stepformer.checks._core import RECORD_ENV
 
@@ -29,14 +34,18 @@ class GradingExecute(Execute):
     max_output_bytes = Integer(1_000_000, help="Largest output one cell may keep, in bytes").tag(config=True)
     notebook_timeout = Integer(600, help="Seconds the whole notebook may run").tag(config=True)
     record = Bool(True, help="Have the checks record the student's results for the grader's re-check").tag(config=True)
+    records_dir = Unicode("", help="Folder for the checks' records (one sub-folder per notebook); "
+                                   "empty: beside the notebook").tag(config=True)
+    answer_seconds = Integer(10, help="After a cell timed out, seconds the kernel has to answer before it is "
+                                      "restarted").tag(config=True)
 
     def preprocess(self, nb, resources=None, km=None):
         self._started = time.monotonic()
         self._killers: set[int] = set()
         self._output_bytes: dict[int, int] = {}
-        # Records go beside the notebook: the only folder the sandboxed kernel may write.
+        self._timed_out = False
         self._records = records_folder(Path((resources or {}).get("metadata", {}).get("path") or "."),
-                                       (resources or {}).get("unique_key") or "notebook")
+                                       (resources or {}).get("unique_key") or "notebook", self.records_dir or None)
         return super().preprocess(nb, resources, km)
 
     def preprocess_cell(self, cell, resources, index):
@@ -49,20 +58,42 @@ class GradingExecute(Execute):
         if grade_id and self.record:
             self._silent(f"__import__('os').environ[{RECORD_ENV!r}] = {str(self._records / grade_id)!r}")
         try:
-            return super().preprocess_cell(cell, resources, index)
-        except (DeadKernelError, CellTimeoutError) as error:
+            self._timed_out = False
+            try:
+                cell, resources = super().preprocess_cell(cell, resources, index)
+                if not self._timed_out or self._answers(self.answer_seconds):
+                    return cell, resources
+                what = "kept running past its time and ignored the interrupt"
+            except (DeadKernelError, CellTimeoutError) as error:
+                what = "died" if isinstance(error, DeadKernelError) else "stopped answering"
             self._killers.add(index)
-            what = "died" if isinstance(error, DeadKernelError) else "stopped answering"
             cell.outputs.append(_error(
                 "KernelDied",
-                f"the kernel {what} while running this cell (os._exit, a crash, too much memory, or a broken "
-                "interpreter); it was restarted and the cells before this one were run again",
+                f"the kernel {what} while running this cell (os._exit, a crash, too much memory, a broken "
+                "interpreter, or an interrupt ignored); it was restarted and the cells before this one were run again",
             ))
             self._restart(index)
             return cell, resources
         finally:
             if grade_id and self.record and self._alive():
                 self._silent(f"__import__('os').environ.pop({RECORD_ENV!r}, None)")
+
+    async def _async_handle_timeout(self, timeout, cell=None):
+        self._timed_out = True
+        return await super()._async_handle_timeout(timeout, cell)
+
+    def _answers(self, seconds: float) -> bool:
+        """Whether the kernel replies to an empty silent request within ``seconds``."""
+        try:
+            msg_id = self.kc.execute("", silent=True, store_history=False, allow_stdin=False)
+            deadline = time.monotonic() + seconds
+            while (left := deadline - time.monotonic()) > 0:
+                reply = run_sync(self.kc.get_shell_msg)(timeout=left)
+                if reply.get("parent_header", {}).get("msg_id") == msg_id:
+                    return True
+        except (Empty, TimeoutError, RuntimeError):
+            pass
+        return False
 
     def output(self, outs, msg, display_id, cell_index):
         size = len(str(msg.get("content", "")))
@@ -99,8 +130,11 @@ class GradingExecute(Execute):
                     self._killers.add(earlier)
 
 
-def records_folder(notebook_folder: Path, notebook: str) -> Path:
-    """Where the checks of ``notebook`` record results during grading."""
+def records_folder(notebook_folder: Path, notebook: str, records_dir: Path | str | None = None) -> Path:
+    """Where the checks of ``notebook`` record results during grading: under ``records_dir`` if given
+    (the sandbox's bound records folder), else beside the notebook."""
+    if records_dir:
+        return Path(records_dir).resolve() / notebook
     return notebook_folder.resolve() / ".stepformer-records" / notebook
 
 

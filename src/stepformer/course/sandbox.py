@@ -6,10 +6,18 @@ that the kernel:
 
 * sees the whole filesystem read-only, with the ``--hide`` folders (the course repository with
   ``solutions/``, the grading work folder with the gradebook and every student's files, the
-  grader's home) covered by empty tmpfs; the Python environment and the ``stepformer`` package are
-  re-exposed read-only where they lie under a hidden folder;
-* may write only to its working folder (the student's notebook folder), to the folder holding the
-  ipc sockets, and to a size-limited tmpfs on ``/tmp`` (and ``/dev/shm``);
+  grader's home) and the usual homes of host Unix sockets (``/run``, ``/var/run``, ``/var/tmp``)
+  covered by empty tmpfs; the Python environment and the ``stepformer`` package are re-exposed
+  read-only where they lie under a covered folder;
+* starts in an empty, size-limited tmpfs mounted at the path of its working folder: it never sees
+  nor writes the real notebook folder (which holds the notebook with its hidden tests, and whose
+  files nbgrader copies into the feedback outside the sandbox);
+* may write only to that tmpfs, to a size-limited tmpfs on ``/tmp`` (and ``/dev/shm``), and to two
+  folders the grader made in its runtime folder (named by the ``STEPFORMER_SANDBOX_RUNTIME``
+  variable of the launcher's environment): ``sock/`` for the ipc sockets and ``records/`` for the
+  checks' records. Nothing the kernel can write decides what is mounted: the launcher binds only
+  those two fixed folders, after checking with ``lstat`` that they are real folders, and binds
+  the connection file read-only;
 * has no network (``--unshare-net``: the kernel must use the ipc transport), its own pid, ipc,
   uts and user namespaces, no capabilities, and an environment of a few fixed variables;
 * runs under rlimits (address space, processes, file size, CPU time, no core dumps) and a
@@ -27,6 +35,7 @@ import functools
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -39,6 +48,12 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 _OVERHEAD_TASKS = 3
 # Size of the tmpfs that covers a hidden folder: it only holds the mount points bwrap creates.
 _HIDDEN_TMPFS_BYTES = 1 << 20
+# The launcher's environment variable naming the grader's runtime folder (see RUNTIME_FOLDERS).
+RUNTIME_ENV = "STEPFORMER_SANDBOX_RUNTIME"
+# The runtime folder's sub-folders that the kernel may write: ipc sockets, the checks' records.
+RUNTIME_FOLDERS = ("sock", "records")
+# Where host daemons keep their Unix sockets (D-Bus, PostgreSQL, docker, ...): covered by empty tmpfs.
+_SOCKET_FOLDERS = ("/run", "/var/run", "/var/tmp")
 
 
 @dataclass(frozen=True)
@@ -155,30 +170,78 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def bwrap_command(limits: Limits, hidden: list[Path], connection_file: Path, cwd: Path) -> list[str]:
-    """The bwrap command line that runs the kernel of ``connection_file`` in the sandbox."""
-    connection_file = connection_file.resolve()
-    info = json.loads(connection_file.read_text())
+def make_runtime(runtime: Path) -> dict[str, Path]:
+    """Create the runtime folder's sub-folders the kernel may write (``sock``, ``records``); return them."""
+    folders = {name: Path(runtime) / name for name in RUNTIME_FOLDERS}
+    for folder in folders.values():
+        folder.mkdir(mode=0o700, exist_ok=True)
+    return folders
+
+
+def _real_dir(path: Path) -> bool:
+    """A directory itself, not a link to one (``lstat``), owned by us."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+
+
+class SandboxError(RuntimeError):
+    """The launcher refuses to start the kernel (its runtime folder is missing or not what the grader made)."""
+
+
+def _socket_folders() -> list[Path]:
+    """The host's socket folders that exist as real directories (``/var/run`` is usually a link to ``/run``)."""
+    found = []
+    for name in _SOCKET_FOLDERS:
+        try:
+            if stat.S_ISDIR(os.lstat(name).st_mode):
+                found.append(Path(name))
+        except OSError:
+            pass
+    return found
+
+
+def bwrap_command(limits: Limits, hidden: list[Path], connection_file: Path, cwd: Path, runtime: Path) -> list[str]:
+    """The bwrap command line that runs the kernel of ``connection_file`` in the sandbox.
+
+    ``runtime`` is the grader's runtime folder: only its ``sock/`` and ``records/`` sub-folders are
+    bound writable. ``cwd`` is covered by an empty tmpfs. Nothing is read from the connection file.
+    """
+    runtime = Path(os.path.abspath(runtime))
+    writable = [runtime / name for name in RUNTIME_FOLDERS]
+    for folder in writable:
+        if not _real_dir(folder):
+            raise SandboxError(f"{folder} is not a folder of the grader's (missing, a link, or someone else's)")
+    connection_file = Path(os.path.abspath(connection_file))
+    try:
+        regular = stat.S_ISREG(os.lstat(connection_file).st_mode)
+    except OSError:
+        regular = False
+    if not regular:
+        raise SandboxError(f"the connection file {connection_file} is not a regular file")
+    cwd = cwd.resolve()
     hidden = [Path(p).resolve() for p in hidden]
+    covered = [*hidden, *_socket_folders()]
     readable = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), PACKAGE_DIR,
-                Path(sys.executable).resolve().parent, connection_file}
-    writable = {cwd.resolve()}
-    if info.get("transport") == "ipc":
-        # jupyter_client names the sockets "<ip>-<port>", so the kernel creates them in ip's folder.
-        writable.add((cwd / info["ip"]).resolve().parent)
+                Path(sys.executable).resolve().parent}
     # Mounts go in order of depth so that a path re-exposed inside a hidden folder, or a folder
     # hidden inside a re-exposed one, ends up on top; at equal depth hiding goes first.
     mounts: list[tuple[int, int, list[str]]] = []
-    for folder in hidden:
+    for folder in covered:
         if folder.is_dir():
             mounts.append((len(folder.parts), 0, ["--size", str(_HIDDEN_TMPFS_BYTES), "--tmpfs", str(folder)]))
-    covered = [*hidden, Path("/tmp")]  # a venv under /tmp vanishes under the sandbox's own /tmp
-    for path in readable - writable:
-        if path.exists() and any(_within(path, folder) for folder in covered) \
+    # The working folder: an empty tmpfs at the same path, on top of the hidden work folder's.
+    mounts.append((len(cwd.parts), 1, ["--size", str(limits.tmp_bytes), "--tmpfs", str(cwd)]))
+    shadowed = [*covered, Path("/tmp")]  # a venv under /tmp vanishes under the sandbox's own /tmp
+    for path in readable:
+        if path.exists() and any(_within(path, folder) for folder in shadowed) \
                 and not any(_within(path, other) for other in writable):
-            mounts.append((len(path.parts), 1, ["--ro-bind", str(path), str(path)]))
+            mounts.append((len(path.parts), 2, ["--ro-bind", str(path), str(path)]))
     for path in writable:
-        mounts.append((len(path.parts), 1, ["--bind", str(path), str(path)]))
+        mounts.append((len(path.parts), 2, ["--bind", str(path), str(path)]))
+    mounts.append((len(connection_file.parts), 3, ["--ro-bind", str(connection_file), str(connection_file)]))
     command = [shutil.which(BWRAP) or BWRAP,
                "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
                "--cap-drop", "ALL",
@@ -189,13 +252,13 @@ def bwrap_command(limits: Limits, hidden: list[Path], connection_file: Path, cwd
         command += arguments
     # The empty tmpfs over hidden folders and bwrap's /dev would otherwise be writable (unbounded
     # memory); --remount-ro is not recursive, so the binds and /dev/shm inside them stay as they are.
-    for folder in hidden:
-        if folder.is_dir() and folder not in writable:  # remounting would hit a bind on the same path
+    for folder in covered:
+        if folder.is_dir() and folder not in writable and folder != cwd:  # not a bind on the same path
             command += ["--remount-ro", str(folder)]
     command += ["--remount-ro", "/dev", "--clearenv"]
     for variable, value in _environment().items():
         command += ["--setenv", variable, value]
-    command += ["--chdir", str(cwd.resolve()), "--",
+    command += ["--chdir", str(cwd), "--",
                 sys.executable, "-I", str(Path(__file__).resolve()), "--inside", "--limits", limits.to_json(),
                 "--", str(connection_file)]
     return command
@@ -259,7 +322,8 @@ def _run_kernel(limits: Limits, connection_file: str) -> None:
         # Hard limit too, so that student code cannot raise it back.
         resource.setrlimit(limit, (value, value))
     # Python ignores SIGXFSZ, so a too-large write raises OSError (EFBIG) instead of killing the kernel.
-    os.execv(sys.executable, [sys.executable, "-m", "ipykernel_launcher", "-f", connection_file,
+    # -P: no working folder on sys.path, so a planted ipykernel_launcher.py cannot run instead.
+    os.execv(sys.executable, [sys.executable, "-P", "-m", "ipykernel_launcher", "-f", connection_file,
                               "--HistoryManager.hist_file=:memory:"])
 
 
@@ -278,7 +342,13 @@ def main(argv: list[str] | None = None) -> None:
     problem = sandbox_problem()
     if problem:
         sys.exit(f"stepformer sandbox: {problem}")
-    command = bwrap_command(limits, args.hide, Path(args.connection_file), Path.cwd())
+    runtime = os.environ.get(RUNTIME_ENV)
+    if not runtime or not os.path.isabs(runtime):
+        sys.exit(f"stepformer sandbox: {RUNTIME_ENV} must name the grader's runtime folder (an absolute path)")
+    try:
+        command = bwrap_command(limits, args.hide, Path(args.connection_file), Path.cwd(), Path(runtime))
+    except SandboxError as error:
+        sys.exit(f"stepformer sandbox: {error}")
     if os.geteuid() == 0:
         why = _pids_cgroup(limits.processes + _OVERHEAD_TASKS)
         if why:

@@ -5,13 +5,24 @@ included) is run again here, in the grader's process, with the student's objects
 placeholders: the checks replay the results that the student's kernel recorded (see
 ``stepformer.checks._core``). Patching in the student's kernel cannot reach this process.
 
-The student's own cells are also read as text: one that reaches for a reference
-implementation by name (the course library, PyTorch's built-in attention) loses the points of
-its exercise, even where the kernel-side tripwires were dodged.
+The student's own cells are also read as text (:func:`reference_use`):
+
+- a solution cell that reaches for a reference implementation (the course library, a built-in
+  that its exercise's checks forbid, PyTorch's internal operators ``torch.ops``/``torch._C``/
+  ``torch._VF``), by name, through ``getattr``/``vars``, or spelled in strings (in pieces or
+  reversed), loses the points of its exercise, even where the kernel-side tripwires were dodged;
+- a cell that reaches for the grading machinery or Python's internals (``stepformer.checks``,
+  ``importlib``, ``sys.modules``, ``builtins``, ``gc``, ``inspect``, ``ctypes``, ``__globals__``,
+  ``exec``, ...) loses every point of the notebook. This is what refuses forged records: the
+  records are written in the student's kernel, where a determined student can rewrite them.
+
+The scan reads code, so code it cannot read (names computed from numbers, data loaded from a
+file) gets past it; the kernel-side guard and a human look at the flagged cells are the rest.
 """
 
 import ast
 import builtins
+import contextlib
 import importlib
 import math
 import pkgutil
@@ -23,7 +34,7 @@ import nbformat
 import torch
 
 import stepformer.checks
-from stepformer.checks._core import CheckFailure, replaying
+from stepformer.checks._core import RECORD_ENV, CheckFailure, replaying
 
 SUSPECT_MODULES = ("stepformer",)
 ALLOWED_MODULES = ("stepformer.checks",)
@@ -111,17 +122,22 @@ def reference_use(notebook: Path) -> list[Finding]:
         # The course's own (locked) cells may name anything; the student's may not.
         if cell.cell_type == "code" and not meta.get("locked") and not meta.get("grade"):
             student_cells.append((exercise if meta.get("solution") else "*", cell.source))
-    own = set()
+    own, bound = set(), set()
     for _, source in student_cells:
         own |= _defined(source)
+        bound |= _bound_by_student(_parse(source))
+    torch_names = frozenset({"torch"} | {a.asname or a.name for cell in nb.cells if cell.cell_type == "code"
+                                         and (tree := _parse(cell.source)) for n in ast.walk(tree)
+                                         if isinstance(n, ast.Import) for a in n.names if a.name == "torch"})
     forbidden = _forbidden_by_exercise(nb)
     everything = {name: label for names in forbidden.values() for name, label in names.items()}
     findings = []
     for exercise, source in student_cells:
         tree = _parse(source)
-        if tampering := _tampering(tree):
+        if tampering := _tampering(tree, bound):
             findings.append(Finding(exercise, "tampering", tampering))
-        elif what := _suspect(source, tree, own, forbidden.get(exercise, everything if exercise == "*" else {})):
+        elif what := _suspect(source, tree, own | bound, forbidden.get(exercise, everything if exercise == "*" else {}),
+                              torch_names):
             # Comparing with PyTorch in a scratch cell is honest; inside a solution it is not.
             findings.append(Finding(exercise, "reference" if exercise != "*" else "review", what))
     return findings
@@ -143,30 +159,239 @@ def _forbidden_by_exercise(nb: nbformat.NotebookNode) -> dict[str, dict[str, str
     return found
 
 
-# Reaching into the checks' machinery has no honest use in a solution.
-TAMPER_ATTRS = {"__globals__", "__code__", "__closure__", "__wrapped__", "__builtins__", "modules", "__kwdefaults__",
-                "__defaults__"}
+# Reaching into the checks' machinery (or into Python's own) has no honest use in a student cell.
+# ``modules`` is not here: ``model.modules()`` is everyday PyTorch; ``sys.modules`` is caught apart.
+TAMPER_ATTRS = {"__globals__", "__code__", "__closure__", "__wrapped__", "__builtins__", "__kwdefaults__",
+                "__defaults__", "__subclasses__", "f_globals", "f_locals", "f_back", "f_builtins", "tb_frame",
+                "gi_frame", "cr_frame", "_getframe", "__module__"}
+# Modules whose every use is tampering, and the few honest uses of two of them.
+TAMPER_MODULES = ("stepformer.checks", "builtins", "importlib", "ctypes", "gc", "inspect")
+HONEST_USES = {"gc": {"collect"}, "inspect": {"signature", "getsource", "getdoc", "cleandoc", "isfunction", "isclass"}}
+# Found inside string constants (pieces joined, and reversed): names with no honest use in a string.
+TAMPER_TEXT = ("stepformer.checks", "__globals__", "__builtins__", "__wrapped__", "__code__", "__closure__",
+               "__kwdefaults__", "__defaults__", "__subclasses__", "sys.modules", "f_globals", "_getframe",
+               RECORD_ENV)  # where the kernel writes the records: writing them by hand is forging them
+TAMPER_WORDS = ("builtins", "importlib", "ctypes", "_core")
+# PyTorch's internal operators: the same computation as a forbidden function, reached around its name.
+TORCH_INTERNALS = {"_C", "_VF", "_refs", "_decomp", "_prims", "aten"}
+IMPORTERS = {"__import__", "import_module"}
+RUNTIME_CODE = {"exec", "eval", "compile"}
+ATTRIBUTE_GETTERS = {"getattr", "setattr", "hasattr", "delattr"}
 
 
-def _tampering(tree: ast.Module | None) -> str | None:
+def _core_private_names() -> set[str]:
+    """The checks' private machinery (``_call_own_work``, ``_tripwires``, ...): a student cell never names it."""
+    from stepformer.checks import _core
+
+    return {n for n in vars(_core) if n.startswith("_") and not n.startswith("__") and len(n) >= 7}
+
+
+def _static_str(node: ast.AST) -> str | None:
+    """The value of a string built from constants: ``"a" + "b"``, ``"ba"[::-1]``, ``"".join(["a", "b"])``."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _static_str(node.left), _static_str(node.right)
+        return None if left is None or right is None else left + right
+    if isinstance(node, ast.JoinedStr):
+        parts = [_static_str(v) for v in node.values]
+        return None if None in parts else "".join(parts)
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice) and (text := _static_str(node.value)):
+        with contextlib.suppress(Exception):
+            return text[slice(*(ast.literal_eval(p) if p is not None else None
+                                for p in (node.slice.lower, node.slice.upper, node.slice.step)))]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join"
+            and (glue := _static_str(node.func.value)) is not None and len(node.args) == 1
+            and isinstance(node.args[0], ast.List | ast.Tuple)):
+        parts = [_static_str(e) for e in node.args[0].elts]
+        return None if None in parts else glue.join(parts)
+    return None
+
+
+def _attribute_accesses(tree: ast.Module) -> list[tuple[ast.AST, str]]:
+    """(object, attribute name) for ``x.a``, ``getattr(x, "a")`` and ``vars(x)["a"]`` / ``x.__dict__["a"]``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            found.append((node.value, node.attr))
+        elif isinstance(node, ast.Call) and _called(node) in ATTRIBUTE_GETTERS and len(node.args) >= 2:
+            if (name := _static_str(node.args[1])) is not None:
+                found.append((node.args[0], name))
+        elif isinstance(node, ast.Subscript) and (name := _static_str(node.slice)) is not None:
+            holder = node.value
+            if isinstance(holder, ast.Call) and _called(holder) == "vars" and holder.args:
+                found.append((holder.args[0], name))
+            elif isinstance(holder, ast.Attribute) and holder.attr == "__dict__":
+                found.append((holder.value, name))
+    return found
+
+
+def _called(call: ast.Call) -> str:
+    return call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+
+
+def _strings(tree: ast.Module) -> list[str]:
+    """The cell's string constants in source order, docstrings left out (they describe, never run)."""
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    constants = [n for n in ast.walk(tree)
+                 if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings]
+    return [n.value for n in sorted(constants, key=lambda n: (n.lineno, n.col_offset))]
+
+
+def _readings(tree: ast.Module) -> list[str]:
+    """Every way the cell's strings could be read as a name: each piece and all of them joined,
+    with white space squashed, forwards and reversed."""
+    pieces = ["".join(p.split()) for p in _strings(tree)]
+    texts = [*pieces, "".join(pieces)]
+    return texts + [t[::-1] for t in texts]
+
+
+def _dynamic_modules(tree: ast.Module) -> set[str]:
+    """Names bound to a module imported at run time (``m = importlib.import_module(...)``, ``__import__``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.AnnAssign | ast.NamedExpr) and node.value is not None:
+            if any(isinstance(c, ast.Call) and _called(c) in IMPORTERS for c in ast.walk(node.value)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names |= {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)}
+    return names
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    """``module`` is one of ``packages`` or inside one (``gc`` and ``gc.x``, not ``gcsfs``)."""
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _is_sys(node: ast.AST, sys_names: set[str]) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in sys_names
+    return (isinstance(node, ast.Call) and _called(node) in IMPORTERS and bool(node.args)
+            and _static_str(node.args[0]) == "sys")
+
+
+def _bound_by_student(tree: ast.Module | None) -> set[str]:
+    """Names the student's code gives a value: functions, classes, variables, ``self.<attr>``."""
+    if tree is None:
+        return set()
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _on_self(node.value):
+            bound.add(node.attr)
+    return bound
+
+
+def _on_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def _tampering(tree: ast.Module | None, own: set[str] = frozenset()) -> str | None:
+    """The first reach into the grading machinery, Python's internals or ``sys.modules``, if any.
+
+    ``own``: names the student's cells bind themselves (a helper called ``_current`` is theirs).
+    """
     if tree is None:
         return None
+    private = _core_private_names() - set(own)
+    sys_names = {"sys"} | {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+                           for a in n.names if a.name == "sys"}
+    dynamic = _dynamic_modules(tree)
+    honest_reads = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                    and isinstance(n.value, ast.Name) and n.attr in HONEST_USES.get(n.value.id, ())}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import | ast.ImportFrom):
-            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            for module in modules:
-                if module.startswith(ALLOWED_MODULES) or module == "builtins":
-                    return f"imports {module}, the grading machinery"
-        if isinstance(node, ast.Attribute) and node.attr in TAMPER_ATTRS:
-            return f"reaches into .{node.attr}"
+            if isinstance(node, ast.Import):
+                imported = [(a.name, None) for a in node.names]
+            else:
+                imported = [(node.module or "", a.name) for a in node.names]
+            for module, name in imported:
+                if module == "sys" and name in ("modules", "_getframe"):
+                    return f"imports sys.{name}"
+                if module.split(".")[0] in HONEST_USES and (name is None or name in HONEST_USES[module.split(".")[0]]):
+                    continue  # ``import gc`` then ``gc.collect()``: its uses are judged below
+                if module == "stepformer" and name == "checks":
+                    module = "stepformer.checks"
+                if _within(module, TAMPER_MODULES):
+                    return f"imports {module}, the grading machinery or Python's internals"
+        elif isinstance(node, ast.Name):
+            if node.id in ("__builtins__", "importlib", "ctypes", "builtins") or node.id in private:
+                return f"uses {node.id}"
+            if node.id in HONEST_USES and id(node) not in honest_reads and node.id not in own:
+                return f"uses {node.id} (only {', '.join(sorted(HONEST_USES[node.id]))} is allowed)"
+    for node in ast.walk(tree):
+        # Code compiled at run time cannot be read here: a solution has no use for it.
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in RUNTIME_CODE:
+            return f"runs code built at run time ({node.func.id})"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                "run_cell", "run_code", "run_source", "runcode", "runsource"):
+            return f"runs code built at run time ({node.func.attr})"
+    for holder, attr in _attribute_accesses(tree):
+        if attr in TAMPER_ATTRS:
+            return f"reaches into .{attr}"
+        if attr == "modules" and _is_sys(holder, sys_names):
+            return "reaches into sys.modules"
+        if attr in ("checks", "_core") and not _on_self(holder):
+            return f"reaches into .{attr}, the grading machinery"
+        if attr in private and not _on_self(holder):
+            return f"reaches into .{attr}, the grading machinery"
+        fetched = (isinstance(holder, ast.Name) and holder.id in dynamic) or (
+            isinstance(holder, ast.Call) and _called(holder) in IMPORTERS)
+        if fetched and attr.startswith("_") and not attr.startswith("__") and attr not in TORCH_INTERNALS:
+            return f"reaches into .{attr} of a module fetched at run time"
+    for node in ast.walk(tree):
+        # Rebinding something inside a module fetched at run time: how a check's helpers are swapped.
+        target = None
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del):
+            target = node.value
+        elif isinstance(node, ast.Call) and _called(node) in ("setattr", "delattr") and node.args:
+            target = node.args[0]
+        if target is not None and not _on_self(target) and (
+                (isinstance(target, ast.Name) and target.id in dynamic)
+                or (isinstance(target, ast.Call) and _called(target) in IMPORTERS)):
+            return "rebinds an attribute of a module fetched at run time"
+    for text in _readings(tree):
+        for word in TAMPER_TEXT:
+            if word in text:
+                return f"names {word} in a string"
+        for word in (*TAMPER_WORDS, *private):
+            if re.search(rf"(?<![A-Za-z0-9_]){re.escape(word)}(?![A-Za-z0-9_])", text):
+                return f"names {word} in a string"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _called(node) in IMPORTERS and node.args:
+            name = _static_str(node.args[0]) or ""
+            for text in (name, name[::-1]):
+                if _within(text, TAMPER_MODULES) or text == "sys.modules":
+                    return f"imports {text} by name, the grading machinery or Python's internals"
     return None
 
 
 def _parse(source: str) -> ast.Module | None:
+    """The cell as Python: IPython's syntax (``%time``, ``!ls``, ``%%capture``) translated as the
+    kernel does, and the code that a magic runs (``%time f()``, a ``%%capture`` body) read as code too."""
+    with contextlib.suppress(Exception):
+        from IPython.core.inputtransformer2 import TransformerManager
+
+        source = TransformerManager().transform_cell(source)
     try:
-        return ast.parse(source)
-    except SyntaxError:
-        return None  # IPython magics and the like
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None  # the kernel cannot run it either
+    for node in list(ast.walk(tree)):
+        if isinstance(node, ast.Call) and _called(node) in ("run_line_magic", "run_cell_magic"):
+            for arg in node.args[1:]:
+                if (text := _static_str(arg)) and (inner := _parse(text)) is not None:
+                    tree.body.extend(inner.body)
+                    if isinstance(arg, ast.Constant):
+                        arg.value = ""  # read as code now, not again as a string
+    return tree
 
 
 def _defined(source: str) -> set[str]:
@@ -177,13 +402,49 @@ def _defined(source: str) -> set[str]:
 DYNAMIC = {"getattr", "__import__", "import_module", "eval", "exec", "compile"}
 
 
-def _suspect(source: str, tree: ast.Module | None, own: set[str], names: dict[str, str]) -> str | None:
-    """The first forbidden built-in (``names``) or library module that ``source`` reaches for."""
+def _torch_internals(tree: ast.Module, torch_names: set[str]) -> str | None:
+    """``torch.ops.aten.x``, ``torch._C._nn.x``, ``torch._VF.x``, ... (also fetched by name)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and node.module == "torch":
+                modules = [f"torch.{a.name}" for a in node.names]
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] == "torch" and len(parts) > 1 and (parts[1] in TORCH_INTERNALS or parts[1] == "ops"):
+                    return f"{module} (PyTorch's internal operators)"
+    for holder, attr in _attribute_accesses(tree):
+        if attr in TORCH_INTERNALS and not _on_self(holder):
+            return f"{attr} (PyTorch's internal operators)"
+        on_torch = (isinstance(holder, ast.Name) and holder.id in torch_names) or (
+            isinstance(holder, ast.Call) and _called(holder) in (*IMPORTERS, "getattr"))
+        if attr == "ops" and on_torch:
+            return "torch.ops (PyTorch's internal operators)"
+    return None
+
+
+def _star_imported(module: str, names: dict[str, str]) -> str | None:
+    """The first of ``names`` that ``from module import *`` brings in (only PyTorch's modules are looked at)."""
+    if module.split(".")[0] != "torch":
+        return None
+    try:
+        imported = importlib.import_module(module)
+    except Exception:
+        return None
+    public = getattr(imported, "__all__", None) or [n for n in vars(imported) if not n.startswith("_")]
+    return next((name for name in names if name in public), None)
+
+
+def _suspect(source: str, tree: ast.Module | None, own: set[str], names: dict[str, str],
+             torch_names: frozenset[str] = frozenset({"torch"})) -> str | None:
+    """The first forbidden built-in (``names``), library module or PyTorch internal that ``source`` reaches for."""
     if tree is None:
         for name, label in names.items():
             if re.search(rf"\b{name}\b", source):
                 return f"{name} ({label})"
         return None
+    if internal := _torch_internals(tree, set(torch_names)):
+        return internal
     for node in ast.walk(tree):
         if isinstance(node, ast.Import | ast.ImportFrom):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
@@ -194,18 +455,23 @@ def _suspect(source: str, tree: ast.Module | None, own: set[str], names: dict[st
                 for alias in node.names:
                     if alias.name in names:
                         return f"{alias.name} ({names[alias.name]})"
-        if isinstance(node, ast.Attribute) and node.attr in names:
-            return f"{node.attr} ({names[node.attr]})"
+                    if alias.name == "*" and (star := _star_imported(node.module or "", names)):
+                        return f"{star} ({names[star]}, imported with *)"
         if isinstance(node, ast.Name) and node.id in names and node.id not in own:
             return f"{node.id} ({names[node.id]})"
-        if isinstance(node, ast.Call):
-            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            if func in DYNAMIC:
-                # A name built from strings at run time: look at the pieces.
-                text = " ".join(c.value for a in node.args for c in ast.walk(a)
-                                if isinstance(c, ast.Constant) and isinstance(c.value, str))
-                squashed = text.replace(" ", "")
-                for suspect in (*names, *SUSPECT_MODULES):
-                    if suspect in squashed and "stepformer.checks" not in squashed:
-                        return f"{suspect} (reached by name through {func})"
+        if isinstance(node, ast.Call) and (func := _called(node)) in DYNAMIC:
+            # A name built from strings at run time: look at the pieces.
+            text = "".join("".join(c.value.split()) for a in node.args for c in ast.walk(a)
+                           if isinstance(c, ast.Constant) and isinstance(c.value, str))
+            for suspect in (*names, *SUSPECT_MODULES):
+                if suspect in text or suspect in text[::-1]:
+                    return f"{suspect} (reached by name through {func})"
+    for _, attr in _attribute_accesses(tree):
+        if attr in names:
+            return f"{attr} ({names[attr]})"
+    # A forbidden name anywhere in the cell's strings, joined or reversed: ``vars(F)["...."[::-1]]``.
+    for text in _readings(tree):
+        for name, label in names.items():
+            if name in text:
+                return f"{name} ({label}, named in a string)"
     return None

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import warnings
@@ -22,6 +23,7 @@ import nbformat
 
 from stepformer.course.execute import records_folder
 from stepformer.course.nbgrader_setup import api, load_config
+from stepformer.course.sandbox import RUNTIME_ENV, make_runtime
 from stepformer.course.trusted import exercise_of, recheck, reference_use
 
 PREPROCESSORS = [
@@ -63,23 +65,51 @@ def grade_student(root: Path, workdir: Path, assignment: str, student: str, limi
     config.OverwriteCells.add_missing_cells = True
     config.GradingExecute.timeout = limits["cell_seconds"]
     config.GradingExecute.notebook_timeout = limits["notebook_seconds"]
+    records_dir = None
     if kernel:
         # A short folder of its own: a socket's path may not exceed 107 bytes, which a deep work
-        # folder and a long student id would. The sandbox binds it; it goes when grading ends.
+        # folder and a long student id would. It holds the only two folders the sandbox binds
+        # writable: sock/ for the ipc sockets, records/ for the checks' records (the connection
+        # file, wherever jupyter_client puts it, is bound read-only). The launcher, started with
+        # this process's environment, finds it through RUNTIME_ENV; it goes when grading ends.
         runtime = Path(tempfile.mkdtemp(prefix="stepformer-", dir="/tmp" if os.path.isdir("/tmp") else None))
+        folders = make_runtime(runtime)
         os.environ["JUPYTER_RUNTIME_DIR"] = str(runtime)
+        os.environ[RUNTIME_ENV] = str(runtime)
         config.GradingExecute.kernel_name = kernel
         # ipc sockets in a folder the sandbox binds: the kernel needs no network at all.
         config.KernelManager.transport = "ipc"
-        config.KernelManager.ip = str(runtime / "kernel")
+        config.KernelManager.ip = str(folders["sock"] / "kernel")
+        records_dir = folders["records"]
+        config.GradingExecute.records_dir = str(records_dir)
     try:
-        return _autograde(api(config), workdir, assignment, student)
+        return _autograde(api(config), workdir, assignment, student, records_dir)
     finally:
         if kernel:
             shutil.rmtree(runtime, ignore_errors=True)
 
 
-def _autograde(grader, workdir: Path, assignment: str, student: str) -> dict:
+def remove_special_files(folder: Path) -> list[str]:
+    """Delete every link, FIFO, socket or device under ``folder`` (never following links); return their names.
+
+    nbgrader copies the autograded folder's files into the feedback with ``shutil.copy``, which
+    follows links; the grader reads the records. Only plain files and folders may remain.
+    """
+    removed = []
+    for top, dirs, files in os.walk(folder, followlinks=False):
+        for name in [*dirs, *files]:
+            path = Path(top) / name
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                continue
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                path.unlink(missing_ok=True)
+                removed.append(str(path.relative_to(folder)))
+    return removed
+
+
+def _autograde(grader, workdir: Path, assignment: str, student: str, records_dir: Path | None = None) -> dict:
     result = {"student": student, "status": "graded", "detail": "", "notes": []}
     graded = grader.autograde(assignment, student, force=True, create=False)
     if not graded["success"]:
@@ -87,9 +117,14 @@ def _autograde(grader, workdir: Path, assignment: str, student: str) -> dict:
         return result
 
     autograded = workdir / "autograded" / student / assignment
+    # The sandboxed kernel cannot write here, but a kernel without the sandbox (or a bug) could.
+    for name in remove_special_files(autograded):
+        result["notes"].append(f"removed {name} from the graded folder (a link or special file)")
+    if records_dir is not None:
+        remove_special_files(records_dir)
     with grader.gradebook as gb:
-        for path in sorted(autograded.glob("*.ipynb")):
-            verdicts = recheck(path, records_folder(autograded, path.stem))
+        for path in sorted(p for p in autograded.glob("*.ipynb") if p.is_file() and not p.is_symlink()):
+            verdicts = recheck(path, records_folder(autograded, path.stem, records_dir))
             findings = reference_use(path)
             zero_all = next((f for f in findings if f.kind == "tampering"), None)
             refused = {f.exercise: f for f in findings if f.kind == "reference"}
