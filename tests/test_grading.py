@@ -1,14 +1,16 @@
 """Grading the sample submissions gives exactly the expected points, whatever the others do."""
 
 import csv
+import json
+import os
 import shutil
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from stepformer.course.grade import SubmissionsError, grade
-from stepformer.course.sandbox import sandbox_problem
+from stepformer.course.grade import SubmissionsError, _run_worker, grade
+from stepformer.course.sandbox import Limits, sandbox_problem
 from tests.fixtures.submissions import ATTENTION, write_submissions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,3 +79,15 @@ def test_unknown_assignment_and_missing_folder_are_clear_errors(tmp_path):
         grade(ROOT, tmp_path, "99_nothing", tmp_path / "out", tmp_path / "work", progress=False, sandbox=SANDBOX)
     with pytest.raises(SubmissionsError, match="does not exist"):
         grade(ROOT, tmp_path / "absent", ASSIGNMENT, tmp_path / "out", tmp_path / "work", sandbox=SANDBOX)
+
+
+def test_a_crashed_worker_costs_only_its_student_and_leaves_its_traceback(tmp_path):
+    """A worker process that dies is recorded as an error for that student, never as finished."""
+    # Not a course: the worker fails while reading nbgrader's configuration and exits.
+    work = tmp_path / "work"
+    work.mkdir()
+    _run_worker(tmp_path, work, ASSIGNMENT, "alice", Limits(), None, dict(os.environ))
+    done = json.loads((work / "done" / "alice.json").read_text())
+    assert done["status"] == "error"
+    assert "the grading process failed (exit 1)" in done["detail"]
+    assert "Traceback" in (work / "logs" / "alice.log").read_text()

@@ -12,10 +12,11 @@ import csv
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -79,7 +80,11 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
           workers: int | None = None, sandbox: bool = True, limits: Limits | None = None,
           roster: list[str] | None = None, fresh: bool = False, progress: bool = True,
           only: list[str] | None = None) -> list[StudentResult]:
-    """Grade every student in ``submissions`` (or just ``only``); feedback and grades.csv go to ``out``."""
+    """Grade every student in ``submissions`` (or just ``only``); feedback and grades.csv go to ``out``.
+
+    The workers are started with multiprocessing's forkserver, so a script that calls this must
+    do so under ``if __name__ == "__main__":`` (the command line and notebooks need nothing).
+    """
     warnings.filterwarnings("ignore", message=".*not in session.*")  # nbgrader's own, harmless
     if assignment not in assignments(root):
         raise SubmissionsError(f"unknown assignment {assignment!r}; known: {', '.join(assignments(root))}")
@@ -151,26 +156,40 @@ def _submit(workdir: Path, assignment: str, intake: Intake) -> None:
         gb.update_or_create_student(intake.student)
 
 
+# Each student's worker is a fresh process forked from a server that imported the grader once
+# (torch, nbgrader, nbformat: about five seconds a process otherwise), so a crash or a timeout
+# still costs only that student while the imports are paid once per run.
+_WORKERS = multiprocessing.get_context("forkserver")
+_WORKERS.set_forkserver_preload(["stepformer.course.worker"])
+
+
 def _run_worker(root: Path, workdir: Path, assignment: str, student: str, limits: Limits, kernel: str | None,
                 env: dict[str, str]) -> None:
-    from stepformer.course.worker import write_done
+    from stepformer.course.worker import run_logged, write_done
 
-    command = [sys.executable, "-m", "stepformer.course.worker", "--root", str(root), "--workdir", str(workdir),
-               "--assignment", assignment, "--student", student, "--limits", json.dumps(dataclasses.asdict(limits))]
+    argv = ["--root", str(root), "--workdir", str(workdir), "--assignment", assignment, "--student", student,
+            "--limits", json.dumps(dataclasses.asdict(limits))]
     if kernel:
-        command += ["--kernel", kernel]
+        argv += ["--kernel", kernel]
     # The worker's own limit: every notebook's budget plus kernel starts and feedback.
     wall = limits.notebook_seconds * 2 + 120
     log = workdir / "logs" / f"{student}.log"
     log.parent.mkdir(exist_ok=True)
-    with log.open("w") as handle:
-        try:
-            finished = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=wall)
-            failure = f"the grading process failed (exit {finished.returncode})" if finished.returncode else ""
-        except subprocess.TimeoutExpired:
-            failure = f"grading took longer than {wall} s and was stopped"
+    started = time.monotonic()
+    process = _WORKERS.Process(target=run_logged, args=(argv, env, log), name=f"grade {student}")
+    process.start()
+    process.join(wall)
+    failure = ""
+    if process.is_alive():
+        process.kill()
+        process.join()
+        failure = f"grading took longer than {wall} s and was stopped"
+    elif process.exitcode:
+        failure = f"the grading process failed (exit {process.exitcode})"
+    process.close()
     if failure and not (workdir / "done" / f"{student}.json").exists():
-        write_done(workdir, {"student": student, "status": "error", "detail": f"{failure}; see {log}", "notes": []})
+        write_done(workdir, {"student": student, "status": "error", "detail": f"{failure}; see {log}", "notes": [],
+                             "seconds": round(time.monotonic() - started, 1)})
 
 
 def _collect(workdir: Path, assignment: str, intakes: list[Intake]) -> list[StudentResult]:

@@ -16,6 +16,7 @@ import shutil
 import stat
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -179,6 +180,17 @@ def write_done(workdir: Path, result: dict) -> None:
     os.replace(tmp, done / f"{result['student']}.json")
 
 
+def run_logged(argv: list[str], env: dict[str, str], log: Path) -> None:
+    """``main(argv)`` in a forked worker: the grader's environment, all output to ``log``."""
+    os.environ.clear()
+    os.environ.update(env)
+    handle = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(handle, 1)
+    os.dup2(handle, 2)
+    os.close(handle)
+    sys.exit(main(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", type=Path, required=True)
@@ -189,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel", default=None, help="kernel name (the sandbox's); default: plain python3")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*not in session.*")  # nbgrader's own, harmless
+    started = time.monotonic()
     result = grade_student(args.root, args.workdir, args.assignment, args.student, json.loads(args.limits),
                            args.kernel)
+    result["seconds"] = round(time.monotonic() - started, 1)
     write_done(args.workdir, result)
     return 0
 
