@@ -10,12 +10,21 @@
 - A cell that outlives its time and ignores the interrupt (SIGINT ignored, long C code) would
   keep the kernel busy and make every later cell time out: after a timeout the kernel must
   answer a silent request within ``answer_seconds``, else it is restarted as if it had died.
+- The folders the sandbox lets the kernel write on the host (its sockets and the checks'
+  records, ``runtime_dir``) are weighed several times a second; a kernel whose files there pass
+  ``runtime_bytes`` is killed, the largest files are removed until the folder is under its
+  limit again, and the cell says what happened. (The kernel's other writable places are
+  size-limited tmpfs.)
 - Before each graded cell the kernel is told, silently, where the checks should record the
   student's results (``STEPFORMER_RECORD``), so that the grader can re-run the checks in its
   own process (see ``stepformer.checks._core``). The records go to ``records_dir`` (the sandbox
   binds the grader's folder for them), by default beside the notebook.
 """
 
+import os
+import signal
+import stat
+import threading
 import time
 from pathlib import Path
 from queue import Empty
@@ -36,6 +45,10 @@ class GradingExecute(Execute):
     record = Bool(True, help="Have the checks record the student's results for the grader's re-check").tag(config=True)
     records_dir = Unicode("", help="Folder for the checks' records (one sub-folder per notebook); "
                                    "empty: beside the notebook").tag(config=True)
+    runtime_dir = Unicode("", help="Host folder the sandboxed kernel may write (sockets, records); "
+                                   "empty: not watched").tag(config=True)
+    runtime_bytes = Integer(256 * 2**20, help="Largest total size of the kernel's files in runtime_dir"
+                            ).tag(config=True)
     answer_seconds = Integer(10, help="After a cell timed out, seconds the kernel has to answer before it is "
                                       "restarted").tag(config=True)
 
@@ -46,7 +59,39 @@ class GradingExecute(Execute):
         self._timed_out = False
         self._records = records_folder(Path((resources or {}).get("metadata", {}).get("path") or "."),
                                        (resources or {}).get("unique_key") or "notebook", self.records_dir or None)
-        return super().preprocess(nb, resources, km)
+        self._overflow = False
+        stop = threading.Event()
+        watcher = threading.Thread(target=self._watch_runtime, args=(stop,), daemon=True) if self.runtime_dir else None
+        if watcher:
+            watcher.start()
+        try:
+            return super().preprocess(nb, resources, km)
+        finally:
+            stop.set()
+            if watcher:
+                watcher.join()
+
+    def _watch_runtime(self, stop: threading.Event) -> None:
+        """Kill the kernel when its files in ``runtime_dir`` outgrow ``runtime_bytes``; free the space."""
+        folder = Path(self.runtime_dir)
+        while not stop.wait(0.2):
+            files = _files_by_size(folder)
+            if sum(size for size, _ in files) <= self.runtime_bytes:
+                continue
+            self._overflow = True
+            pgid = getattr(getattr(self.km, "provisioner", None), "pgid", None)
+            if pgid:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            # The biggest files go first: the checks' own records are small.
+            total = sum(size for size, _ in files)
+            for size, path in sorted(files, reverse=True):
+                if total <= self.runtime_bytes:
+                    break
+                path.unlink(missing_ok=True)
+                total -= size
 
     def preprocess_cell(self, cell, resources, index):
         if cell.cell_type != "code":
@@ -67,11 +112,21 @@ class GradingExecute(Execute):
             except (DeadKernelError, CellTimeoutError) as error:
                 what = "died" if isinstance(error, DeadKernelError) else "stopped answering"
             self._killers.add(index)
-            cell.outputs.append(_error(
-                "KernelDied",
-                f"the kernel {what} while running this cell (os._exit, a crash, too much memory, a broken "
-                "interpreter, or an interrupt ignored); it was restarted and the cells before this one were run again",
-            ))
+            if self._overflow:
+                self._overflow = False
+                cell.outputs.append(_error(
+                    "KernelDied",
+                    f"the kernel was stopped while running this cell: it wrote more than {self.runtime_bytes} bytes "
+                    "into the grader's folders; the largest files were removed, the kernel was restarted and the "
+                    "cells before this one were run again",
+                ))
+            else:
+                cell.outputs.append(_error(
+                    "KernelDied",
+                    f"the kernel {what} while running this cell (os._exit, a crash, too much memory, a broken "
+                    "interpreter, or an interrupt ignored); it was restarted and the cells before this one were run "
+                    "again",
+                ))
             self._restart(index)
             return cell, resources
         finally:
@@ -136,6 +191,21 @@ def records_folder(notebook_folder: Path, notebook: str, records_dir: Path | str
     if records_dir:
         return Path(records_dir).resolve() / notebook
     return notebook_folder.resolve() / ".stepformer-records" / notebook
+
+
+def _files_by_size(folder: Path) -> list[tuple[int, Path]]:
+    """``(size, path)`` of every plain file under ``folder``, links not followed."""
+    found = []
+    for top, _, names in os.walk(folder, followlinks=False):
+        for name in names:
+            path = Path(top) / name
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                found.append((info.st_blocks * 512, path))  # the disk it takes: a sparse file takes little
+    return found
 
 
 def _error(name: str, message: str) -> NotebookNode:

@@ -72,7 +72,7 @@ class Limits:
     memory_bytes: int = 4 * 2**30
     processes: int = 64  # tasks, threads included (RLIMIT_NPROC and pids.max both count threads)
     file_bytes: int = 64 * 2**20
-    tmp_bytes: int = 256 * 2**20
+    tmp_bytes: int = 256 * 2**20  # each tmpfs, and the grader's runtime folders (watched by the grader)
     cpu_seconds: int | None = None  # None: 2 * notebook_seconds
 
     @property

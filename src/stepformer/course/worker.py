@@ -83,6 +83,9 @@ def grade_student(root: Path, workdir: Path, assignment: str, student: str, limi
         config.KernelManager.ip = str(folders["sock"] / "kernel")
         records_dir = folders["records"]
         config.GradingExecute.records_dir = str(records_dir)
+        # The only host folders the kernel writes: their total is watched (the rest are sized tmpfs).
+        config.GradingExecute.runtime_dir = str(runtime)
+        config.GradingExecute.runtime_bytes = limits["tmp_bytes"]
     try:
         return _autograde(api(config), workdir, assignment, student, records_dir)
     finally:
