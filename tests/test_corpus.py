@@ -25,7 +25,8 @@ from tests.fixtures.submissions import ATTENTION, write_submissions
 ROOT = Path(__file__).resolve().parents[1]
 ASSIGNMENT, NOTEBOOK = "01_attention", "attention.ipynb"
 # Generous per-cell time: two graders share two cores in CI; the looping cases pay it once each.
-LIMITS = Limits(cell_seconds=20, notebook_seconds=200)
+# Small file space, so that the case that fills the grader's folders passes it in a second or two.
+LIMITS = Limits(cell_seconds=20, notebook_seconds=200, tmp_bytes=64 * 2**20)
 ROSTER = [case.name for case in CORPUS if case.status != "not-on-roster"] + ["absent_student"]
 # Lines found only in the course's own files: no feedback may contain them.
 SECRETS = ["### BEGIN SOLUTION", "### BEGIN HIDDEN TESTS", "SQLite format 3"]

@@ -12,8 +12,8 @@
   answer a silent request within ``answer_seconds``, else it is restarted as if it had died.
 - The folders the sandbox lets the kernel write on the host (its sockets and the checks'
   records, ``runtime_dir``) are weighed several times a second; a kernel whose files there pass
-  ``runtime_bytes`` is killed, the largest files are removed until the folder is under its
-  limit again, and the cell says what happened. (The kernel's other writable places are
+  ``runtime_bytes`` is killed, the largest files are removed until the folder is under half
+  its limit, and the cell says what happened. (The kernel's other writable places are
   size-limited tmpfs.)
 - Before each graded cell the kernel is told, silently, where the checks should record the
   student's results (``STEPFORMER_RECORD``), so that the grader can re-run the checks in its
@@ -79,16 +79,25 @@ class GradingExecute(Execute):
             if sum(size for size, _ in files) <= self.runtime_bytes:
                 continue
             self._overflow = True
-            pgid = getattr(getattr(self.km, "provisioner", None), "pgid", None)
+            provisioner = getattr(self.km, "provisioner", None)
+            pgid, launcher = getattr(provisioner, "pgid", None), getattr(provisioner, "process", None)
             if pgid:
                 try:
                     os.killpg(pgid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            # The biggest files go first: the checks' own records are small.
+            # The kernel runs in a session of its own inside bwrap and dies with bwrap a moment
+            # later: weigh again only then, or its last writes would count against its successor.
+            deadline = time.monotonic() + 5
+            while launcher is not None and launcher.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)
+            files = _files_by_size(folder)
+            # The biggest files go first (the checks' own records are small), down to half the
+            # limit: the restarted kernel's records need room, or they would trip the limit again.
             total = sum(size for size, _ in files)
             for size, path in sorted(files, reverse=True):
-                if total <= self.runtime_bytes:
+                if total <= self.runtime_bytes // 2:
                     break
                 path.unlink(missing_ok=True)
                 total -= size
@@ -100,11 +109,12 @@ class GradingExecute(Execute):
             cell.outputs = [_error("NotebookTimeLimit", f"not run: the notebook used up its {self.notebook_timeout} s")]
             return cell, resources
         grade_id = cell.metadata.get("nbgrader", {}).get("grade_id") if utils.is_grade(cell) else None
-        if grade_id and self.record:
-            self._silent(f"__import__('os').environ[{RECORD_ENV!r}] = {str(self._records / grade_id)!r}")
         try:
             self._timed_out = False
             try:
+                # Inside the try: a kernel may die between cells too (a thread, a patched os.environ).
+                if grade_id and self.record:
+                    self._silent(f"__import__('os').environ[{RECORD_ENV!r}] = {str(self._records / grade_id)!r}")
                 cell, resources = super().preprocess_cell(cell, resources, index)
                 if not self._timed_out or self._answers(self.answer_seconds):
                     return cell, resources
@@ -131,7 +141,10 @@ class GradingExecute(Execute):
             return cell, resources
         finally:
             if grade_id and self.record and self._alive():
-                self._silent(f"__import__('os').environ.pop({RECORD_ENV!r}, None)")
+                try:
+                    self._silent(f"__import__('os').environ.pop({RECORD_ENV!r}, None)")
+                except (DeadKernelError, TimeoutError):
+                    pass  # the next cell finds the kernel dead and says so
 
     async def _async_handle_timeout(self, timeout, cell=None):
         self._timed_out = True

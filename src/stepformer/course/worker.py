@@ -187,10 +187,12 @@ def run_logged(argv: list[str], env: dict[str, str], log: Path) -> None:
     """``main(argv)`` in a forked worker: the grader's environment, all output to ``log``."""
     os.environ.clear()
     os.environ.update(env)
-    handle = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # Appended: a student graded again (after an error) keeps the log of every attempt.
+    handle = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(handle, 1)
     os.dup2(handle, 2)
     os.close(handle)
+    print(f"=== grading started {time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
     sys.exit(main(argv))
 
 
