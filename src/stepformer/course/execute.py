@@ -26,6 +26,7 @@ import signal
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from queue import Empty
 
@@ -37,6 +38,7 @@ from nbgrader.preprocessors import Execute
 from traitlets import Bool, Integer, Unicode
 
 from stepformer.checks._core import RECORD_ENV
+from stepformer.course.sandbox import Limits
 
 
 class GradingExecute(Execute):
@@ -47,7 +49,7 @@ class GradingExecute(Execute):
                                    "empty: beside the notebook").tag(config=True)
     runtime_dir = Unicode("", help="Host folder the sandboxed kernel may write (sockets, records); "
                                    "empty: not watched").tag(config=True)
-    runtime_bytes = Integer(256 * 2**20, help="Largest total size of the kernel's files in runtime_dir"
+    runtime_bytes = Integer(Limits.tmp_bytes, help="Largest total size of the kernel's files in runtime_dir"
                             ).tag(config=True)
     answer_seconds = Integer(10, help="After a cell timed out, seconds the kernel has to answer before it is "
                                       "restarted").tag(config=True)
@@ -124,19 +126,13 @@ class GradingExecute(Execute):
             self._killers.add(index)
             if self._overflow:
                 self._overflow = False
-                cell.outputs.append(_error(
-                    "KernelDied",
-                    f"the kernel was stopped while running this cell: it wrote more than {self.runtime_bytes} bytes "
-                    "into the grader's folders; the largest files were removed, the kernel was restarted and the "
-                    "cells before this one were run again",
-                ))
+                what = (f"was stopped while running this cell: it wrote more than {self.runtime_bytes} bytes into "
+                        "the grader's folders, and the largest files were removed")
             else:
-                cell.outputs.append(_error(
-                    "KernelDied",
-                    f"the kernel {what} while running this cell (os._exit, a crash, too much memory, a broken "
-                    "interpreter, or an interrupt ignored); it was restarted and the cells before this one were run "
-                    "again",
-                ))
+                what += (" while running this cell (os._exit, a crash, too much memory, a broken interpreter, or an "
+                         "interrupt ignored)")
+            cell.outputs.append(_error(
+                "KernelDied", f"the kernel {what}; it was restarted and the cells before this one were run again"))
             self._restart(index)
             return cell, resources
         finally:
@@ -206,19 +202,20 @@ def records_folder(notebook_folder: Path, notebook: str, records_dir: Path | str
     return notebook_folder.resolve() / ".stepformer-records" / notebook
 
 
-def _files_by_size(folder: Path) -> list[tuple[int, Path]]:
-    """``(size, path)`` of every plain file under ``folder``, links not followed."""
-    found = []
-    for top, _, names in os.walk(folder, followlinks=False):
-        for name in names:
+def entries(folder: Path) -> Iterator[tuple[Path, os.stat_result]]:
+    """Every file and folder under ``folder`` with its ``lstat`` (links are listed, never followed)."""
+    for top, dirs, files in os.walk(folder, followlinks=False):
+        for name in [*dirs, *files]:
             path = Path(top) / name
             try:
-                info = os.lstat(path)
+                yield path, os.lstat(path)
             except OSError:
                 continue
-            if stat.S_ISREG(info.st_mode):
-                found.append((info.st_blocks * 512, path))  # the disk it takes: a sparse file takes little
-    return found
+
+
+def _files_by_size(folder: Path) -> list[tuple[int, Path]]:
+    """``(size on disk, path)`` of every plain file under ``folder``: a sparse file takes little."""
+    return [(info.st_blocks * 512, path) for path, info in entries(folder) if stat.S_ISREG(info.st_mode)]
 
 
 def _error(name: str, message: str) -> NotebookNode:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import nbformat
 
-from stepformer.course.execute import records_folder
+from stepformer.course.execute import entries, records_folder
 from stepformer.course.nbgrader_setup import api, load_config
 from stepformer.course.sandbox import RUNTIME_ENV, make_runtime
 from stepformer.course.trusted import exercise_of, recheck, reference_use
@@ -100,16 +100,10 @@ def remove_special_files(folder: Path) -> list[str]:
     follows links; the grader reads the records. Only plain files and folders may remain.
     """
     removed = []
-    for top, dirs, files in os.walk(folder, followlinks=False):
-        for name in [*dirs, *files]:
-            path = Path(top) / name
-            try:
-                mode = os.lstat(path).st_mode
-            except OSError:
-                continue
-            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                path.unlink(missing_ok=True)
-                removed.append(str(path.relative_to(folder)))
+    for path, info in entries(folder):
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+            path.unlink(missing_ok=True)
+            removed.append(str(path.relative_to(folder)))
     return removed
 
 
