@@ -8,9 +8,15 @@ SUBMISSIONS ?=
 OUT ?= grades
 # Extra options for `make grade`, e.g. GRADE_FLAGS="--workers 8 --roster roster.csv"
 GRADE_FLAGS ?=
+# `make translator`: a local copy of Multi30k instead of the download (DATA_DIR=../shared/data/multi30k),
+# the preset (cpu or gpu) and the run's folder.
+DATA_DIR ?=
+PRESET ?= cpu
+RUN ?= runs/$(PRESET)-de-en
+DATA_FLAG := $(if $(DATA_DIR),--data-dir $(DATA_DIR),)
 
 .DEFAULT_GOAL := help
-.PHONY: help install book lab test lint release sync grade clean
+.PHONY: help install book lab test lint release sync grade translator clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -47,6 +53,10 @@ release: $(STAMP) ## regenerate exercises/ from solutions/ with nbgrader
 grade: $(STAMP) ## grade SUBMISSIONS (a folder or a .zip) for ASSIGNMENT into OUT
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=<folder or zip> [ASSIGNMENT=01_attention] [OUT=grades] [GRADE_FLAGS=...]"; exit 2; }
 	$(BIN)/stepformer-course grade "$(SUBMISSIONS)" --assignment $(ASSIGNMENT) --out "$(OUT)" $(GRADE_FLAGS)
+
+translator: $(STAMP) ## train the translator (PRESET=cpu: ~50 min on a CPU), then print its test scores
+	$(BIN)/stepformer-translate train --preset $(PRESET) --out $(RUN) $(DATA_FLAG) $(if $(wildcard $(RUN)/checkpoints),--resume,)
+	$(BIN)/stepformer-translate evaluate --checkpoint $(RUN)/averaged.pt --split test_2016_flickr $(DATA_FLAG)
 
 clean: ## remove the built site and grading work folders (keeps .venv)
 	rm -rf _build autograder/work

@@ -35,11 +35,13 @@ PAD = 0
 class TorchModel(nn.Module):
     """``torch.nn.Transformer`` with the same embeddings (scaled, sinusoidal positions) and generator as ours."""
 
-    def __init__(self, ours: Transformer, d_model: int, heads: int, layers: int, d_ff: int, dropout: float) -> None:
+    def __init__(self, ours: Transformer, d_model: int, heads: int, layers: int, d_ff: int, dropout: float,
+                 norm_first: bool = False) -> None:
         super().__init__()
         self.embed = ours.src_embed.__class__(ours.src_embed.tokens.num_embeddings, d_model, dropout=dropout)
         self.tgt_embed = ours.tgt_embed.__class__(ours.tgt_embed.tokens.num_embeddings, d_model, dropout=dropout)
-        self.core = nn.Transformer(d_model, heads, layers, layers, d_ff, dropout, batch_first=True)
+        self.core = nn.Transformer(d_model, heads, layers, layers, d_ff, dropout, batch_first=True,
+                                   norm_first=norm_first)
         self.generator = nn.Linear(d_model, ours.generator.out_features)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:

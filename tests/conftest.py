@@ -6,9 +6,22 @@ The heaviest groups go first (longest-processing-time-first scheduling), so that
 finish together instead of one grading a corpus while the other has long been idle.
 """
 
+from pathlib import Path
+
 import pytest
 
 from tests.fixtures.prerequisites import missing
+
+# The real Multi30k files beside the project (never in it): ../shared/data/multi30k.
+SHARED_MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+
+
+@pytest.fixture(scope="session")
+def real_data() -> Path:
+    """The shared folder with the real Multi30k files; skipped (failed in CI) where it is missing."""
+    if not (SHARED_MULTI30K / "SHA256SUMS").is_file():
+        missing(f"the real Multi30k files are not at {SHARED_MULTI30K} (see the project's README on shared data)")
+    return SHARED_MULTI30K
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +43,12 @@ WEIGHTS = {
 }
 CHAPTER_GRADING = 80  # each chapter's mistake fixtures: nbgrader's release plus ~6 notebooks
 NOTEBOOK_RUN = 30  # one solution notebook executed top to bottom
+# Single tests that train the translator in subprocesses.
+HEAVY_TESTS = {
+    "test_a_killed_run_resumes_to_the_same_weights": 80,
+    "test_two_processes_give_the_losses_of_one_on_the_same_global_batch": 35,
+    "test_train_evaluate_translate_from_the_command_line": 20,
+}
 
 
 def _group(item: pytest.Item) -> str | None:
@@ -46,7 +65,7 @@ def _group(item: pytest.Item) -> str | None:
 
 def _weight(item: pytest.Item, group: str | None) -> float:
     if group is None:
-        return NOTEBOOK_RUN if item.name.startswith("test_solution_notebook_runs") else 0
+        return NOTEBOOK_RUN if item.name.startswith("test_solution_notebook_runs") else HEAVY_TESTS.get(item.name, 0)
     return CHAPTER_GRADING if group.startswith("mistakes-") else WEIGHTS[group]
 
 

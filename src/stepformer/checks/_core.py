@@ -68,11 +68,14 @@ def check(fn: Callable[..., None] | None = None, *, forbid: dict[str, str] | Non
 
 
 def library_modules() -> list[str]:
-    """The course's reference modules (every ``stepformer`` module but the checks and the tools)."""
+    """The course's reference modules: every ``stepformer`` module but the checks and the tools,
+    with the translator's package (chapter 11)."""
     import stepformer
 
     folder = Path(stepformer.__file__).parent
-    return [f"stepformer.{p.stem}" for p in sorted(folder.glob("*.py")) if not p.stem.startswith("_")]
+    modules = [f"stepformer.{p.stem}" for p in sorted(folder.glob("*.py")) if not p.stem.startswith("_")]
+    return modules + [f"stepformer.translator.{p.stem}" for p in sorted((folder / "translator").glob("*.py"))
+                      if not p.stem.startswith("_")]
 
 
 def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -170,6 +173,9 @@ EQUIVALENTS: dict[str, tuple[str, ...]] = {
         "torch.ops.aten.native_layer_norm"),
     "torch.nn.functional.rms_norm": (
         "torch.rms_norm", "torch._fused_rms_norm", "torch.ops.aten.rms_norm", "torch.ops.aten._fused_rms_norm"),
+    "torch.nn.functional.cross_entropy": ("torch._C._nn.cross_entropy_loss", "torch.ops.aten.cross_entropy_loss"),
+    "torch.nn.functional.nll_loss": (
+        "torch._C._nn.nll_loss", "torch._C._nn.nll_loss_nd", "torch.ops.aten.nll_loss", "torch.ops.aten.nll_loss_nd"),
 }
 
 
@@ -182,6 +188,8 @@ DISPATCHED: dict[str, tuple[str, ...]] = {
     "torch.nn.functional.multi_head_attention_forward": ("_native_multi_head_attention",),
     "torch.nn.functional.layer_norm": ("layer_norm", "native_layer_norm"),
     "torch.nn.functional.rms_norm": ("rms_norm", "_fused_rms_norm"),
+    "torch.nn.functional.cross_entropy": ("cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss_forward"),
+    "torch.nn.functional.nll_loss": ("nll_loss", "nll_loss_nd", "nll_loss_forward"),
 }
 
 
@@ -243,7 +251,10 @@ def _find_forbidden(forbid: dict[str, str], kept: list[Any]) -> dict[int, str]:
                     kept.append(getattr(value, overload))
                     found.setdefault(id(kept[-1]), f"{dotted} ({label})")
     for module_name in library_modules():
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # e.g. the translator without its packages (Colab): nothing there to call
+            continue
         for name, value in vars(module).items():
             if callable(value) and getattr(value, "__module__", None) == module_name:
                 kept.append(value)
@@ -361,7 +372,10 @@ def _tripwires(tripped: list[str], forbid: dict[str, str]) -> Iterator[None]:
     targets = [(dotted, f"{dotted} ({label})") for dotted, label in _with_equivalents(forbid).items()
                if not dotted.startswith("torch.ops.")]
     for module_name in library_modules():
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
         targets += [(f"{module_name}.{name}", f"{module_name}.{name} (the course's reference library)")
                     for name, value in vars(module).items()
                     if callable(value) and getattr(value, "__module__", None) == module_name]

@@ -1,0 +1,846 @@
+"""Checks for chapter 11: the label-smoothed loss, the learning-rate schedule, one training step,
+one step of beam search, and memorising a batch.
+
+The oracles: PyTorch's ``F.cross_entropy(..., ignore_index=pad_id, label_smoothing=...)`` for the
+loss; the paper's formula, ``d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)``, for the schedule;
+the library's :func:`~stepformer.translator.recipe.train_step` on a twin of the student's model for
+the step; every ``beam · vocab`` candidate sorted by hand for the beam step; the library's
+:func:`~stepformer.translator.search.greedy_search` on the memorised weights. The models are the
+library's :class:`~stepformer.transformer.Transformer`, built here (the student trains them, never
+builds them). Every touch of the student's code goes through :func:`call`.
+"""
+
+import contextlib
+import importlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from stepformer.checks._core import CheckFailure, call, check, close, kind, library_modules, passed
+from stepformer.checks._modules import error_of as _error_of
+from stepformer.checks._modules import parameters_of as _parameters_of
+from stepformer.transformer import Transformer
+from stepformer.translator.recipe import label_smoothed_loss as _library_loss
+from stepformer.translator.recipe import train_step as _library_train_step
+from stepformer.translator.search import greedy_search
+
+# The loss is what exercise 1 asks students to write: PyTorch's versions of it are off limits there,
+# and in the exercises whose code calls the student's loss (the step, memorising).
+BUILT_IN_LOSS = {
+    "torch.nn.functional.cross_entropy": "PyTorch's cross-entropy, which does the smoothing and the padding",
+    "torch.nn.functional.nll_loss": "PyTorch's negative log-likelihood loss",
+    "torch.nn.CrossEntropyLoss": "PyTorch's cross-entropy module",
+    "torch.nn.NLLLoss": "PyTorch's negative log-likelihood module",
+}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _distinct(g: torch.Generator, ranges: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """One draw from each inclusive range, all different (so a swapped axis cannot pass)."""
+    while True:
+        picks = tuple(int(torch.randint(low, high + 1, (), generator=g)) for low, high in ranges)
+        if len(set(picks)) == len(picks):
+            return picks
+
+
+def _lengths(batch: int, longest: int, shortest: int, g: torch.Generator) -> list[int]:
+    """Sentence lengths: the first sentence as long as the batch, the others between shortest and longest."""
+    rest = torch.randint(shortest, longest + 1, (batch - 1,), generator=g).tolist()
+    return [longest, *rest]
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Tiny models train fastest on one thread; on a busy machine several threads mostly wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+# -- the models the student trains -----------------------------------------------------------
+
+def _library_callables() -> list[tuple[Any, str, Any]]:
+    """(module, name, object) of every function and class of the library: what the own-work tripwires replace."""
+    found = []
+    for module_name in library_modules():
+        module = importlib.import_module(module_name)
+        found += [(module, name, value) for name, value in vars(module).items()
+                  if callable(value) and getattr(value, "__module__", None) == module_name]
+    return found
+
+
+_LIBRARY = _library_callables()  # taken at import, before any check has set its tripwires
+
+
+@contextlib.contextmanager
+def _library_unwatched() -> Iterator[None]:
+    """The library's own objects in place of the tripwires, for the duration of the block."""
+    swapped = [(module, name, getattr(module, name)) for module, name, original in _LIBRARY
+               if getattr(module, name, original) is not original]
+    originals = {(id(module), name): original for module, name, original in _LIBRARY}
+    for module, name, _ in swapped:
+        setattr(module, name, originals[id(module), name])
+    try:
+        yield
+    finally:
+        for module, name, wire in swapped:
+            setattr(module, name, wire)
+
+
+class _Translator(Transformer):
+    """The library's Transformer, whose forward pass is the checks' code, not the student's.
+
+    While the student's code runs, :func:`call` replaces every library function by a tripwire, and
+    the model's own forward (its masks, its attention) would trip them although the student only
+    called the model. So the forward pass puts the library back for its own duration; what the
+    student's code does around it (the loss, the step) is watched as everywhere else.
+    """
+
+    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        with _library_unwatched():
+            return super().forward(src, tgt)
+
+    def __repr__(self) -> str:  # one line in a failure's message, not the whole module tree
+        return (f"Transformer(src_vocab={self.src_embed.tokens.num_embeddings}, tgt_vocab="
+                f"{self.generator.out_features}, d_model={self.generator.in_features}, "
+                f"{len(self.encoder.layers)} + {len(self.decoder.layers)} layers)")
+
+
+def _build(vocab: tuple[int, int], d_model: int, heads: int, d_ff: int, pad_id: int, seed: int,
+           dtype: torch.dtype) -> _Translator:
+    """A seeded 1 + 1 layer Transformer without dropout; the caller's random numbers are left as they were."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _Translator(vocab[0], vocab[1], d_model, heads, 1, 1, d_ff, dropout=0.0, pad_id=pad_id)
+    return model.to(dtype)
+
+
+def _load(model: Transformer, params: dict[str, Tensor]) -> Transformer:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    return model
+
+
+# -- exercise 1: the label-smoothed loss ---------------------------------------------------
+
+def _loss_sizes(seed: int) -> tuple[int, int, int]:
+    """(batch, tgt_len, vocab), pairwise distinct."""
+    if seed == 0:
+        return 3, 5, 11
+    return _distinct(torch.Generator().manual_seed(seed), ((2, 5), (3, 9), (6, 16)))
+
+
+def _pad_id(seed: int, vocab: int) -> int:
+    return 0 if seed % 2 == 0 else vocab - 1
+
+
+def _loss_inputs(seed: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+    """Logits, and targets whose sentences end at different places, padded after."""
+    batch, tgt_len, vocab = _loss_sizes(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    pad_id = _pad_id(seed, vocab)
+    logits = 2 * torch.randn(batch, tgt_len, vocab, generator=g, dtype=dtype)
+    words = torch.tensor([t for t in range(vocab) if t != pad_id])
+    target = words[torch.randint(len(words), (batch, tgt_len), generator=g)]
+    for b, n in enumerate(_lengths(batch, tgt_len, 1, g)):
+        target[b, n:] = pad_id
+    target[-1, tgt_len // 2:] = pad_id  # padding in every batch
+    return logits, target, pad_id
+
+
+def _oracle_loss(logits: Tensor, target: Tensor, pad_id: int, smoothing: float, reduction: str) -> Tensor:
+    """PyTorch's cross-entropy with smoothing, padding ignored; 0 when every target is padding."""
+    if not bool((target != pad_id).any()):
+        return torch.zeros((), dtype=logits.dtype)
+    return F.cross_entropy(rearrange(logits, "batch tgt_len vocab -> (batch tgt_len) vocab"),
+                           rearrange(target, "batch tgt_len -> (batch tgt_len)"),
+                           ignore_index=pad_id, label_smoothing=smoothing, reduction=reduction)
+
+
+def _loss_variant(logits: Tensor, target: Tensor, pad_id: int, smoothing: float, reduction: str, *,
+                  log: bool = True, spread: str = "all", mask_sum: bool = True, count: str = "real") -> Tensor:
+    """The loss written out, with switches for the usual mistakes (to name them)."""
+    vocab = logits.shape[-1]
+    probs = torch.log_softmax(logits, dim=-1) if log else torch.softmax(logits, dim=-1)
+    picked = -probs.gather(-1, target[..., None])[..., 0]
+    if spread == "others":  # smoothing / (vocab - 1) on every token but the target
+        uniform = (-probs.sum(dim=-1) - picked) / (vocab - 1)
+    elif spread == "none":
+        uniform = picked
+    else:
+        uniform = -probs.mean(dim=-1)
+    per_token = (1 - smoothing) * picked + smoothing * uniform
+    real = target != pad_id
+    total = per_token.masked_fill(~real, 0.0).sum() if mask_sum else per_token.sum()
+    if reduction == "sum":
+        return total
+    return total / (real.sum().clamp(min=1) if count == "real" else target.numel())
+
+
+def _diagnose_loss(logits: Tensor, target: Tensor, pad_id: int, smoothing: float, reduction: str,
+                   got: Tensor) -> str:
+    if not bool(torch.isfinite(got)):
+        return ("Your loss is not finite: take log-probabilities with torch.log_softmax (never log of a softmax, nor "
+                "exp then log), and count padded positions for nothing.")
+    other = "sum" if reduction == "mean" else "mean"
+    variants = {
+        "You averaged over padded positions too: divide the sum over real tokens by the number of real (non-padding) "
+        "target tokens, not by batch · tgt_len.": dict(count="all"),
+        "Your sum includes the padded positions: their losses must count for nothing (mask them out before "
+        "summing), as ignore_index does.": dict(mask_sum=False),
+        "Your loss ignores padding altogether: padded positions count neither in the sum nor in the number of "
+        "tokens.": dict(mask_sum=False, count="all"),
+        "You spread the smoothing over the vocab - 1 other tokens. PyTorch's convention (label_smoothing, and this "
+        "exercise's) spreads it over all vocab classes, the target included: 1 - smoothing on the target plus "
+        "smoothing / vocab on every token, so the smoothing term is the mean of -log p over the whole "
+        "vocabulary.": dict(spread="others"),
+        "Your loss ignores the smoothing: each position's loss is (1 - smoothing) · (-log p[target]) + smoothing · "
+        "(the mean of -log p over the vocabulary).": dict(spread="none"),
+        "You used probabilities (softmax) where the loss needs log-probabilities: -log p[target], with "
+        "torch.log_softmax.": dict(log=False),
+    }
+    for hint, mistake in variants.items():
+        if close(got, _loss_variant(logits, target, pad_id, smoothing, reduction, **mistake).to(got.dtype),
+                 got.dtype):
+            return hint
+    if close(got, _oracle_loss(logits, target, pad_id, smoothing, other).to(got.dtype), got.dtype):
+        return (f"Your result for reduction={reduction!r} is what reduction={other!r} should give: 'sum' is the sum "
+                "over real tokens, 'mean' that sum divided by their number.")
+    return ("Each real position's loss is (1 - smoothing) · (-log p[target]) + smoothing · mean over the vocabulary "
+            "of (-log p), with log p = log_softmax(logits); sum it over the positions whose target is not pad_id, "
+            "and for 'mean' divide by their number.")
+
+
+def _expect_scalar(got: Any, what: str, dtype: torch.dtype) -> Tensor:
+    """A 0-dimensional tensor in the logits' dtype, or in float32 (where the log-softmax may be computed)."""
+    if type(got) is not Tensor:
+        raise CheckFailure(f"{what} should be a torch.Tensor (a 0-dimensional one, so that .backward() works), "
+                           f"got {kind(got)}.")
+    if got.dim() != 0:
+        raise CheckFailure(f"{what} should be a single number (a 0-dimensional tensor), got shape {tuple(got.shape)}: "
+                           "reduce over every position.")
+    if got.dtype not in (dtype, torch.float32):
+        raise CheckFailure(f"{what} should have dtype {dtype} like the logits (or float32), got {got.dtype}.")
+    return got
+
+
+@check(forbid=BUILT_IN_LOSS)
+def check_label_smoothed_loss(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Equal to F.cross_entropy(ignore_index=pad_id, label_smoothing=...) for several smoothings, 'mean' and 'sum'."""
+    logits, target, pad_id = _loss_inputs(seed, dtype)
+    batch, tgt_len, vocab = logits.shape
+    for smoothing in (0.0, 0.1, 0.35):
+        for reduction in ("mean", "sum"):
+            what = f"smoothing={smoothing}, reduction={reduction!r}"
+            got = _expect_scalar(call(fn, logits, target, pad_id, smoothing=smoothing, reduction=reduction),
+                                 f"The loss with {what}", dtype)
+            expected = _oracle_loss(logits, target, pad_id, smoothing, reduction)
+            if not close(got, expected.to(got.dtype), got.dtype):
+                real = int((target != pad_id).sum())
+                raise CheckFailure(
+                    f"With {what} (batch={batch}, tgt_len={tgt_len}, vocab={vocab}, pad_id={pad_id}, {real} real "
+                    f"tokens of {target.numel()}), your loss is {got.item():.6g}; F.cross_entropy(..., "
+                    f"ignore_index=pad_id, label_smoothing={smoothing}, reduction={reduction!r}) gives "
+                    f"{expected.item():.6g}. {_diagnose_loss(logits, target, pad_id, smoothing, reduction, got)}"
+                )
+    passed(f"label_smoothed_loss equals F.cross_entropy(ignore_index=pad_id, label_smoothing=...) for smoothing 0, 0.1 "
+           f"and 0.35, reductions 'mean' and 'sum' ({_dtype_name(dtype)})")
+
+
+@check(forbid=BUILT_IN_LOSS)
+def check_label_smoothed_loss_edges(fn: Callable[..., Any], seed: int = 0) -> None:
+    """Large logits do not overflow; an all-padding batch gives 0, not NaN; smoothing outside [0, 1) raises."""
+    logits, target, pad_id = _loss_inputs(seed, torch.float32)
+    plain = _expect_scalar(call(fn, logits, target, pad_id, smoothing=0.1), "The loss", torch.float32)
+    shifted = _expect_scalar(call(fn, logits + 100, target, pad_id, smoothing=0.1), "The loss of logits + 100",
+                             torch.float32)
+    if not bool(torch.isfinite(shifted)):
+        raise CheckFailure(
+            f"With every logit raised by 100 your loss is {shifted.item()}: exp(100 + x) overflows float32. Adding a "
+            "constant to all logits changes no probability: use torch.log_softmax, which subtracts the largest logit "
+            "first, never exp then log."
+        )
+    if not close(shifted, plain, torch.float32, tolerance=1e-4):
+        raise CheckFailure(
+            f"Adding 100 to every logit changes no probability, so it must not change the loss; yours goes from "
+            f"{plain.item():.6g} to {shifted.item():.6g}. Compute log-probabilities with torch.log_softmax."
+        )
+    empty = torch.full_like(target, pad_id)
+    for reduction in ("mean", "sum"):
+        got = _expect_scalar(call(fn, logits, empty, pad_id, smoothing=0.1, reduction=reduction),
+                             f"The loss of an all-padding batch (reduction={reduction!r})", torch.float32)
+        if not bool(torch.isfinite(got)) or got.item() != 0.0:
+            raise CheckFailure(
+                f"When every target is pad_id there is nothing to learn, so the loss (reduction={reduction!r}) must be "
+                f"0; yours is {got.item()}. With no real token, 'mean' divides 0 by 0: divide by the number of real "
+                "tokens clamped to at least 1."
+            )
+    for smoothing in (1.0, -0.1, 1.5):
+        error = call(_error_of, fn, logits, target, pad_id, smoothing=smoothing)
+        if error != "ValueError":
+            raised = "no error" if error is None else f"a {error}"
+            raise CheckFailure(
+                f"label_smoothed_loss(..., smoothing={smoothing}) should raise a ValueError: smoothing is a share of "
+                f"the target's probability, in [0, 1) (at 1 nothing would be left for the right token); it raised "
+                f"{raised}."
+            )
+    passed("label_smoothed_loss: no overflow at logits + 100, 0 for an all-padding batch, ValueError for smoothing "
+           "outside [0, 1)")
+
+
+# -- exercise 2: the learning-rate schedule ------------------------------------------------
+
+def _paper_lr(step: int, d_model: int, warmup: int) -> float:
+    """Section 5.3 of the paper, as written there."""
+    return d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+def _schedules(seed: int) -> list[tuple[int, int]]:
+    """(d_model, warmup) pairs."""
+    if seed == 0:
+        return [(512, 4000), (256, 800), (64, 7)]
+    g = torch.Generator().manual_seed(seed)
+    return [(int(2 ** torch.randint(5, 11, (), generator=g)), int(torch.randint(3, 6000, (), generator=g)))
+            for _ in range(3)]
+
+
+def _diagnose_schedule(lr: dict[int, float], peak: float, warmup: int) -> str:
+    tolerance = 1e-6 * peak
+    rise = (f"during warmup the rate rises in a straight line, step / warmup · peak_lr, from peak_lr / warmup = "
+            f"{peak / warmup:.4g} at step 1 to peak_lr at step warmup, and only then decays")
+    if lr[1] > peak + tolerance:
+        return (f"At step 1 your rate, {lr[1]:.4g}, is above peak_lr: you took the larger of the rise and the decay. "
+                f"Take the smaller, min(step / warmup, sqrt(warmup / step)): {rise}.")
+    if abs(lr[1] - peak) <= tolerance or lr[1] > 2 * peak / warmup + tolerance:
+        return f"Your rate starts near its peak ({lr[1]:.4g} at step 1), with no warmup: {rise}."
+    best = max(lr, key=lambda s: lr[s])
+    if best in (warmup - 1, warmup + 1) or abs(lr.get(warmup - 1, 0.0) - peak) <= tolerance or \
+            abs(lr[warmup + 1] - peak) <= tolerance:
+        at = warmup - 1 if abs(lr.get(warmup - 1, 0.0) - peak) <= tolerance or best == warmup - 1 else warmup + 1
+        return (f"Off by one: your rate peaks at step {at}, not at step warmup = {warmup}. Steps count from 1, and "
+                f"the rate at step warmup is exactly peak_lr: peak_lr · min(step / warmup, sqrt(warmup / step)).")
+    late = 10 * warmup
+    if abs(lr[late] - peak / 10) <= 1e-3 * peak:
+        return (f"After warmup your rate falls as 1 / step: at 10 · warmup it is peak_lr / 10 = {lr[late]:.4g}. The "
+                f"paper's decays as 1 / sqrt(step): peak_lr · sqrt(warmup / step), {peak / math.sqrt(10):.4g} there.")
+    if abs(lr[1] - peak / warmup) > tolerance:
+        return (f"At step 1 the rate is peak_lr / warmup = {peak / warmup:.4g}, the first step of a straight-line "
+                f"rise to peak_lr at step warmup; yours is {lr[1]:.4g}.")
+    return "The rate is peak_lr · min(step / warmup, sqrt(warmup / step)), steps counting from 1."
+
+
+@check
+def check_inverse_sqrt_lr(fn: Callable[..., Any], seed: int = 0) -> None:
+    """The paper's d_model^-0.5 · min(step^-0.5, step · warmup^-1.5) with peak_lr = (d_model · warmup)^-0.5."""
+    g = torch.Generator().manual_seed(seed + 2)
+    for d_model, warmup in _schedules(seed):
+        peak = (d_model * warmup) ** -0.5
+        steps = [1, warmup - 1, warmup, warmup + 1, 10 * warmup, int(torch.randint(2, 20 * warmup, (), generator=g))]
+        lr = {}
+        for step in steps:
+            got = call(fn, step, peak, warmup)
+            if type(got) is not float:
+                raise CheckFailure(f"inverse_sqrt_lr({step}, {peak:.4g}, {warmup}) should return a Python float (the "
+                                   f"optimiser's lr), got {kind(got)}. Use math.sqrt on numbers, not tensors.")
+            lr[step] = got
+        for step in steps:
+            expected = _paper_lr(step, d_model, warmup)
+            if not math.isclose(lr[step], expected, rel_tol=1e-9, abs_tol=1e-15):
+                raise CheckFailure(
+                    f"With warmup={warmup} and peak_lr={peak:.6g} (the paper's (d_model · warmup)^-0.5 for "
+                    f"d_model={d_model}), the rate at step {step} is d_model^-0.5 · min(step^-0.5, step · "
+                    f"warmup^-1.5) = {expected:.6g}; yours is {lr[step]:.6g}. {_diagnose_schedule(lr, peak, warmup)}"
+                )
+    for step, warmup, why in ((0, 10, "steps count from 1"), (-3, 10, "steps count from 1"),
+                              (5, 0, "warmup is at least 1 step")):
+        error = call(_error_of, fn, step, 1e-3, warmup)
+        if error != "ValueError":
+            raised = "no error" if error is None else f"a {error}"
+            raise CheckFailure(f"inverse_sqrt_lr(step={step}, peak_lr=0.001, warmup={warmup}) should raise a "
+                               f"ValueError ({why}); it raised {raised}.")
+    passed("inverse_sqrt_lr equals the paper's d_model^-0.5 · min(step^-0.5, step · warmup^-1.5): the rise, the "
+           "peak at step warmup, the 1/sqrt decay; ValueError for step < 1 and warmup < 1")
+
+
+# -- exercise 3: one training step ----------------------------------------------------------
+
+_STEP_MODEL = dict(d_model=8, heads=2, d_ff=12)
+_FIRST_LR = 0.05  # what the check's optimiser is built with: train_step must replace it
+_NO_CLIP = 1e6
+
+
+def _step_sizes(seed: int) -> tuple[int, int, int, int]:
+    """(batch, src_len, tgt_len, vocab), pairwise distinct; tgt_len counts <s> and </s>."""
+    if seed == 0:
+        return 3, 5, 7, 11
+    return _distinct(torch.Generator().manual_seed(seed), ((2, 4), (3, 8), (4, 9), (10, 14)))
+
+
+def _specials(seed: int, vocab: int) -> tuple[int, int, int]:
+    """(pad_id, bos_id, eos_id)."""
+    return (0, 1, 2) if seed % 2 == 0 else (vocab - 1, 1, 2)
+
+
+def _sentence_batch(seed: int, batch: int, src_len: int, tgt_len: int, vocab: int) -> tuple[Tensor, Tensor]:
+    """Sources (words, then padding) and targets (<s> words </s>, then padding) of different lengths."""
+    pad_id, bos_id, eos_id = _specials(seed, vocab)
+    words = torch.tensor([t for t in range(3, vocab) if t != pad_id])
+    g = torch.Generator().manual_seed(seed + 3)
+    src = words[torch.randint(len(words), (batch, src_len), generator=g)]
+    for b, n in enumerate(_lengths(batch, src_len, 1, g)):
+        src[b, n:] = pad_id
+    tgt = torch.full((batch, tgt_len), pad_id)
+    for b, n in enumerate(_lengths(batch, tgt_len - 2, 1, g)):
+        tgt[b, 0], tgt[b, n + 1] = bos_id, eos_id
+        tgt[b, 1:n + 1] = words[torch.randint(len(words), (n,), generator=g)]
+    return src, tgt
+
+
+def _step_model(seed: int, vocab: int) -> _Translator:
+    return _build((vocab, vocab), _STEP_MODEL["d_model"], _STEP_MODEL["heads"], _STEP_MODEL["d_ff"],
+                  _specials(seed, vocab)[0], seed + 5, torch.float64)
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum, not AdamW: Adam's first update is about lr · sign(gradient), the same whatever the
+    gradients' scale, so clipping would barely show; and for a gradient near 0 it is lr · (rounding noise) / eps,
+    which would fail a loss computed in float64 instead of float32. train_step works with any optimiser."""
+    return torch.optim.SGD(model.parameters(), lr=_FIRST_LR, momentum=0.9)
+
+
+def _gradient_norm(model: nn.Module, src: Tensor, tgt: Tensor, pad_id: int, smoothing: float) -> float:
+    loss = _library_loss(model(src, tgt[:, :-1]), tgt[:, 1:], pad_id, smoothing)
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+    model.zero_grad(set_to_none=True)
+    return norm
+
+
+def _mistaken_step(model: nn.Module, optimizer: torch.optim.Optimizer, src: Tensor, tgt: Tensor, pad_id: int,
+                   lr: float, smoothing: float, clip_norm: float, *, reads: str = "prefix", clip: str = "norm",
+                   set_lr: bool = True, zero: bool = True) -> float:
+    """The library's training step with switches for the usual mistakes (to name them)."""
+    if set_lr:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    decoder_in, expected = {"prefix": (tgt[:, :-1], tgt[:, 1:]), "whole": (tgt, tgt),
+                            "same": (tgt[:, :-1], tgt[:, :-1]), "backwards": (tgt[:, 1:], tgt[:, :-1])}[reads]
+    loss = _library_loss(model(src, decoder_in), expected, pad_id, smoothing)
+    loss.backward()
+    if clip == "norm":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+    elif clip == "value":
+        torch.nn.utils.clip_grad_value_(model.parameters(), clip_norm)
+    optimizer.step()
+    if zero:
+        optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+_WHOLE_TARGET = ("Your decoder read the whole target, including the token it must predict: with the causal mask a "
+                 "position may read itself, so it learns to copy. Teacher forcing feeds tgt[:, :-1] (<s> y_1 ... "
+                 "y_n) to the decoder and trains each position to predict the next token, tgt[:, 1:] (y_1 ... </s>).")
+_STEP_MISTAKES = {
+    "reads": {
+        "whole": _WHOLE_TARGET,
+        "same": _WHOLE_TARGET,
+        "backwards": "You shifted the wrong way: the decoder reads tgt[:, :-1] (starting with <s>) and predicts "
+                     "tgt[:, 1:] (ending with </s>), not the reverse.",
+    },
+    "clip": {
+        "none": "No clipping: the parameters moved as if the gradients had not been clipped. Before the optimiser "
+                "step, scale the gradients so that their global norm is at most clip_norm "
+                "(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)).",
+        "value": "You clipped each gradient entry (clip_grad_value_); the recipe clips the global norm of all the "
+                 "gradients together (clip_grad_norm_), which keeps their direction.",
+    },
+    "set_lr": {
+        False: "lr not set: the optimiser stepped with the learning rate it was built with. Set group['lr'] = lr "
+               "for every group in optimizer.param_groups before optimizer.step().",
+    },
+    "zero": {
+        False: "Gradients accumulate across steps: zero them. backward() adds to .grad, so the second step also "
+               "followed the first batch's gradients: call optimizer.zero_grad() after optimizer.step().",
+    },
+}
+
+
+def _step_twin(seed: int, vocab: int, steps: list[tuple[Tensor, Tensor, float, float, float]],
+               **mistake: Any) -> tuple[list[float], dict[str, Tensor]]:
+    """A fresh twin of the student's model and optimiser, trained by the (mistaken) reference steps."""
+    model = _step_model(seed, vocab)
+    optimizer = _optimizer(model)
+    pad_id = _specials(seed, vocab)[0]
+    if mistake:
+        losses = [_mistaken_step(model, optimizer, src, tgt, pad_id, lr, smoothing, clip_norm, **mistake)
+                  for src, tgt, lr, smoothing, clip_norm in steps]
+    else:  # the oracle: the library's own step
+        losses = [_library_train_step(model, optimizer, src, tgt, pad_id, lr, smoothing, clip_norm)
+                  for src, tgt, lr, smoothing, clip_norm in steps]
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _same_parameters(got: Any, expected: dict[str, Tensor]) -> bool:
+    return type(got) is dict and set(got) == set(expected) and all(
+        type(got[name]) is Tensor and close(got[name], value, torch.float64, tolerance=1e-6)
+        for name, value in expected.items())
+
+
+def _same_losses(got: list[Any], expected: list[float]) -> bool:
+    return all(type(a) is float and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
+               for a, b in zip(got, expected, strict=True))
+
+
+def _run_steps(fn: Callable[..., Any], seed: int, vocab: int,
+               steps: list[tuple[Tensor, Tensor, float, float, float]]) -> tuple[list[Any], Any]:
+    """The student's train_step, once per entry of ``steps``, on one model and optimiser; its losses and weights."""
+    model = _step_model(seed, vocab)
+    optimizer = _optimizer(model)
+    pad_id = _specials(seed, vocab)[0]
+    losses = [call(fn, model, optimizer, src, tgt, pad_id, lr, smoothing=smoothing, clip_norm=clip_norm)
+              for src, tgt, lr, smoothing, clip_norm in steps]
+    return losses, call(_parameters_of, model)
+
+
+def _diagnose_steps(seed: int, vocab: int, steps: list[tuple[Tensor, Tensor, float, float, float]],
+                    losses: list[Any], params: Any, check_losses: bool) -> str:
+    for switch, hints in _STEP_MISTAKES.items():
+        for value, hint in hints.items():
+            their_losses, their_params = _step_twin(seed, vocab, steps, **{switch: value})
+            if _same_losses(losses, their_losses) and (check_losses or _same_parameters(params, their_params)):
+                return hint
+    return ""
+
+
+def _compare_steps(fn: Callable[..., Any], seed: int, vocab: int,
+                   steps: list[tuple[Tensor, Tensor, float, float, float]], what: str) -> None:
+    losses, params = _run_steps(fn, seed, vocab, steps)
+    expected_losses, expected_params = _step_twin(seed, vocab, steps)
+    for loss in losses:
+        if type(loss) is not float:
+            hint = " (a tensor: return loss.item())" if type(loss) is Tensor else ""
+            raise CheckFailure(f"train_step should return the batch's loss as a Python float{hint}, got {kind(loss)}: "
+                               "a float holds no graph, so a training loop can keep a list of them.")
+    for number, (loss, expected) in enumerate(zip(losses, expected_losses, strict=True), start=1):
+        if not math.isclose(loss, expected, rel_tol=1e-6, abs_tol=1e-6):
+            src, tgt, lr, smoothing, clip_norm = steps[number - 1]
+            hint = _diagnose_steps(seed, vocab, steps[:number], losses[:number], params, check_losses=True) or (
+                "The loss is your label_smoothed_loss of model(src, tgt[:, :-1]) against tgt[:, 1:], with pad_id and "
+                "smoothing, computed before the step.")
+            raise CheckFailure(f"{what}: step {number} (smoothing={smoothing}) returned the loss {loss:.6g}; the "
+                               f"recipe's step gives {expected:.6g}. {hint}")
+    if not _same_parameters(params, expected_params):
+        if type(params) is not dict or set(params) != set(expected_params):
+            raise CheckFailure("train_step changed which parameters the model has: it should only update them.")
+        wrong = [name for name, value in expected_params.items()
+                 if not close(params[name], value, torch.float64, tolerance=1e-6)]
+        hint = _diagnose_steps(seed, vocab, steps, losses, params, check_losses=False) or (
+            "After the loss: backward, clip the gradients' global norm to clip_norm, set lr on every parameter group, "
+            "optimizer.step(), then clear the gradients.")
+        raise CheckFailure(f"{what}: your losses are right, but after the step {len(wrong)} of {len(expected_params)} "
+                           f"parameters differ from the recipe's (e.g. {wrong[0]}). {hint}")
+
+
+@check(forbid=BUILT_IN_LOSS)
+def check_train_step(fn: Callable[..., Any], seed: int = 0) -> None:
+    """One step equals the recipe's: teacher forcing, your loss, clipping, lr set; the loss returned as a float."""
+    batch, src_len, tgt_len, vocab = _step_sizes(seed)
+    src, tgt = _sentence_batch(seed, batch, src_len, tgt_len, vocab)
+    pad_id = _specials(seed, vocab)[0]
+    with _one_thread():
+        # Small enough that clipping changes the step: a third of the first gradient's norm.
+        clip_norm = _gradient_norm(_step_model(seed, vocab), src, tgt, pad_id, 0.1) / 3
+        for what, steps in (
+            (f"With smoothing 0.1 and clip_norm={clip_norm:.3g} (a third of the gradient's norm)",
+             [(src, tgt, 2e-3, 0.1, clip_norm)]),
+            ("With smoothing 0 and a clip_norm too large to matter", [(src, tgt, 5e-4, 0.0, _NO_CLIP)]),
+        ):
+            _compare_steps(fn, seed, vocab, steps, what)
+    passed(f"train_step equals the recipe's step (batch={batch}, src_len={src_len}, tgt_len={tgt_len}, vocab={vocab}): "
+           "teacher forcing, label smoothing, padding ignored, gradient clipping, lr set, the loss as a float")
+
+
+@check(forbid=BUILT_IN_LOSS)
+def check_train_steps(fn: Callable[..., Any], seed: int = 0) -> None:
+    """Two steps in a row on one model equal the recipe's: gradients cleared after each step, each step's lr."""
+    batch, src_len, tgt_len, vocab = _step_sizes(seed)
+    first = _sentence_batch(seed, batch, src_len, tgt_len, vocab)
+    second = _sentence_batch(seed + 1000, batch, src_len, tgt_len, vocab)
+    with _one_thread():
+        _compare_steps(fn, seed, vocab, [(*first, 1e-3, 0.0, _NO_CLIP), (*second, 3e-3, 0.0, _NO_CLIP)],
+                       "Two steps in a row (lr 0.001, then 0.003) on one model and optimiser")
+    passed("two train_steps in a row equal the recipe's: the gradients are cleared after each step, each step "
+           "uses its own lr")
+
+
+
+# -- exercise 4: one step of beam search ----------------------------------------------------
+
+def _beam_sizes(seed: int) -> tuple[int, int, int]:
+    """(batch, beam, vocab), pairwise distinct, vocab > 2 · beam (the first step needs 2 · beam real candidates)."""
+    if seed == 0:
+        return 2, 3, 7
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        batch, beam, vocab = _distinct(g, ((2, 4), (2, 4), (5, 12)))
+        if vocab > 2 * beam:
+            return batch, beam, vocab
+
+
+def _brute_force(scores: Tensor, log_probs: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Every (beam, token) candidate of each sentence scored and sorted, best first; the first k."""
+    best, beams, tokens = [], [], []
+    for b in range(scores.shape[0]):
+        candidates = [(scores[b, i] + log_probs[b, i, t], i, t)
+                      for i in range(scores.shape[1]) for t in range(log_probs.shape[2])]
+        candidates.sort(key=lambda c: -float(c[0]))
+        best.append(torch.stack([c[0] for c in candidates[:k]]))
+        beams.append([c[1] for c in candidates[:k]])
+        tokens.append([c[2] for c in candidates[:k]])
+    return torch.stack(best), torch.tensor(beams), torch.tensor(tokens)
+
+
+_PER_BEAM = ("You took the top candidates of each beam separately, so that every beam supplied its share of the "
+             "winners (even a beam scored -inf). All beam · vocab candidates of a sentence compete together: flatten "
+             "(beam vocab), then one topk; a strong beam may supply several winners and a weak one none.")
+
+
+def _beam_variants(scores: Tensor, log_probs: Tensor, k: int) -> list[tuple[str, Tensor, Tensor]]:
+    """(hint, beams, tokens): the winners that the usual mistakes give."""
+    vocab = log_probs.shape[-1]
+    beam = log_probs.shape[1]
+    candidates = rearrange(scores, "batch beam -> batch beam 1") + log_probs
+    flat = rearrange(candidates, "batch beam vocab -> batch (beam vocab)").topk(k, dim=-1).indices
+    unscored = rearrange(log_probs, "batch beam vocab -> batch (beam vocab)").topk(k, dim=-1).indices
+    by_beam = ("You decoded the flat index with % beam and // beam: in the (beam vocab) order, candidate c extends "
+               "beam c // vocab with token c % vocab.")
+    return [
+        ("You ranked the candidates by the new token's log-probability alone: the previous scores were not added. A "
+         "candidate's score is scores[beam] + log_probs[beam, token].", unscored // vocab, unscored % vocab),
+        (by_beam, flat // beam, flat % beam),
+        (by_beam, flat % beam, flat // beam),
+    ]
+
+
+def _pairs(beams: Tensor, tokens: Tensor) -> list[list[tuple[int, int]]]:
+    return [list(zip(b, t, strict=True)) for b, t in zip(beams.tolist(), tokens.tolist(), strict=True)]
+
+
+def _shared_out(beams: Tensor, expected_beams: Tensor, beam: int, k: int) -> bool:
+    """Every beam gave at most its share, ceil(k / beam), of the winners, where the best k come from fewer beams."""
+    share = -(-k // beam)
+    most = [max(row.count(b) for b in range(beam)) for row in beams.tolist()]
+    expected_most = [max(row.count(b) for b in range(beam)) for row in expected_beams.tolist()]
+    return max(most) <= share < max(expected_most)
+
+
+def _beam_cases(seed: int, dtype: torch.dtype) -> list[tuple[str, Tensor, Tensor, int]]:
+    batch, beam, vocab = _beam_sizes(seed)
+    g = torch.Generator().manual_seed(seed + 4)
+
+    def log_probs() -> Tensor:
+        return torch.log_softmax(2 * torch.randn(batch, beam, vocab, generator=g, dtype=dtype), dim=-1)
+
+    first = torch.full((batch, beam), -math.inf, dtype=dtype)
+    first[:, 0] = 0.0
+    scores = -(3 * torch.rand(batch, beam, generator=g, dtype=dtype)).sort(dim=-1).values
+    ahead = torch.full((batch, beam), -6.0, dtype=dtype)
+    ahead[:, 0] = -0.5
+    ahead -= torch.rand(batch, beam, generator=g, dtype=dtype)
+    return [
+        ("the first step (only beam 0 is real, the others score -inf)", first, log_probs(), 2 * beam),
+        ("beams with different scores", scores, log_probs(), beam),
+        ("one beam far ahead of the others", ahead, log_probs(), 2 * beam),
+        ("k = 1", scores, log_probs(), 1),
+        ("k = beam · vocab (every candidate, best first)", scores, log_probs(), beam * vocab),
+    ]
+
+
+@check
+def check_beam_step(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """The k best of all beam · vocab candidates, best first, as sorting them all by hand gives; bad k raises."""
+    batch, beam, vocab = _beam_sizes(seed)
+    for what, scores, log_probs, k in _beam_cases(seed, dtype):
+        result = call(fn, scores, log_probs, k)
+        if type(result) is not tuple or len(result) != 3 or any(type(r) is not Tensor for r in result):
+            raise CheckFailure(f"beam_step should return a tuple of three tensors (scores, beams, tokens), got "
+                               f"{kind(result)}.")
+        best, beams, tokens = result
+        expected_best, expected_beams, expected_tokens = _brute_force(scores, log_probs, k)
+        for name, got in (("scores", best), ("beams", beams), ("tokens", tokens)):
+            if tuple(got.shape) != (batch, k):
+                hint = (" That is one top-k per beam: all beam · vocab candidates of a sentence compete together, so "
+                        "flatten them to (batch, beam · vocab) before topk."
+                        if tuple(got.shape) in ((batch, beam, k), (batch, beam * k)) else "")
+                raise CheckFailure(f"For {what}, the {name} should have shape (batch={batch}, k={k}), got "
+                                   f"{tuple(got.shape)}.{hint}")
+        if best.dtype != dtype:
+            raise CheckFailure(f"The scores should have dtype {dtype} like the inputs, got {best.dtype}.")
+        if beams.dtype != torch.long or tokens.dtype != torch.long:
+            raise CheckFailure(f"The beams and tokens should be torch.long indices (as topk's are), got {beams.dtype} "
+                               f"and {tokens.dtype}.")
+        if torch.equal(beams, expected_beams) and torch.equal(tokens, expected_tokens) and close(
+                best, expected_best, dtype):
+            continue
+        if torch.equal(beams, expected_beams) and torch.equal(tokens, expected_tokens):
+            raise CheckFailure(f"For {what}, you chose the right candidates but returned other scores: each winner's "
+                               "score is scores[beam] + log_probs[beam, token].")
+        hint = next((h for h, b, t in _beam_variants(scores, log_probs, k)
+                     if torch.equal(beams, b) and torch.equal(tokens, t)), None)
+        if hint is None and _shared_out(beams, expected_beams, beam, k):
+            hint = _PER_BEAM
+        if hint is None and sorted(zip(beams.flatten().tolist(), tokens.flatten().tolist(), strict=True)) == sorted(
+                zip(expected_beams.flatten().tolist(), expected_tokens.flatten().tolist(), strict=True)):
+            hint = "You found the right winners but not best first: return them sorted by score, descending."
+        hint = hint or ("Score every candidate, scores[:, :, None] + log_probs, flatten (beam vocab), take the top k, "
+                        "and decode each flat index c as beam c // vocab, token c % vocab.")
+        small = batch * k <= 12
+        shown = (f" Your (beam, token) pairs: {_pairs(beams, tokens)}; expected "
+                 f"{_pairs(expected_beams, expected_tokens)}." if small else "")
+        raise CheckFailure(f"For {what} (batch={batch}, beam={beam}, vocab={vocab}, k={k}), your winners differ from "
+                           f"the best k of all beam · vocab candidates.{shown} {hint}")
+    scores, log_probs = _beam_cases(seed, dtype)[1][1:3]
+    for k in (0, beam * vocab + 1):
+        error = call(_error_of, fn, scores, log_probs, k)
+        if error != "ValueError":
+            raised = "no error" if error is None else f"a {error}"
+            raise CheckFailure(f"beam_step with k={k} should raise a ValueError: k is between 1 and beam · vocab = "
+                               f"{beam * vocab}; it raised {raised}.")
+    passed(f"beam_step keeps the k best of all beam · vocab candidates, best first; -inf beams never win; ValueError "
+           f"for k outside [1, beam · vocab] ({_dtype_name(dtype)})")
+
+
+# -- exercise 5: memorise a batch, then decode it back ------------------------------------------
+
+_GERMAN = ("<pad>", "<s>", "</s>", "ein", "hund", "läuft", "zwei", "kinder", "spielen", "im", "park", "mann", "eine",
+           "frau", "liest", "buch")
+_ENGLISH = ("<pad>", "<s>", "</s>", "a", "dog", "runs", "two", "children", "play", "in", "the", "park", "man",
+            "woman", "reads", "book")
+_PAIRS = (("ein hund läuft", "a dog runs"), ("zwei kinder spielen im park", "two children play in the park"),
+          ("ein mann", "a man"), ("eine frau liest ein buch", "a woman reads a book"))
+_PAD, _BOS, _EOS = 0, 1, 2
+_MEMORISE = dict(steps=150, peak_lr=1e-2, warmup=20)
+_COMPARED_STEPS = 10  # the first losses, compared with the recipe's
+_FINAL_LOSS = 0.05
+
+
+def _memorise_batch(seed: int) -> tuple[list[list[int]], list[list[int]], Tensor, Tensor]:
+    """Four sentence pairs as ids: the pairs above (seed 0) or random words, of different lengths, padded."""
+    if seed == 0:
+        sources = [[_GERMAN.index(w) for w in de.split()] for de, _ in _PAIRS]
+        targets = [[_ENGLISH.index(w) for w in en.split()] for _, en in _PAIRS]
+    else:
+        g = torch.Generator().manual_seed(seed)
+        src_lengths, tgt_lengths = torch.randperm(5, generator=g)[:4] + 2, torch.randperm(5, generator=g)[:4] + 2
+        sources = [torch.randint(3, len(_GERMAN), (int(n),), generator=g).tolist() for n in src_lengths]
+        targets = [torch.randint(3, len(_ENGLISH), (int(n),), generator=g).tolist() for n in tgt_lengths]
+    src = torch.full((4, max(map(len, sources))), _PAD)
+    tgt = torch.full((4, max(map(len, targets)) + 2), _PAD)
+    for b, (s, t) in enumerate(zip(sources, targets, strict=True)):
+        src[b, :len(s)] = torch.tensor(s)
+        tgt[b, :len(t) + 2] = torch.tensor([_BOS, *t, _EOS])
+    return sources, targets, src, tgt
+
+
+def _memorise_model(seed: int) -> _Translator:
+    return _build((len(_GERMAN), len(_ENGLISH)), 32, 2, 64, _PAD, seed + 6, torch.float32)
+
+
+def _recipe_losses(functions: tuple[Callable[..., Any], Callable[..., Any]], model: nn.Module, src: Tensor,
+                   tgt: Tensor, steps: int, peak_lr: float, warmup: int, *, betas: tuple[float, float] = (0.9, 0.98),
+                   schedule: bool = True, smoothing: float = 0.0, adam: bool = False) -> list[float]:
+    """The first ``steps`` losses of the recipe, run with the student's own train_step and inverse_sqrt_lr."""
+    train_step, inverse_sqrt_lr = functions
+    optimizer = (torch.optim.Adam if adam else torch.optim.AdamW)(model.parameters(), betas=betas)
+    return [train_step(model, optimizer, src, tgt, _PAD,
+                       inverse_sqrt_lr(step, peak_lr, warmup) if schedule else peak_lr, smoothing=smoothing)
+            for step in range(1, steps + 1)]
+
+
+_MEMORISE_MISTAKES = {
+    "Your losses are those of a constant learning rate of peak_lr: at step s (1, 2, ...) pass "
+    "lr=inverse_sqrt_lr(s, peak_lr, warmup) to train_step.": dict(schedule=False),
+    "Your losses are those of AdamW's default betas (0.9, 0.999): build it with betas=(0.9, 0.98), the paper's, "
+    "whose second moments adapt faster.": dict(betas=(0.9, 0.999)),
+    "Your losses are those of torch.optim.Adam, which has no weight decay: use AdamW, whose decoupled weight decay "
+    "(0.01 by default) shrinks the weights a little at every step.": dict(adam=True),
+    "Your losses are those of label smoothing 0.1: pass smoothing=0.0 to train_step. With smoothing the best "
+    "loss is not 0, and the model is trained to keep some probability away from the right token.": dict(
+        smoothing=0.1),
+}
+
+
+def _words(ids: list[int], vocabulary: tuple[str, ...]) -> str:
+    return " ".join(vocabulary[i] if 0 <= i < len(vocabulary) else f"<{i}>" for i in ids)
+
+
+@check(forbid=BUILT_IN_LOSS)
+def check_memorise(functions: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]],
+                   seed: int = 0) -> None:
+    """Your memorise, run for 150 steps, learns four sentence pairs by heart: greedy decoding gives every target back.
+
+    ``functions`` is ``(memorise, train_step, inverse_sqrt_lr)``: memorise's first losses are compared with those of
+    the recipe run with your own train_step and inverse_sqrt_lr, so a mistake in those is not counted twice here.
+    """
+    memorise, train_step, inverse_sqrt_lr = functions
+    sources, targets, src, tgt = _memorise_batch(seed)
+    steps, peak_lr, warmup = _MEMORISE["steps"], _MEMORISE["peak_lr"], _MEMORISE["warmup"]
+    with _one_thread():
+        model = _memorise_model(seed)
+        losses = call(memorise, model, src, tgt, _PAD, steps=steps, peak_lr=peak_lr, warmup=warmup)
+        if type(losses) is not list or len(losses) != steps or any(type(x) is not float for x in losses):
+            shown = f"a list of {len(losses)}" if type(losses) is list else kind(losses)
+            raise CheckFailure(f"memorise(..., steps={steps}) should return the list of the {steps} losses that "
+                               f"train_step returned (Python floats), got {shown}.")
+        params = call(_parameters_of, model)
+        names = {name for name, _ in model.named_parameters()}
+        if type(params) is not dict or set(params) != names:
+            raise CheckFailure("memorise changed which parameters the model has: it should only train them.")
+        recipe = call(_recipe_losses, (train_step, inverse_sqrt_lr), _memorise_model(seed), src, tgt,
+                      _COMPARED_STEPS, peak_lr, warmup)
+        if not _same_losses(losses[:_COMPARED_STEPS], recipe):
+            hint = next((h for h, mistake in _MEMORISE_MISTAKES.items()
+                         if _same_losses(losses[:_COMPARED_STEPS],
+                                         call(_recipe_losses, (train_step, inverse_sqrt_lr), _memorise_model(seed),
+                                              src, tgt, _COMPARED_STEPS, peak_lr, warmup, **mistake))), None)
+            raise CheckFailure(
+                f"Your first {_COMPARED_STEPS} losses {[round(x, 4) for x in losses[:_COMPARED_STEPS]]} differ from "
+                f"those of the recipe run with your own train_step and inverse_sqrt_lr "
+                f"{[round(x, 4) for x in recipe]}. "
+                + (hint or "Build torch.optim.AdamW(model.parameters(), betas=(0.9, 0.98)), then for step = 1, ..., "
+                           "steps call train_step(model, optimizer, src, tgt, pad_id, inverse_sqrt_lr(step, peak_lr, "
+                           "warmup), smoothing=0.0) and keep what it returns.")
+            )
+    if not losses[-1] < _FINAL_LOSS:
+        raise CheckFailure(f"After {steps} steps the loss is still {losses[-1]:.4g} (it started at {losses[0]:.4g}); "
+                           f"a model that has learnt these four sentences by heart is under {_FINAL_LOSS}. Your "
+                           "memorise follows the recipe, so look at train_step and inverse_sqrt_lr: does the lr rise "
+                           "to peak_lr and do the parameters move?")
+    decoder = _load(_memorise_model(seed), params)
+    decoded = greedy_search(decoder, src, _BOS, _EOS)
+    if decoded != targets:
+        rows = "\n".join(f"  {_words(s, _GERMAN)}  →  {_words(d, _ENGLISH)}   (expected: {_words(t, _ENGLISH)})"
+                         for s, d, t in zip(sources, decoded, targets, strict=True))
+        raise CheckFailure(
+            f"The loss fell to {losses[-1]:.4g}, yet greedy decoding does not give the targets back:\n{rows}\n"
+            "Your memorise follows the recipe, so look at your train_step. A decoder that read, during training, the "
+            "token it had to predict has learnt to copy its input, which it does not have when it generates: the "
+            "decoder reads tgt[:, :-1] and the loss compares with tgt[:, 1:]. Gradients that are never cleared pile "
+            "up from step to step."
+        )
+    rows = "\n".join(f"    {_words(s, _GERMAN)}  →  {_words(d, _ENGLISH)}"
+                     for s, d in zip(sources, decoded, strict=True))
+    passed(f"memorise: the loss fell from {losses[0]:.3g} to {losses[-1]:.2g} in {steps} steps, and greedy decoding "
+           f"gives every target back:\n{rows}")

@@ -1,0 +1,160 @@
+"""Chapter 11: every setting of a translator run in one dataclass, and the named presets.
+
+The whole configuration is printed when a run starts and saved in every checkpoint, so a
+score can always be traced to the settings that produced it.
+"""
+
+import types
+import typing
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class TranslatorConfig:
+    # --- the task
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    vocab_size: int = 8000  # joint BPE for both languages; 8k suits 29k sentence pairs
+    max_len: int = 128  # positions; longer sentences are cut (and counted): Multi30k's longest has 54 tokens
+    # --- the model (chapter 08's Transformer)
+    d_model: int = 256
+    heads: int = 4
+    layers: int = 3  # encoder layers = decoder layers
+    d_ff: int = 1024
+    kv_heads: int | None = None  # None: multi-head attention; fewer: GQA (chapter 10)
+    dropout: float = 0.2  # a small corpus overfits: more than the paper's 0.1
+    norm_first: bool = True  # pre-norm trains stably with a large learning rate and short warmup
+    activation: str = "relu"
+    # --- the optimisation
+    label_smoothing: float = 0.1
+    peak_lr: float = 1e-3
+    warmup: int = 500  # steps
+    betas: tuple[float, float] = (0.9, 0.98)  # the paper's beta2: faster-adapting second moments
+    weight_decay: float = 1e-4
+    clip_norm: float = 1.0
+    max_tokens: int = 4096  # padded positions per batch (counting max(source, target) per sentence)
+    # --- the budget: whichever comes first (None: no limit of that kind)
+    max_steps: int | None = None
+    max_epochs: int | None = None
+    max_minutes: float | None = 50.0
+    # --- bookkeeping
+    seed: int = 1234
+    checkpoint_every: int = 100  # steps: the last few, close together, are averaged at the end
+    eval_every: int = 500  # steps: validation loss and greedy BLEU on a sample of val
+    eval_sentences: int = 300
+    keep_checkpoints: int = 5  # the last N are kept and averaged at the end
+    # --- speed
+    precision: str = "auto"  # auto: bf16 where the hardware has it (CUDA, or a CPU with AMX/AVX-512 bf16), else fp32
+    compile: bool = False
+    fast: bool = True  # PyTorch's fused attention and LayerNorm inside the course's modules (tested equal)
+    # --- decoding
+    beam: int = 4
+    length_penalty: float = 1.0
+    max_len_a: float = 1.5
+    max_len_b: int = 10
+
+    def __post_init__(self) -> None:
+        if self.src_lang == self.tgt_lang:
+            raise ValueError(f"source and target language are both {self.src_lang!r}")
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
+        if self.precision not in ("auto", "fp32", "bf16", "fp16"):
+            raise ValueError(f"precision must be auto, fp32, bf16 or fp16, got {self.precision!r}")
+        if self.max_steps is None and self.max_epochs is None and self.max_minutes is None:
+            raise ValueError("a run needs a budget: max_steps, max_epochs or max_minutes")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TranslatorConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown settings {unknown}; the settings are {sorted(known)}")
+        values = dict(values)
+        if isinstance(values.get("betas"), list):
+            values["betas"] = tuple(values["betas"])
+        return cls(**values)
+
+    def with_overrides(self, overrides: dict[str, str]) -> "TranslatorConfig":
+        """A copy with settings given as text (``--set warmup=800``), each parsed to its field's type."""
+        kinds = {f.name: f.type for f in fields(self)}
+        parsed = {}
+        for key, text in overrides.items():
+            if key not in kinds:
+                raise ValueError(f"unknown setting {key!r}; the settings are {sorted(kinds)}")
+            parsed[key] = _parse(text, kinds[key], key)
+        return replace(self, **parsed)
+
+
+def _parse(text: str, field_type: object, key: str) -> object:
+    """``text`` as a value of ``field_type`` (``int``, ``float | None``, ``tuple[float, float]``, ...)."""
+    options = typing.get_args(field_type) if typing.get_origin(field_type) is types.UnionType else (field_type,)
+    if text.lower() == "none" and type(None) in options:
+        return None
+    base = next(t for t in options if t is not type(None))
+    try:
+        if base is bool:
+            if text.lower() not in ("true", "false"):
+                raise ValueError
+            return text.lower() == "true"
+        if typing.get_origin(base) is tuple:
+            return tuple(float(x) for x in text.split(","))
+        return base(text)
+    except ValueError as error:
+        raise ValueError(f"{key} must be a {getattr(base, '__name__', base)}, got {text!r}") from error
+
+
+PRESETS: dict[str, TranslatorConfig] = {
+    # Seconds on any CPU: for tests, the book's live run and a first try of the command.
+    "tiny": TranslatorConfig(
+        vocab_size=1000, d_model=64, heads=4, layers=2, d_ff=128, dropout=0.1, warmup=50, peak_lr=2e-3,
+        max_tokens=2048, max_minutes=None, max_steps=200, checkpoint_every=100, eval_every=100,
+        eval_sentences=100, keep_checkpoints=2, precision="fp32", beam=2,
+    ),
+    # A laptop or this course's 2-core machine, 50 minutes.
+    "cpu": TranslatorConfig(),
+    # One GPU: a wider and deeper model, bigger batches, compiled.
+    "gpu": TranslatorConfig(
+        d_model=512, heads=8, layers=6, d_ff=2048, dropout=0.3, peak_lr=7e-4, warmup=1000, max_tokens=16384,
+        max_minutes=20.0, checkpoint_every=500, eval_every=500, compile=True,
+    ),
+}
+
+
+def preset(name: str) -> TranslatorConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; the presets are {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def pick_device() -> torch.device:
+    """``cuda`` when present, then Apple's ``mps``, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype for ``torch.autocast`` (None: plain float32).
+
+    ``auto`` picks bf16 on a CUDA GPU that has it (else fp16, with a gradient scaler) and on a
+    CPU with bf16 matrix units (AMX or AVX-512 bf16; measured ~6× float32's matmul rate on
+    this course's machine), else float32.
+    """
+    if precision == "fp32":
+        return None
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "fp16":
+        return torch.float16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return None

@@ -1,0 +1,421 @@
+"""Chapter 11's translator: the recipe against PyTorch and the definitions, subwords, batches, decoding
+(cached == uncached, beam search == exhaustive search where it can be), training that resumes after a
+kill and that gives the same losses on two processes, scores against sacreBLEU, and the command line.
+
+Training runs use the ``tiny`` preset on the real Multi30k files (``../shared/data/multi30k``).
+"""
+
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from stepformer.transformer import Transformer, generate
+from stepformer.translator.batching import Encoded, collate, encode_pairs, token_batches
+from stepformer.translator.config import preset
+from stepformer.translator.data import load_split
+from stepformer.translator.recipe import beam_step, inverse_sqrt_lr, label_smoothed_loss
+from stepformer.translator.search import beam_search, greedy_search
+from stepformer.translator.tokenizer import SubwordTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "stepformer.translator.cli"]
+
+
+# --- the recipe -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_label_smoothed_loss_equals_pytorch_with_padding_ignored(seed):
+    g = torch.Generator().manual_seed(seed)
+    batch, tgt_len, vocab = (int(x) for x in torch.randint(2, 9, (3,), generator=g))
+    vocab += 3
+    pad_id = int(torch.randint(0, vocab, (1,), generator=g))
+    logits = torch.randn(batch, tgt_len, vocab, generator=g, dtype=torch.float64) * 3
+    target = torch.randint(0, vocab, (batch, tgt_len), generator=g)
+    target[0, -1] = pad_id  # at least one padded position
+    for smoothing in (0.0, 0.1, 0.3):
+        theirs = F.cross_entropy(rearrange(logits, "b t v -> (b t) v"), rearrange(target, "b t -> (b t)"),
+                                 ignore_index=pad_id, label_smoothing=smoothing)
+        ours = label_smoothed_loss(logits, target, pad_id, smoothing)
+        torch.testing.assert_close(ours.double(), theirs, rtol=1e-6, atol=1e-6)
+        real = int((target != pad_id).sum())
+        ours_sum = label_smoothed_loss(logits, target, pad_id, smoothing, "sum")
+        torch.testing.assert_close(ours_sum.double(), theirs * real, rtol=1e-6, atol=1e-6)
+
+
+def test_label_smoothed_loss_ignores_whatever_sits_at_padding():
+    logits = torch.randn(2, 5, 11)
+    target = torch.tensor([[3, 4, 5, 0, 0], [6, 7, 0, 0, 0]])
+    changed = logits.clone()
+    changed[target == 0] = 1e4  # huge logits at padded positions must change nothing
+    assert torch.equal(label_smoothed_loss(logits, target, 0), label_smoothed_loss(changed, target, 0))
+    assert label_smoothed_loss(logits, torch.zeros_like(target), 0).item() == 0.0  # all padding: no tokens, 0
+    with pytest.raises(ValueError, match="smoothing"):
+        label_smoothed_loss(logits, target, 0, 1.0)
+
+
+@pytest.mark.parametrize(("d_model", "warmup"), [(512, 4000), (256, 500), (64, 7)])
+def test_inverse_sqrt_lr_is_the_papers_schedule(d_model, warmup):
+    peak = (d_model * warmup) ** -0.5  # the paper's peak, reached at step == warmup
+    for step in [1, 2, warmup // 2 + 1, warmup, warmup + 1, 3 * warmup, 100 * warmup]:
+        paper = d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+        assert inverse_sqrt_lr(step, peak, warmup) == pytest.approx(paper, rel=1e-12)
+    rates = [inverse_sqrt_lr(s, 1.0, warmup) for s in range(1, 3 * warmup)]
+    assert max(rates) == pytest.approx(1.0) and rates.index(max(rates)) == warmup - 1
+    with pytest.raises(ValueError, match="from 1"):
+        inverse_sqrt_lr(0, 1.0, warmup)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_beam_step_keeps_the_k_best_of_all_extensions(seed):
+    g = torch.Generator().manual_seed(seed)
+    batch, beam, vocab = 3, 4, 7
+    scores = torch.randn(batch, beam, generator=g, dtype=torch.float64)
+    scores[0, 2:] = -torch.inf  # unused slots never win
+    log_probs = torch.log_softmax(torch.randn(batch, beam, vocab, generator=g, dtype=torch.float64), -1)
+    k = 2 * beam
+    best, from_beam, token = beam_step(scores, log_probs, k)
+    for b in range(batch):
+        everything = sorted(((float(scores[b, i] + log_probs[b, i, t]), i, t)
+                             for i in range(beam) for t in range(vocab)), reverse=True)
+        assert [round(s, 9) for s, _, _ in everything[:k]] == [round(float(x), 9) for x in best[b]]
+        for rank in range(k):  # each winner is the pair it says it is
+            i, t = int(from_beam[b, rank]), int(token[b, rank])
+            assert float(scores[b, i] + log_probs[b, i, t]) == pytest.approx(float(best[b, rank]))
+    assert set(from_beam[0].tolist()) <= {0, 1}
+
+
+# --- subwords and batches -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_data):
+    src, tgt = load_split("train", "de", "en", real_data, progress=False)
+    return SubwordTokenizer.train(src + tgt, 8000)
+
+
+def test_subwords_give_back_every_line_of_every_split_exactly(tokenizer, real_data):
+    for split in ("train", "val", "test_2016_flickr"):
+        for src_lang, tgt_lang in (("de", "en"), ("fr", "en")):
+            for lines in load_split(split, src_lang, tgt_lang, real_data, progress=False):
+                decoded = tokenizer.decode(tokenizer.encode(lines))
+                wrong = [(a, b) for a, b in zip(lines, decoded, strict=True) if a != b]
+                assert not wrong, f"{split}: {len(wrong)} lines change, e.g. {wrong[0]}"
+    assert tokenizer.vocab_size == 8000
+    assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (0, 1, 2)
+
+
+def test_tokenizer_is_trained_reproducibly_and_its_fingerprint_tells_vocabularies_apart(tokenizer, real_data):
+    src, tgt = load_split("train", "de", "en", real_data, progress=False)
+    again = SubwordTokenizer.train(src + tgt, 8000)
+    assert again.fingerprint == tokenizer.fingerprint
+    assert SubwordTokenizer.from_json(tokenizer.to_json()).fingerprint == tokenizer.fingerprint
+    assert SubwordTokenizer.train(src[:2000] + tgt[:2000], 1000).fingerprint != tokenizer.fingerprint
+
+
+def test_token_batches_cover_every_pair_once_within_the_budget_and_follow_the_seed(tokenizer, real_data):
+    src, tgt = load_split("val", "de", "en", real_data, progress=False)
+    data = encode_pairs(tokenizer, src, tgt, max_len=20)
+    assert data.truncated == sum(len(s) > 20 for s in tokenizer.encode(src)) + sum(
+        len(t) > 18 for t in tokenizer.encode(tgt))
+    assert data.truncated > 0 and max(len(s) for s in data.src) == 20 and max(len(t) for t in data.tgt) == 18
+    batches = token_batches(data, 700, seed=3, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(len(data)))
+    for b in batches:
+        src_t, tgt_t = collate(data, b, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
+        assert src_t.shape[0] * max(src_t.shape[1], tgt_t.shape[1]) <= 700
+        assert (tgt_t[:, 0] == tokenizer.bos_id).all()
+        for row, i in enumerate(b):  # each target is <s> ... </s> then padding
+            assert tgt_t[row, 1:len(data.tgt[i]) + 2].tolist() == [*data.tgt[i], tokenizer.eos_id]
+    assert token_batches(data, 700, seed=3, epoch=0) == batches
+    assert token_batches(data, 700, seed=3, epoch=1) != batches
+    assert token_batches(data, 700, seed=4, epoch=0) != batches
+    # Length buckets: a batch's sentences have similar lengths, so little of it is padding.
+    padded = sum(len(b) * max(max(len(data.src[i]), len(data.tgt[i]) + 2) for i in b) for b in batches)
+    real = sum(max(len(s), len(t) + 2) for s, t in zip(data.src, data.tgt, strict=True))
+    assert real / padded > 0.9
+    with pytest.raises(ValueError, match="longest"):
+        token_batches(data, 10, seed=0, epoch=0)
+
+
+# --- decoding -------------------------------------------------------------------------------
+
+
+def random_model(seed: int, vocab: int = 13, kv_heads: int | None = None, fast: bool = False) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(vocab, vocab, d_model=16, heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=24,
+                        dropout=0.1, norm_first=seed % 2 == 0, tie_embeddings=True, pad_id=0, kv_heads=kv_heads,
+                        fast=fast).double()
+    # Sharper output distributions than at initialisation, so that hypotheses differ clearly.
+    with torch.no_grad():
+        model.generator.weight.mul_(8)
+    return model.eval()
+
+
+def random_sources(seed: int, vocab: int = 13, batch: int = 5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(3, vocab, (batch, 7), generator=g)
+    for row in range(batch):  # pairwise different lengths, padded with 0
+        src[row, 7 - row:] = 0
+    return src
+
+
+@pytest.mark.parametrize(("seed", "kv_heads", "fast"), [(0, None, False), (1, 2, False), (2, None, True)])
+def test_cached_decoding_gives_the_same_translations_as_recomputing(seed, kv_heads, fast):
+    model, src = random_model(seed, kv_heads=kv_heads, fast=fast), random_sources(seed)
+    for beam in (1, 3):
+        search = greedy_search if beam == 1 else beam_search
+        extra = {} if beam == 1 else {"beam": beam, "length_penalty": 0.6}
+        cached = search(model, src, 1, 2, max_len_a=1.0, max_len_b=4, use_cache=True, **extra)
+        recomputed = search(model, src, 1, 2, max_len_a=1.0, max_len_b=4, use_cache=False, **extra)
+        assert cached == recomputed
+
+
+def test_greedy_search_equals_chapter_08s_generate():
+    model, src = random_model(3), random_sources(3)
+    ours = greedy_search(model, src, 1, 2, max_len_a=0.0, max_len_b=6)
+    tokens, _ = generate(model, src, 6, 1, 2)
+    theirs = [[t for t in row[1:] if t not in (0,)] for row in tokens.tolist()]
+    theirs = [row[:row.index(2)] if 2 in row else row for row in theirs]
+    assert ours == theirs
+
+
+@torch.no_grad()
+def exhaustive_best(model, src_row, eos, max_new, vocab, alpha):
+    """The best finished hypothesis of at most ``max_new`` tokens by score / length^alpha, found by trying all."""
+    src = src_row[None]
+    best = (-math.inf, None)
+    for length in range(1, max_new + 1):
+        for body in itertools.product(range(3, vocab), repeat=length - 1):
+            ended = length < max_new  # at the cap, a hypothesis may end without </s>
+            for last in ([eos] if ended else [eos, *range(3, vocab)]):
+                seq = [*body, last]
+                tgt = torch.tensor([[1, *seq]])
+                log_probs = torch.log_softmax(model(src, tgt[:, :-1]), -1)[0]
+                score = float(sum(log_probs[i, t] for i, t in enumerate(seq)))
+                normalised = score / length**alpha
+                if normalised > best[0]:
+                    best = (normalised, [t for t in seq if t != eos])
+    return best[1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_beam_search_as_wide_as_all_hypotheses_finds_the_exhaustive_best(seed):
+    """A beam as wide as the whole search space keeps every hypothesis: it must find the true best."""
+    vocab, max_new, alpha = 6, 3, 0.7
+    model = random_model(seed + 10, vocab=vocab)
+    with torch.no_grad():
+        model.generator.bias[0] = -1e4  # no padding or <s> output: only the words and </s> compete
+        model.generator.bias[1] = -1e4
+    src = random_sources(seed, vocab=vocab, batch=2)
+    found = beam_search(model, src, 1, 2, beam=(vocab - 2) ** max_new, length_penalty=alpha, max_len_a=0.0,
+                        max_len_b=max_new)
+    for row in range(src.shape[0]):
+        assert found[row] == exhaustive_best(model, src[row][src[row] != 0], 2, max_new, vocab, alpha)
+
+
+# --- training -------------------------------------------------------------------------------
+
+
+def run_cli(*args, check=True, **kwargs):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, env=env, **kwargs)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{args} exited {result.returncode}:\n{result.stderr[-3000:]}")
+    return result
+
+
+TINY = ["--preset", "tiny", "--no-progress", "--set", "eval_every=1000", "--set", "max_tokens=1024"]
+
+
+def weights(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)["model"]
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_to_the_same_weights(tmp_path, real_data):
+    args = [*TINY, "--steps", "30", "--set", "checkpoint_every=5", "--data-dir", str(real_data)]
+    run_cli("train", "--out", str(tmp_path / "whole"), *args)
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([*CLI, "train", "--out", str(killed), *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (killed / "checkpoints" / "step_0000015.pt").exists() and process.poll() is None:
+        assert time.time() < deadline, "the run wrote no checkpoint in two minutes"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (killed / "averaged.pt").exists(), "the run finished before it could be killed"
+    newest = sorted((killed / "checkpoints").glob("step_*.pt"))[-1]
+    assert 15 <= int(newest.stem.split("_")[1]) < 30
+    run_cli("train", "--out", str(killed), *args, "--resume")
+    final_whole = weights(tmp_path / "whole" / "checkpoints" / "step_0000030.pt")
+    final_resumed = weights(killed / "checkpoints" / "step_0000030.pt")
+    for name, value in final_whole.items():
+        torch.testing.assert_close(final_resumed[name], value, rtol=0, atol=1e-6, msg=name)
+    # The log holds each step once, as if the run had never stopped.
+    steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 31))
+    # Without --resume an existing run is not overwritten.
+    refused = run_cli("train", "--out", str(killed), *args, check=False)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_losses_of_one_on_the_same_global_batch(tmp_path, real_data):
+    args = [*TINY, "--steps", "6", "--set", "dropout=0", "--set", "checkpoint_every=1000",
+            "--data-dir", str(real_data)]
+    run_cli("train", "--out", str(tmp_path / "one"), *args)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "stepformer.translator.cli", "train", "--out", str(tmp_path / "two"), *args]
+    result = subprocess.run(torchrun, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def logged(run, key):
+        return [json.loads(line)[key] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    one, two = logged("one", "loss"), logged("two", "loss")
+    assert len(one) == len(two) == 6
+    assert one[-1] < one[0]  # it learns
+    for a, b in zip(one, two, strict=True):
+        assert b == pytest.approx(a, rel=1e-5)
+    # Adam hides a wrong gradient scale (it divides it out): the gradients' norm does not.
+    for a, b in zip(logged("one", "grad_norm"), logged("two", "grad_norm"), strict=True):
+        assert b == pytest.approx(a, rel=1e-5)
+    # Adam magnifies float32 rounding in near-zero gradients, so the weights agree less closely.
+    for name, value in weights(tmp_path / "one" / "averaged.pt").items():
+        torch.testing.assert_close(weights(tmp_path / "two" / "averaged.pt")[name], value, rtol=1e-3, atol=2e-4)
+
+
+@pytest.mark.slow
+def test_train_evaluate_translate_from_the_command_line(tmp_path, real_data):
+    out = tmp_path / "run"
+    run_cli("train", "--out", str(out), *TINY, "--steps", "120", "--set", "eval_every=60",
+            "--set", "eval_sentences=20", "--data-dir", str(real_data))
+    for name in ("config.json", "tokenizer.json", "metrics.jsonl", "curves.png", "averaged.pt"):
+        assert (out / name).is_file(), name
+    evaluations = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+                   if "val_bleu" in line]
+    assert [e["step"] for e in evaluations] == [60, 120]
+    assert evaluations[1]["val_loss"] < evaluations[0]["val_loss"]
+    results = tmp_path / "results.jsonl"
+    hyps = tmp_path / "hyps.txt"
+    printed = run_cli("evaluate", "--checkpoint", str(out / "averaged.pt"), "--split", "val", "--beam", "2",
+                      "--limit", "40", "--results", str(results), "--hypotheses", str(hyps),
+                      "--data-dir", str(real_data))
+    result = json.loads(results.read_text())
+    assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0" in result["bleu_signature"]
+    assert result["bleu_signature"] in printed.stdout and result["chrf_signature"] in printed.stdout
+    # The printed score is sacreBLEU's on the written translations against the raw references.
+    import sacrebleu
+
+    refs = load_split("val", "de", "en", real_data, progress=False)[1][:40]
+    lines = hyps.read_text().splitlines()
+    assert len(lines) == 40 and result["sentences"] == 40
+    assert result["bleu"] == round(sacrebleu.corpus_bleu(lines, [refs]).score, 2)
+    assert result["chrf"] == round(sacrebleu.corpus_chrf(lines, [refs]).score, 2)
+    assert result["averaged"] == ["step_0000100.pt", "step_0000120.pt"]
+    assert result["steps"] == 120 and result["seed"] == 1234 and result["beam"] == 2
+    translated = run_cli("translate", "--checkpoint", str(out / "averaged.pt"), "Ein Hund läuft.", "Zwei Männer.")
+    assert len(translated.stdout.splitlines()) == 2
+    piped = run_cli("translate", "--checkpoint", str(out / "averaged.pt"), input="Ein Hund läuft.\nZwei Männer.\n")
+    assert piped.stdout == translated.stdout
+
+
+def test_command_line_errors_are_one_clear_line(tmp_path):
+    unknown = run_cli("train", "--preset", "huge", "--out", str(tmp_path / "x"), check=False)
+    assert unknown.returncode == 2 and "unknown preset 'huge'" in unknown.stderr and "tiny, cpu, gpu" in unknown.stderr
+    missing_ckpt = run_cli("translate", "--checkpoint", str(tmp_path / "none.pt"), "Hallo", check=False)
+    assert missing_ckpt.returncode == 2 and "no checkpoint at" in missing_ckpt.stderr
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    junk = run_cli("evaluate", "--checkpoint", str(tmp_path / "junk.pt"), check=False)
+    assert junk.returncode == 2 and "not a readable checkpoint" in junk.stderr
+    bad_setting = run_cli("train", "--out", str(tmp_path / "y"), "--set", "warmpu=10", check=False)
+    assert bad_setting.returncode == 2 and "unknown setting 'warmpu'" in bad_setting.stderr
+    same = run_cli("train", "--out", str(tmp_path / "z"), "--src", "en", "--tgt", "en", check=False)
+    assert same.returncode == 2 and "both 'en'" in same.stderr
+    assert "Traceback" not in unknown.stderr + missing_ckpt.stderr + junk.stderr + bad_setting.stderr + same.stderr
+
+
+def test_a_checkpoint_refuses_another_vocabulary(tmp_path, tokenizer):
+    from stepformer.translator.evaluate import Translator
+    from stepformer.translator.train import average_checkpoints, build_model, save_atomically
+
+    config = preset("tiny")
+    small = SubwordTokenizer.train(["ein hund", "a dog", "zwei hunde", "two dogs"] * 50, 300)
+    model = build_model(config.with_overrides({"vocab_size": "300"}), small.vocab_size, small.pad_id)
+    state = {"format": 1, "config": config.with_overrides({"vocab_size": "300"}).to_dict(),
+             "tokenizer": small.to_json(), "fingerprint": small.fingerprint, "model": model.state_dict(),
+             "step": 1, "elapsed_s": 1.0, "commit": "test"}
+    save_atomically(state, tmp_path / "a.pt")
+    with pytest.raises(ValueError, match="another vocabulary"):
+        Translator.load(tmp_path / "a.pt", tokenizer=tokenizer)
+    assert Translator.load(tmp_path / "a.pt", tokenizer=small).tokenizer.fingerprint == small.fingerprint
+    save_atomically({**state, "fingerprint": tokenizer.fingerprint}, tmp_path / "b.pt")
+    with pytest.raises(ValueError, match="different vocabularies"):
+        average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "avg.pt")
+
+
+def test_averaging_is_the_mean_of_the_weights(tmp_path):
+    from stepformer.translator.train import average_checkpoints, save_atomically
+
+    states = []
+    for i in range(3):
+        torch.manual_seed(i)
+        states.append({"format": 1, "fingerprint": "f", "model": {"w": torch.randn(4, 3), "n": torch.tensor(i)},
+                       "step": i, "optimizer": {}, "rng": {}})
+        save_atomically(states[-1], tmp_path / f"step_{i}.pt")
+    out = average_checkpoints([tmp_path / f"step_{i}.pt" for i in range(3)], tmp_path / "avg.pt")
+    averaged = torch.load(out, weights_only=False)
+    torch.testing.assert_close(averaged["model"]["w"], sum(s["model"]["w"] for s in states) / 3)
+    assert averaged["step"] == 2 and "optimizer" not in averaged
+    assert not list(tmp_path.glob(".*.tmp"))  # the atomic write left no temporary file
+
+
+def test_presets_are_named_and_every_setting_is_saved():
+    assert set(("tiny", "cpu", "gpu")) <= set(preset.__globals__["PRESETS"])
+    cpu = preset("cpu")
+    assert cpu.to_dict()["max_minutes"] == 50.0
+    assert type(cpu).from_dict(json.loads(json.dumps(cpu.to_dict()))) == cpu
+    with pytest.raises(ValueError, match="unknown settings"):
+        type(cpu).from_dict({**cpu.to_dict(), "colour": "blue"})
+
+
+def test_collate_pads_with_the_padding_id():
+    data = Encoded([[5, 6, 7], [8]], [[9], [10, 11, 12]])
+    src, tgt = collate(data, [0, 1], pad_id=0, bos_id=1, eos_id=2)
+    assert src.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert tgt.tolist() == [[1, 9, 2, 0, 0], [1, 10, 11, 12, 2]]
+
+
+def readme_row(r: dict) -> str:
+    """The README's results row for one result of ``book/results/translator.json``."""
+    return (f"| {r['preset']} | {r['direction']} | {r['bleu']:.2f} | {r['chrf']:.2f} | "
+            f"{r.get('train_hardware', 'not recorded')} | {r['train_minutes']:.1f} min, {r['steps']:,} steps | "
+            f"{r['seed']} | {r['train_commit']} |")
+
+
+def test_the_readme_quotes_the_results_file():
+    results = json.loads((ROOT / "book" / "results" / "translator.json").read_text(encoding="utf-8"))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    headline = [r for r in results["runs"] if r["split"] == "test_2016_flickr" and r["variant"] == "averaged, beam 4"]
+    assert headline, "the results file has no test score"
+    for r in headline:
+        assert readme_row(r) in readme, f"README.md should have the row\n{readme_row(r)}"
+        assert r["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a") and r["bleu_signature"] in readme
+    measured = {(r["preset"], r["direction"]) for r in headline}
+    for preset_name, direction in [("cpu", "de→en"), ("cpu", "en→de"), ("gpu", "de→en")]:
+        if (preset_name, direction) not in measured:
+            assert f"| {preset_name} | {direction} | not measured yet |" in readme
