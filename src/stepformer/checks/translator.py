@@ -74,7 +74,10 @@ def _library_callables() -> list[tuple[Any, str, Any]]:
     """(module, name, object) of every function and class of the library: what the own-work tripwires replace."""
     found = []
     for module_name in library_modules():
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # as in _core: a module whose packages are missing has nothing to replace
+            continue
         found += [(module, name, value) for name, value in vars(module).items()
                   if callable(value) and getattr(value, "__module__", None) == module_name]
     return found
