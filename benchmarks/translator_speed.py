@@ -69,7 +69,7 @@ def step_fn(model, optimizer, amp, device, config, pad_id):
     return step
 
 
-def tied_torch_model(ours, config, vocab):
+def tied_torch_model(ours, config):
     theirs = TorchModel(ours, config.d_model, config.heads, config.layers, config.d_ff, config.dropout,
                         norm_first=config.norm_first)
     theirs.generator.weight = theirs.tgt_embed.tokens.weight
@@ -103,7 +103,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     ours = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
-    theirs = tied_torch_model(ours, config, tokenizer.vocab_size).to(device)
+    theirs = tied_torch_model(ours, config).to(device)
     counts = {n: sum(p.numel() for p in m.parameters()) for n, m in (("ours", ours), ("torch", theirs))}
     if counts["ours"] != counts["torch"]:
         raise RuntimeError(f"the models differ in size: {counts}")

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from stepformer.transformer import Transformer
-from stepformer.translator.batching import Encoded, collate, encode_pairs, token_batches
+from stepformer.translator.batching import Encoded, encode_pairs
 from stepformer.translator.config import TranslatorConfig, pick_device
 from stepformer.translator.data import load_split
-from stepformer.translator.search import beam_search, greedy_search
+from stepformer.translator.search import translate_encoded
 from stepformer.translator.tokenizer import SubwordTokenizer
 from stepformer.translator.train import build_model, load_checkpoint
 
@@ -56,28 +56,16 @@ class Translator:
         step is bound by the calls, not the arithmetic, so bf16 gains little, and float32 gives the
         same translations with and without the KV-cache (bf16 rounds the two paths differently).
         """
-        from tqdm.auto import tqdm
-
         beam = self.config.beam if beam is None else beam
         length_penalty = self.config.length_penalty if length_penalty is None else length_penalty
         # Targets are unknown: encode the sources twice so that batching sorts by source length.
         data = encode_pairs(self.tokenizer, texts, texts, self.config.max_len)
         data = Encoded(data.src, [[] for _ in texts])
-        out: dict[int, list[int]] = {}
-        batches = token_batches(data, max(max_tokens, max((len(s) for s in data.src), default=1)), 0, 0,
-                                shuffle=False)
-        for indices in tqdm(batches, desc="translating", unit="batch", disable=not progress):
-            src, _ = collate(data, indices, self.tokenizer.pad_id, self.tokenizer.bos_id, self.tokenizer.eos_id)
-            src = src.to(self.device)
-            if beam == 1:
-                ids = greedy_search(self.model, src, self.tokenizer.bos_id, self.tokenizer.eos_id,
-                                    self.config.max_len_a, self.config.max_len_b, self.config.max_len, use_cache)
-            else:
-                ids = beam_search(self.model, src, self.tokenizer.bos_id, self.tokenizer.eos_id, beam,
-                                  length_penalty, self.config.max_len_a, self.config.max_len_b,
-                                  self.config.max_len, use_cache)
-            out.update(zip(indices, ids, strict=True))
-        return self.tokenizer.decode([out[i] for i in range(len(texts))])
+        tok, config = self.tokenizer, self.config
+        ids = translate_encoded(self.model, data, tok.pad_id, tok.bos_id, tok.eos_id,
+                                max(max_tokens, max((len(s) for s in data.src), default=1)), beam, length_penalty,
+                                config.max_len_a, config.max_len_b, config.max_len, use_cache, progress)
+        return tok.decode(ids)
 
 
 def scores(hypotheses: list[str], references: list[str], target_language: str) -> dict:

@@ -17,6 +17,7 @@ from torch import Tensor
 from stepformer.kvcache import LayerCache, new_cache
 from stepformer.masks import causal_mask, padding_mask
 from stepformer.transformer import Transformer
+from stepformer.translator.batching import Encoded, collate, token_batches
 from stepformer.translator.recipe import beam_step
 
 
@@ -193,3 +194,36 @@ def _strip(row: list[int], bos_id: int, eos_id: int, pad_id: int) -> list[int]:
         out.append(t)
     return out
 
+
+def translate_encoded(
+    model: Transformer,
+    data: Encoded,
+    pad_id: int,
+    bos_id: int,
+    eos_id: int,
+    max_tokens: int,
+    beam: int = 1,
+    length_penalty: float = 1.0,
+    max_len_a: float = 1.5,
+    max_len_b: int = 10,
+    max_positions: int = 256,
+    use_cache: bool = True,
+    progress: bool = False,
+) -> list[list[int]]:
+    """The output tokens for every source of ``data``, in its order: batched by length (``max_tokens``
+    positions), greedy for ``beam=1``, else beam search; on the model's device, in the caller's autocast."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    out: dict[int, list[int]] = {}
+    batches = token_batches(data, max_tokens, 0, 0, shuffle=False)
+    for indices in tqdm(batches, desc="translating", unit="batch", disable=not progress):
+        src, _ = collate(data, indices, pad_id, bos_id, eos_id)
+        src = src.to(device)
+        if beam == 1:
+            ids = greedy_search(model, src, bos_id, eos_id, max_len_a, max_len_b, max_positions, use_cache)
+        else:
+            ids = beam_search(model, src, bos_id, eos_id, beam, length_penalty, max_len_a, max_len_b,
+                              max_positions, use_cache)
+        out.update(zip(indices, ids, strict=True))
+    return [out[i] for i in range(len(data))]

@@ -246,14 +246,13 @@ def train(
         jaxtyping.config.update("jaxtyping_disable", True)
         forward = torch.compile(forward, dynamic=True)
 
-    budget = Budget(config)
-    bar = Progress(budget, step, enabled=progress and world.main)
+    bar = Progress(config, step, enabled=progress and world.main)
     metrics = open(out_dir / "metrics.jsonl", "a") if world.main else None  # noqa: SIM115 (closed below)
     started = time.perf_counter()
     recent: list[tuple[float, float]] = []  # (start time, tokens) of the last steps: tokens/s over a moving window
     model.train()
     try:
-        while not budget.done(step, epoch, elapsed_before + time.perf_counter() - started):
+        while not budget_spent(config, step, epoch, elapsed_before + time.perf_counter() - started):
             batches = token_batches(train_data, config.max_tokens, config.seed, epoch)
             for indices in batches[batch_in_epoch:]:
                 mine = indices[world.rank::world.world]
@@ -284,7 +283,7 @@ def train(
                     if world.main:
                         write_checkpoint(out_dir, model, optimizer, config, tokenizer, step, epoch, batch_in_epoch,
                                          elapsed)
-                if budget.done(step, epoch, elapsed):
+                if budget_spent(config, step, epoch, elapsed):
                     break
             else:
                 epoch, batch_in_epoch = epoch + 1, 0
@@ -340,7 +339,7 @@ def validate(model, tokenizer, val: Encoded, val_refs: list[str], config, amp_dt
     """Validation loss on all of val, and greedy BLEU on its first ``eval_sentences`` sentences (a quick signal)."""
     import sacrebleu
 
-    from stepformer.translator.search import greedy_search
+    from stepformer.translator.search import translate_encoded
 
     model.eval()
     loss_sum, tokens = 0.0, 0.0
@@ -352,14 +351,11 @@ def validate(model, tokenizer, val: Encoded, val_refs: list[str], config, amp_dt
         loss_sum += float(label_smoothed_loss(logits, tgt[:, 1:], tokenizer.pad_id, 0.0, "sum"))
         tokens += float((tgt[:, 1:] != tokenizer.pad_id).sum())
     sample = Encoded(val.src[: config.eval_sentences], val.tgt[: config.eval_sentences])
-    hypotheses: dict[int, list[int]] = {}
-    for indices in token_batches(sample, config.max_tokens, 0, 0, shuffle=False):
-        src, _ = collate(sample, indices, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            out = greedy_search(model, src.to(device), tokenizer.bos_id, tokenizer.eos_id, config.max_len_a,
-                                config.max_len_b, config.max_len)
-        hypotheses.update(zip(indices, out, strict=True))
-    texts = tokenizer.decode([hypotheses[i] for i in range(len(sample))])
+    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        ids = translate_encoded(model, sample, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id,
+                                config.max_tokens, 1, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
+                                max_positions=config.max_len)
+    texts = tokenizer.decode(ids)
     bleu = sacrebleu.corpus_bleu(texts, [val_refs[: len(sample)]])
     return {"val_loss": loss_sum / tokens, "val_perplexity": math.exp(loss_sum / tokens), "val_bleu": bleu.score}
 
@@ -421,24 +417,17 @@ def resumed_config(saved: TranslatorConfig, given: TranslatorConfig) -> Translat
     return given
 
 
-class Budget:
+def budget_spent(c: TranslatorConfig, step: int, epoch: int, elapsed: float) -> bool:
     """Whichever of the step, epoch and wall-clock limits comes first ends the run."""
-
-    def __init__(self, config: TranslatorConfig) -> None:
-        self.config = config
-
-    def done(self, step: int, epoch: int, elapsed: float) -> bool:
-        c = self.config
-        return ((c.max_steps is not None and step >= c.max_steps)
-                or (c.max_epochs is not None and epoch >= c.max_epochs)
-                or (c.max_minutes is not None and elapsed >= c.max_minutes * 60))
+    return ((c.max_steps is not None and step >= c.max_steps)
+            or (c.max_epochs is not None and epoch >= c.max_epochs)
+            or (c.max_minutes is not None and elapsed >= c.max_minutes * 60))
 
 
 class Progress:
     """A tqdm bar over the budget: steps when the budget is in steps, else seconds; loss, tokens/s and lr beside it."""
 
-    def __init__(self, budget: Budget, step: int, enabled: bool) -> None:
-        c = budget.config
+    def __init__(self, c: TranslatorConfig, step: int, enabled: bool) -> None:
         self.by_steps = c.max_steps is not None and c.max_minutes is None
         total = c.max_steps if self.by_steps else (c.max_minutes * 60 if c.max_minutes is not None else None)
         unit = "step" if self.by_steps else "s"
