@@ -367,17 +367,31 @@ for i in range(4):
     _alive(kernel)
 
 
+def _iopub_until(client, msg_id: str, done, timeout: float = 60) -> None:
+    """Read the kernel's broadcasts for one request until `done(message)` holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        message = client.get_iopub_msg(timeout=max(deadline - time.monotonic(), 0.1))
+        if message["parent_header"].get("msg_id") == msg_id and done(message):
+            return
+    raise AssertionError(f"no such message from the kernel within {timeout} s")
+
+
 def test_interrupt_reaches_the_kernel(kernel):
     client, manager = kernel.client, kernel.manager
-    msg_id = client.execute("import time\ntime.sleep(30)")
-    time.sleep(1)
+    msg_id = client.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(30)")
+    # Interrupt only once the cell is inside the sleep: on a loaded machine a fixed wait can
+    # land the signal while the kernel is still setting the cell up, which tests something else.
+    _iopub_until(client, msg_id, lambda m: m["msg_type"] == "stream" and "sleeping" in m["content"]["text"])
+    started = time.monotonic()
     manager.interrupt_kernel()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        reply = client.get_shell_msg(timeout=10)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            break
+    reply = client.get_shell_msg(timeout=30)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = client.get_shell_msg(timeout=30)
     assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert time.monotonic() - started < 25, "the cell ran on: the interrupt did not cut the sleep short"
+    # The interrupted cell's last broadcasts (traceback, idle) come before the next cell's.
+    _iopub_until(client, msg_id, lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "idle")
     _alive(kernel)
 
 
