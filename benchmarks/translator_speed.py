@@ -112,7 +112,8 @@ def main() -> None:
               "stepformer.Transformer, torch.compile": compiled}
     steps = {}
     for name, model in models.items():
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=config.betas)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=config.betas,
+                                      fused=device.type in ("cpu", "cuda"))
         forward = torch.compile(model, dynamic=True) if "compile" in name else model
         steps[name] = step_fn(forward, optimizer, amp, device, config, tokenizer.pad_id)
         model.train()
