@@ -31,7 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = [sys.executable, "-m", "stepformer.translator.cli"]
-LENGTH_PENALTIES = (0.6, 0.8, 1.0, 1.2, 1.4)
+LENGTH_PENALTIES = (0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0)
 
 
 def run(args: list[str]) -> str:
