@@ -38,7 +38,7 @@ from stepformer.translator.data import load_split  # noqa: E402
 from stepformer.translator.evaluate import Translator  # noqa: E402
 from stepformer.translator.recipe import label_smoothed_loss  # noqa: E402
 from stepformer.translator.tokenizer import SubwordTokenizer  # noqa: E402
-from stepformer.translator.train import build_model, hardware  # noqa: E402
+from stepformer.translator.train import build_model, hardware, make_optimizer  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype | None, device: torch.device, size: int = 2048, repeats: int = 10) -> float:
@@ -112,8 +112,7 @@ def main() -> None:
               "stepformer.Transformer, torch.compile": compiled}
     steps = {}
     for name, model in models.items():
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=config.betas,
-                                      fused=device.type in ("cpu", "cuda"))
+        optimizer = make_optimizer(model, config, device)
         forward = torch.compile(model, dynamic=True) if "compile" in name else model
         steps[name] = step_fn(forward, optimizer, amp, device, config, tokenizer.pad_id)
         model.train()

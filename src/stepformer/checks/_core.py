@@ -78,6 +78,23 @@ def library_modules() -> list[str]:
                       if not p.stem.startswith("_")]
 
 
+def library_callables() -> list[tuple[Any, str, Any]]:
+    """``(module, name, object)`` of every function and class the reference library defines.
+
+    A module that cannot be imported is skipped: the translator's need their packages (e.g. on
+    Colab without them), and a module that is not there has nothing a student could call.
+    """
+    found = []
+    for module_name in library_modules():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        found += [(module, name, value) for name, value in vars(module).items()
+                  if callable(value) and getattr(value, "__module__", None) == module_name]
+    return found
+
+
 def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call the student's ``fn``; turn whatever it raises into a failure that names the call.
 
@@ -250,15 +267,9 @@ def _find_forbidden(forbid: dict[str, str], kept: list[Any]) -> dict[int, str]:
                 for overload in value.overloads():
                     kept.append(getattr(value, overload))
                     found.setdefault(id(kept[-1]), f"{dotted} ({label})")
-    for module_name in library_modules():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # e.g. the translator without its packages (Colab): nothing there to call
-            continue
-        for name, value in vars(module).items():
-            if callable(value) and getattr(value, "__module__", None) == module_name:
-                kept.append(value)
-                found[id(value)] = f"{module_name}.{name} (the course's reference library)"
+    for module, name, value in library_callables():
+        kept.append(value)
+        found[id(value)] = f"{module.__name__}.{name} (the course's reference library)"
     return found
 
 
@@ -371,14 +382,8 @@ def _tripwires(tripped: list[str], forbid: dict[str, str]) -> Iterator[None]:
     # dispatcher watch below sees those operators run, however they were reached.
     targets = [(dotted, f"{dotted} ({label})") for dotted, label in _with_equivalents(forbid).items()
                if not dotted.startswith("torch.ops.")]
-    for module_name in library_modules():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        targets += [(f"{module_name}.{name}", f"{module_name}.{name} (the course's reference library)")
-                    for name, value in vars(module).items()
-                    if callable(value) and getattr(value, "__module__", None) == module_name]
+    targets += [(f"{module.__name__}.{name}", f"{module.__name__}.{name} (the course's reference library)")
+                for module, name, _ in library_callables()]
     for dotted, label in targets:
         with contextlib.suppress(ImportError, AttributeError, TypeError):
             owner, attr = _resolve(dotted)

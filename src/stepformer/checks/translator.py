@@ -11,7 +11,6 @@ builds them). Every touch of the student's code goes through :func:`call`.
 """
 
 import contextlib
-import importlib
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, kind, library_modules, passed
+from stepformer.checks._core import CheckFailure, call, check, close, kind, library_callables, passed
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import parameters_of as _parameters_of
 from stepformer.transformer import Transformer
@@ -70,20 +69,7 @@ def _one_thread() -> Iterator[None]:
 
 # -- the models the student trains -----------------------------------------------------------
 
-def _library_callables() -> list[tuple[Any, str, Any]]:
-    """(module, name, object) of every function and class of the library: what the own-work tripwires replace."""
-    found = []
-    for module_name in library_modules():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # as in _core: a module whose packages are missing has nothing to replace
-            continue
-        found += [(module, name, value) for name, value in vars(module).items()
-                  if callable(value) and getattr(value, "__module__", None) == module_name]
-    return found
-
-
-_LIBRARY = _library_callables()  # taken at import, before any check has set its tripwires
+_LIBRARY = library_callables()  # taken at import, before any check has set its tripwires
 
 
 @contextlib.contextmanager

@@ -62,9 +62,8 @@ class Translator:
         data = encode_pairs(self.tokenizer, texts, texts, self.config.max_len)
         data = Encoded(data.src, [[] for _ in texts])
         tok, config = self.tokenizer, self.config
-        ids = translate_encoded(self.model, data, tok.pad_id, tok.bos_id, tok.eos_id,
-                                max(max_tokens, max((len(s) for s in data.src), default=1)), beam, length_penalty,
-                                config.max_len_a, config.max_len_b, config.max_len, use_cache, progress)
+        ids = translate_encoded(self.model, data, tok.pad_id, tok.bos_id, tok.eos_id, max_tokens, beam,
+                                length_penalty, config.max_len_a, config.max_len_b, config.max_len, use_cache, progress)
         return tok.decode(ids)
 
 

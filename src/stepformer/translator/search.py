@@ -211,12 +211,14 @@ def translate_encoded(
     progress: bool = False,
 ) -> list[list[int]]:
     """The output tokens for every source of ``data``, in its order: batched by length (``max_tokens``
-    positions), greedy for ``beam=1``, else beam search; on the model's device, in the caller's autocast."""
+    positions, or the longest source alone if that is longer), greedy for ``beam=1``, else beam search;
+    on the model's device, in the caller's autocast."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     out: dict[int, list[int]] = {}
-    batches = token_batches(data, max_tokens, 0, 0, shuffle=False)
+    longest = max((len(s) for s in data.src), default=1)
+    batches = token_batches(data, max(max_tokens, longest), 0, 0, shuffle=False)
     for indices in tqdm(batches, desc="translating", unit="batch", disable=not progress):
         src, _ = collate(data, indices, pad_id, bos_id, eos_id)
         src = src.to(device)

@@ -50,6 +50,13 @@ def build_model(config: TranslatorConfig, vocab_size: int, pad_id: int) -> Trans
     )
 
 
+def make_optimizer(model: torch.nn.Module, config: TranslatorConfig, device: torch.device) -> torch.optim.AdamW:
+    """The trainer's AdamW (the learning rate is set before every step by the schedule)."""
+    # The fused update is one kernel over all parameters instead of several per tensor (CPU and CUDA).
+    return torch.optim.AdamW(model.parameters(), lr=config.peak_lr, betas=config.betas, eps=1e-9,
+                             weight_decay=config.weight_decay, fused=device.type in ("cpu", "cuda"))
+
+
 def commit() -> str:
     """The course's git commit (``unknown`` outside a checkout), recorded with every result."""
     folder = Path(__file__).resolve().parent
@@ -214,9 +221,7 @@ def train(
         (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
 
     model = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
-    # The fused update is one kernel over all parameters instead of several per tensor (CPU and CUDA).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.peak_lr, betas=config.betas, eps=1e-9,
-                                  weight_decay=config.weight_decay, fused=device.type in ("cpu", "cuda"))
+    optimizer = make_optimizer(model, config, device)
     amp_dtype = autocast_dtype(config.precision, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
     step, epoch, batch_in_epoch, elapsed_before = 0, 0, 0, 0.0
