@@ -27,6 +27,7 @@ from stepformer.translator.data import load_split
 from stepformer.translator.recipe import beam_step, inverse_sqrt_lr, label_smoothed_loss
 from stepformer.translator.search import beam_search, greedy_search
 from stepformer.translator.tokenizer import SubwordTokenizer
+from stepformer.translator.train import budget_fraction, scheduled_lr
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "stepformer.translator.cli"]
@@ -75,6 +76,24 @@ def test_inverse_sqrt_lr_is_the_papers_schedule(d_model, warmup):
     assert max(rates) == pytest.approx(1.0) and rates.index(max(rates)) == warmup - 1
     with pytest.raises(ValueError, match="from 1"):
         inverse_sqrt_lr(0, 1.0, warmup)
+
+
+def test_the_cooldown_takes_the_rate_linearly_to_zero_over_the_budgets_last_part():
+    config = preset("tiny").with_overrides({"max_steps": "1000", "warmup": "100", "cooldown": "0.2"})
+    rates = [scheduled_lr(config, s, budget_fraction(config, s - 1, 0.0, 0.0)) for s in range(1, 1001)]
+    # Before the last fifth it is the paper's schedule, untouched.
+    assert rates[:800] == [inverse_sqrt_lr(s, config.peak_lr, config.warmup) for s in range(1, 801)]
+    # Then the paper's rate times (budget left) / (cooldown): halfway through the cooldown, half of it.
+    assert rates[899] == pytest.approx(0.5 * inverse_sqrt_lr(900, config.peak_lr, config.warmup), rel=0.01)
+    assert all(b < a for a, b in itertools.pairwise(rates[800:])) and 0 < rates[-1] < rates[0]
+    # The limit that ends first sets the fraction: 45 of 50 minutes is 90 % even at step 10 of 1000.
+    timed = config.with_overrides({"max_minutes": "50"})
+    assert budget_fraction(timed, 10, 0.0, 45 * 60) == pytest.approx(0.9)
+    assert budget_fraction(config.with_overrides({"max_epochs": "4"}), 10, 3.0, 0.0) == pytest.approx(0.75)
+    off = config.with_overrides({"cooldown": "0"})
+    assert scheduled_lr(off, 990, 0.99) == inverse_sqrt_lr(990, off.peak_lr, off.warmup)
+    with pytest.raises(ValueError, match="cooldown"):
+        config.with_overrides({"cooldown": "1.5"})
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -309,6 +328,11 @@ def test_train_evaluate_translate_from_the_command_line(tmp_path, real_data):
     evaluations = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
                    if "val_bleu" in line]
     assert [e["step"] for e in evaluations] == [60, 120]
+    # The rate each step used is the schedule's, cooldown included.
+    config = preset("tiny").with_overrides({"max_steps": "120"})
+    logged_rates = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()
+                    if '"loss"' in line]
+    assert logged_rates == pytest.approx([scheduled_lr(config, s, (s - 1) / 120) for s in range(1, 121)], rel=1e-12)
     assert evaluations[1]["val_loss"] < evaluations[0]["val_loss"]
     results = tmp_path / "results.jsonl"
     hyps = tmp_path / "hyps.txt"

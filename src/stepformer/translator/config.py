@@ -31,6 +31,7 @@ class TranslatorConfig:
     label_smoothing: float = 0.1
     peak_lr: float = 1e-3
     warmup: int = 500  # steps
+    cooldown: float = 0.2  # the last fifth of the budget scales the rate down linearly to 0 (0: no cooldown)
     betas: tuple[float, float] = (0.9, 0.98)  # the paper's beta2: faster-adapting second moments
     weight_decay: float = 1e-4
     clip_norm: float = 1.0
@@ -56,6 +57,8 @@ class TranslatorConfig:
     max_len_b: int = 10
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.cooldown <= 1.0:
+            raise ValueError(f"cooldown is a fraction of the budget, from 0 to 1; got {self.cooldown}")
         if self.src_lang == self.tgt_lang:
             raise ValueError(f"source and target language are both {self.src_lang!r}")
         if self.d_model % self.heads:

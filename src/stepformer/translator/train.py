@@ -87,6 +87,7 @@ def hardware(device: torch.device) -> str:
 class Distributed:
     rank: int = 0
     world: int = 1
+    device: torch.device = torch.device("cpu")  # NCCL reduces CUDA tensors only
 
     @property
     def main(self) -> bool:
@@ -96,9 +97,13 @@ class Distributed:
         """Sums over the processes (the values themselves with one process)."""
         if self.world == 1:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.tolist()
+
+    def mean(self, value: float) -> float:
+        """The mean over the processes (the value itself with one process)."""
+        return self.all_sum(value)[0] / self.world
 
 
 def _init_distributed(device: torch.device) -> Distributed:
@@ -107,7 +112,9 @@ def _init_distributed(device: torch.device) -> Distributed:
         return Distributed()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Distributed(dist.get_rank(), dist.get_world_size())
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return Distributed(dist.get_rank(), dist.get_world_size(), device)
 
 
 def checkpoint_paths(out_dir: Path) -> list[Path]:
@@ -263,13 +270,17 @@ def train(
             for indices in batches[batch_in_epoch:]:
                 mine = indices[world.rank::world.world]
                 step_started = time.perf_counter()
+                spent = budget_fraction(config, step, epoch + batch_in_epoch / len(batches),
+                                        world.mean(elapsed_before + step_started - started))
+                lr = scheduled_lr(config, step + 1, spent)
                 loss_sum, n_tokens, grad_norm = train_step(forward, model, optimizer, scaler, train_data, mine,
-                                                           tokenizer, config, step + 1, amp_dtype, device, world)
+                                                           tokenizer, config, lr, amp_dtype, device, world)
                 step += 1
                 batch_in_epoch += 1
                 now = time.perf_counter()
                 recent = [*recent[-49:], (step_started, n_tokens)]
-                elapsed = elapsed_before + now - started
+                # Every process must see the same clock, or they would stop at different steps.
+                elapsed = world.mean(elapsed_before + now - started)
                 rate = sum(t for _, t in recent) / max(now - recent[0][0], 1e-9)
                 record = {"step": step, "epoch": epoch + 1, "loss": loss_sum / n_tokens,
                           "lr": optimizer.param_groups[0]["lr"], "tokens": int(n_tokens), "grad_norm": grad_norm,
@@ -312,13 +323,12 @@ def train(
     return averaged
 
 
-def train_step(forward, model, optimizer, scaler, data: Encoded, indices: list[int], tokenizer, config, step: int,
+def train_step(forward, model, optimizer, scaler, data: Encoded, indices: list[int], tokenizer, config, lr: float,
                amp_dtype, device, world: Distributed) -> tuple[float, float]:
-    """One optimiser step on this process's share of a global batch.
+    """One optimiser step at learning rate ``lr`` on this process's share of a global batch.
 
     Returns the whole batch's summed loss and target tokens, and the gradients' norm before clipping.
     """
-    lr = inverse_sqrt_lr(step, config.peak_lr, config.warmup)
     for group in optimizer.param_groups:
         group["lr"] = lr
     src, tgt = collate(data, indices, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
@@ -421,6 +431,32 @@ def resumed_config(saved: TranslatorConfig, given: TranslatorConfig) -> Translat
     if differences:
         raise ValueError("resuming with other settings than the saved run's: " + "; ".join(differences))
     return given
+
+
+def budget_fraction(c: TranslatorConfig, step: int, epochs: float, elapsed: float) -> float:
+    """How much of the budget is spent, from 0 to 1: the largest fraction of the step, epoch and wall-clock limits."""
+    spent = [0.0]
+    if c.max_steps is not None:
+        spent.append(step / c.max_steps)
+    if c.max_epochs is not None:
+        spent.append(epochs / c.max_epochs)
+    if c.max_minutes is not None:
+        spent.append(elapsed / (c.max_minutes * 60))
+    return min(max(spent), 1.0)
+
+
+def scheduled_lr(c: TranslatorConfig, step: int, spent: float) -> float:
+    """The paper's warmup and inverse square-root decay, times a linear cooldown to 0 over the budget's last part.
+
+    A run with a budget knows where it ends, and a rate that is still high at the last step leaves the weights
+    noisy; cooling down over the last ``c.cooldown`` of the budget (steps, epochs or minutes, whichever ends
+    first) removes that noise, as a cosine schedule would, without changing the rest of the run. ``spent`` is
+    :func:`budget_fraction` before this step; with no budget at all there is no cooldown.
+    """
+    lr = inverse_sqrt_lr(step, c.peak_lr, c.warmup)
+    if c.cooldown > 0:
+        lr *= min(1.0, (1.0 - spent) / c.cooldown)
+    return lr
 
 
 def budget_spent(c: TranslatorConfig, step: int, epoch: int, elapsed: float) -> bool:
