@@ -3,7 +3,8 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-ASSIGNMENT ?= 01_attention
+# `make grade`: the assignment; left empty, it is inferred when every submitted notebook is one assignment's.
+ASSIGNMENT ?=
 SUBMISSIONS ?=
 OUT ?= grades
 # Extra options for `make grade`, e.g. GRADE_FLAGS="--workers 8 --roster roster.csv"
@@ -16,7 +17,7 @@ RUN ?= runs/$(PRESET)-de-en
 DATA_FLAG := $(if $(DATA_DIR),--data-dir $(DATA_DIR),)
 
 .DEFAULT_GOAL := help
-.PHONY: help install book lab test lint release sync grade translator clean
+.PHONY: help install book lab test lint release sync grade export new-assignment translator clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -50,13 +51,21 @@ sync: $(STAMP) ## copy library functions into the solution cells, then regenerat
 release: $(STAMP) ## regenerate exercises/ from solutions/ with nbgrader
 	$(BIN)/stepformer-course release
 
+export: $(STAMP) ## every student x assignment: make export FORMAT=csv|canvas|moodle [ROSTER=roster.csv]
+	$(BIN)/stepformer-course export --format $(or $(FORMAT),csv) --out "$(OUT)/course-$(or $(FORMAT),csv).csv" $(if $(ROSTER),--roster "$(ROSTER)",)
+
+new-assignment: $(STAMP) ## start an assignment of your own: make new-assignment NAME=12_tokenizers
+	@test -n "$(NAME)" || { echo "usage: make new-assignment NAME=<two digits>_<topic>"; exit 2; }
+	$(BIN)/stepformer-course new-assignment "$(NAME)"
+
 grade: $(STAMP) ## grade SUBMISSIONS (a folder or a .zip) for ASSIGNMENT into OUT
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=<folder or zip> [ASSIGNMENT=01_attention] [OUT=grades] [GRADE_FLAGS=...]"; exit 2; }
-	$(BIN)/stepformer-course grade "$(SUBMISSIONS)" --assignment $(ASSIGNMENT) --out "$(OUT)" $(GRADE_FLAGS)
+	$(BIN)/stepformer-course grade "$(SUBMISSIONS)" $(if $(ASSIGNMENT),--assignment $(ASSIGNMENT),) --out "$(OUT)" $(GRADE_FLAGS)
 
 translator: $(STAMP) ## train the translator (PRESET=cpu: ~50 min on a CPU), then print its test scores
 	$(BIN)/stepformer-translate train --preset $(PRESET) --out $(RUN) $(DATA_FLAG) $(if $(wildcard $(RUN)/checkpoints),--resume,)
 	$(BIN)/stepformer-translate evaluate --checkpoint $(RUN)/averaged.pt --split test_2016_flickr $(DATA_FLAG)
 
-clean: ## remove the built site and grading work folders (keeps .venv)
-	rm -rf _build autograder/work
+clean: ## remove the built site (keeps .venv and the grading folders, whose gradebooks hold manual grades)
+	rm -rf _build
+	@test ! -d autograder/work || echo "kept autograder/work (gradebooks, manual grades): delete it yourself when the term is over"

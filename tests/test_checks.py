@@ -84,6 +84,42 @@ def float32_always(q, k, v, mask=None):
     return attention(q.float(), k.float(), v.float(), mask)
 
 
+def _scores(q, k):
+    return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+
+
+def masks_after_softmax(q, k, v, mask=None):
+    weights = torch.softmax(_scores(q, k), dim=-1)
+    if mask is not None:
+        weights = weights * mask  # the scores were right; the weights no longer sum to 1
+    return weights @ v, weights
+
+
+def fills_with_zero(q, k, v, mask=None):
+    scores = _scores(q, k)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, 0.0)
+    weights = torch.softmax(scores, dim=-1)
+    return weights @ v, weights
+
+
+def adds_the_mask(q, k, v, mask=None):
+    scores = _scores(q, k)
+    if mask is not None:
+        scores = scores + mask.to(scores.dtype)
+    weights = torch.softmax(scores, dim=-1)
+    return weights @ v, weights
+
+
+def masked_softmax_over_queries(q, k, v, mask=None):
+    return attention(q, k, v, mask, softmax_dim=-2 if mask is not None else -1)
+
+
+def off_by_a_little(q, k, v, mask=None):
+    output, weights = attention(q, k, v, mask)
+    return output + 0.01 * (mask is not None), weights
+
+
 class AlwaysEqual(torch.Tensor):
     def __eq__(self, other):
         return True
@@ -126,6 +162,13 @@ def test_attention_checks_fail_on_the_stub(check):
         (check_attention_values, naive_exp, "NaN"),
         (check_attention_values, weights_before_normalising, "weights you return"),
         (check_attention_mask, inverted_mask, "mask is inverted"),
+        (check_attention_mask, masks_after_softmax, "masked after the softmax"),
+        (check_attention_mask, fills_with_zero, "filled the masked scores with 0"),
+        (check_attention_mask, adds_the_mask, "added the mask to the scores as numbers"),
+        (check_attention_mask, masked_softmax_over_queries, "softmax over the query axis"),
+        # The last resort says where and on which sizes, never a guess that the scores are wrong.
+        (check_attention_mask, off_by_a_little,
+         r"largest difference 0\.01 at index \[.*\] on sizes batch=2, heads=3, q_len=5, k_len=7, d_k=4, d_v=6"),
         (check_attention_mask, nan_on_blind_rows, "all masked gives NaN"),
         (check_attention_shapes, swapped_results, "output should have shape"),
         (check_attention_shapes, float32_always, "dtype"),

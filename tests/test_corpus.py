@@ -129,22 +129,23 @@ def test_killed_run_resumes_and_parallel_matches_sequential(tmp_path):
     cases = [*ATTENTION, *(c for c in CORPUS if c.name in ("softmax_over_queries", "untouched", "os_exit"))]
     subs = write_submissions(cases, ASSIGNMENT, NOTEBOOK, ROOT / "exercises", tmp_path / "submissions")
     work = tmp_path / "sequential"
+    done_folder = work / ".stepformer-grader" / ASSIGNMENT / "done"  # the grader's record of who is finished
     command = [sys.executable, "-m", "stepformer.course.cli", "grade", str(subs), "--assignment", ASSIGNMENT,
                "--out", str(tmp_path / "out1"), "--workdir", str(work), "--workers", "1"]
     run = subprocess.Popen(command, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    while len(list((work / "done").glob("*.json"))) < 2 and time.monotonic() < deadline and run.poll() is None:
+    while len(list(done_folder.glob("*.json"))) < 2 and time.monotonic() < deadline and run.poll() is None:
         time.sleep(0.2)
     os.killpg(run.pid, signal.SIGKILL)  # the grader, its worker and the kernel, mid-way
     run.wait()
-    finished = {p.name: p.stat().st_mtime_ns for p in (work / "done").glob("*.json")}
+    finished = {p.name: p.stat().st_mtime_ns for p in done_folder.glob("*.json")}
     assert 2 <= len(finished) < len(cases), "the kill should land half-way"
-    failed = [p.read_text() for p in (work / "done").glob("*.json") if json.loads(p.read_text())["status"] != "graded"]
+    failed = [p.read_text() for p in done_folder.glob("*.json") if json.loads(p.read_text())["status"] != "graded"]
     assert not failed, f"grading failed before the kill: {failed}"
 
     resumed = grade(ROOT, subs, ASSIGNMENT, tmp_path / "out1", work, workers=1, progress=False)
-    assert {p.name: p.stat().st_mtime_ns for p in (work / "done").glob("*.json") if p.name in finished} == finished
+    assert {p.name: p.stat().st_mtime_ns for p in done_folder.glob("*.json") if p.name in finished} == finished
     assert {r.student: r.score for r in resumed} == {c.name: c.points for c in cases}, \
         {r.student: r.detail for r in resumed if r.detail}
 
@@ -153,4 +154,4 @@ def test_killed_run_resumes_and_parallel_matches_sequential(tmp_path):
     assert _gradebook(work) == _gradebook(tmp_path / "parallel")
     rows = lambda out: list(csv.reader((out / "grades.csv").open()))  # noqa: E731
     assert rows(tmp_path / "out1") == rows(tmp_path / "out2")
-    assert all(json.loads(p.read_text())["status"] == "graded" for p in (work / "done").glob("*.json"))
+    assert all(json.loads(p.read_text())["status"] == "graded" for p in done_folder.glob("*.json"))

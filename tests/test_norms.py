@@ -326,8 +326,14 @@ def test_layer_norm_checks_name_the_mistake(check, kwargs, mistake, message):
 def test_layer_norm_checks_name_the_subtler_mistakes():
     with pytest.raises(CheckFailure, match="large mean"):
         check_layer_norm_values(layer_norm(cancel=True))
-    with pytest.raises(CheckFailure, match="gradient with respect to x"):
+    with pytest.raises(CheckFailure, match=r"gradient with respect to x is not \(largest difference"):
         check_layer_norm_gradients(layer_norm(detach=True))
+    # A wrong output is never called right by the gradient check: it says the output differs, and where.
+    for wrong in (layer_norm(unbiased=True), layer_norm(eps_outside=True), layer_norm(centre=False)):
+        with pytest.raises(CheckFailure, match=r"output differs from torch.nn.LayerNorm's in float64 \(largest "
+                                               r"difference .* on sizes batch=2, seq=5, d_model=12\)") as failure:
+            check_layer_norm_gradients(wrong)
+        assert "output is right" not in str(failure.value)
     with pytest.raises(CheckFailure, match="parameters \\['bias', 'weight'\\]"):
         check_layer_norm_parameters(layer_norm(names=("gamma", "beta")))
     with pytest.raises(CheckFailure, match="should start as ones"):

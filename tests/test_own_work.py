@@ -6,6 +6,7 @@ guard (``_core.call``) fails a check whose student function reaches a forbidden 
 """
 
 import functools
+import re
 from pathlib import Path
 
 import nbformat
@@ -103,6 +104,20 @@ HONEST_SCRATCH = {
     "gc_collect": "import gc\ngc.collect()\ntorch.cuda.empty_cache()",
     "ipython_magics": "%timeit scaled_dot_product_attention(*[torch.randn(2, 3)] * 3)\n!echo done\n%matplotlib inline",
     "eval_mode_and_compile": "model = nn.Linear(2, 2).eval()\nfast = torch.compile(model)\nmodel.train(False)",
+    "eval_of_a_literal": "print(eval('2*3'))\nexec('x = 1\\nprint(x)')\ncode = compile('1 + 1', '<s>', 'eval')",
+    "importlib_reload": "import importlib\nimport my_helpers\nimportlib.reload(my_helpers)\n"
+                        "from importlib import reload\nreload(my_helpers)",
+    "gc_memory": "import gc\nprint(sum(torch.is_tensor(o) for o in gc.get_objects()), gc.get_count())\ngc.collect()",
+    "inspect_reading": "import inspect\nprint(inspect.getsource(scaled_dot_product_attention))\n"
+                       "print(inspect.signature(scaled_dot_product_attention).parameters)\n"
+                       "print(inspect.getfullargspec(scaled_dot_product_attention), inspect.isfunction(print))",
+    "matplotlib": "import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\nax.imshow(torch.rand(3, 3))\n"
+                  "ax.set_title('weights')\nplt.show()",
+    "timeit_and_time": "%timeit -n 3 scaled_dot_product_attention(*[torch.randn(2, 3)] * 3)\n"
+                       "%time _ = torch.randn(3)",
+    "timeit_cell": "%%timeit\nscaled_dot_product_attention(*[torch.randn(2, 3)] * 3)",
+    "helper_functions": "def show(t):\n    return t.shape\n\ndef _scratch(x):\n    return x * 2\n"
+                        "print(show(_scratch(torch.ones(2))))",
 }
 
 
@@ -162,6 +177,11 @@ TAMPERING = {
     "writes_the_records": "import os\nfolder = os.environ['STEPFORMER_' + 'RECORD']",
     "exec": "exec(bytes.fromhex('7072696e74283129').decode())",
     "eval": "f = eval('F.' + 'scaled')",
+    "eval_of_a_literal_that_tampers": "eval(\"__import__('sys').modules['torch']\")",
+    "exec_of_a_literal_that_imports_the_checks": "exec('import stepformer.checks._core as c')",
+    "importlib_import_module_from": "from importlib import import_module\nm = import_module('torch')",
+    "gc_referents": "import gc\nprint(gc.get_referents(check_attention_values))",
+    "inspect_getmodule": "import inspect\nm = inspect.getmodule(check_attention_values)",
     "hidden_in_a_line_magic": "%time m = importlib.import_module('torch')",
     "hidden_in_a_cell_magic": "%%capture\nsys.modules['torch'].allclose = print",
 }
@@ -301,3 +321,12 @@ def test_the_dispatcher_sees_pytorch_attention_however_it_was_reached():
 
     with pytest.raises(CheckFailure, match="Not your own work"):
         check_attention_values(from_a_table)
+
+
+@pytest.mark.parametrize("notebook", sorted((ROOT / "exercises").glob("*/*.ipynb")), ids=lambda p: p.parent.name)
+def test_every_notebook_states_the_own_work_rule_in_two_sentences(notebook):
+    intro = nbformat.read(notebook, as_version=4).cells[0].source
+    (paragraph,) = [p for p in intro.split("\n\n") if p.startswith("**Own work.**")]
+    sentences = re.split(r"(?<=[.)])\.?\s+(?=[A-Z])", paragraph.removeprefix("**Own work.**").strip())
+    assert len(sentences) == 2, sentences
+    assert "scores 0 for that exercise" in sentences[0] and "every check after it" in sentences[1]

@@ -585,6 +585,17 @@ def close(actual: Tensor, expected: Tensor, dtype: torch.dtype, tolerance: float
     )
 
 
+def difference(actual: Tensor, expected: Tensor, sizes: dict[str, int] | None = None) -> str:
+    """Where and by how much two tensors differ most, and on which sizes: what a failing check reports."""
+    where = f" on sizes {', '.join(f'{k}={v}' for k, v in sizes.items())}" if sizes else ""
+    if actual.shape != expected.shape:
+        return f"shape {tuple(actual.shape)} instead of {tuple(expected.shape)}{where}"
+    gap = (actual.detach().to(expected.dtype) - expected).abs().nan_to_num(nan=float("inf"))
+    index = tuple(int(i) for i in torch.unravel_index(gap.argmax(), gap.shape)) if gap.numel() else ()
+    value = gap.max().item() if gap.numel() else 0.0
+    return f"largest difference {value:.3g} at index {list(index)}{where}"
+
+
 def show(x: Tensor) -> str:
     """Print a tensor only when it is small enough to read."""
     return str(x.detach()) if x.numel() <= 12 else f"a tensor of shape {tuple(x.shape)}"

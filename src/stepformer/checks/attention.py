@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed, show
+from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed, show
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_k", "d_v")
 # What exercise 1 asks students to write themselves.
@@ -48,9 +48,35 @@ def _result(fn: Callable[..., Any], s: dict[str, int], dtype: torch.dtype, *args
     return output, weights
 
 
+def _mask_variants(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """The outputs of the common ways to get a mask wrong, each computed in float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    mask = mask.expand_as(scores)
+    minus_inf = torch.tensor(-torch.inf, dtype=torch.float64)
+
+    def attend(weights: Tensor) -> Tensor:
+        return torch.nan_to_num(weights) @ v
+
+    return {
+        "Your mask is inverted: True means 'may attend', so fill the scores where the mask is False.":
+            attend(torch.softmax(torch.where(mask, minus_inf, scores), dim=-1)),
+        "You masked after the softmax: the masked keys get 0 but the rest no longer sum to 1. Fill the scores "
+        "with -inf before the softmax.": attend(torch.softmax(scores, dim=-1) * mask),
+        "You filled the masked scores with 0, which is an ordinary score: fill them with -inf.":
+            attend(torch.softmax(scores.masked_fill(~mask, 0.0), dim=-1)),
+        "You added the mask to the scores as numbers: use it to choose, torch.where(mask, scores, -inf) or "
+        "scores.masked_fill(~mask, -inf).": attend(torch.softmax(scores + mask.double(), dim=-1)),
+        "You took the softmax over the query axis: take it over k_len (dim=-1).":
+            attend(torch.softmax(torch.where(mask, scores, minus_inf), dim=-2)),
+    }
+
+
 def _diagnose(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tensor, weights: Tensor) -> str:
-    """Name the likely mistake by comparing with the oracle under each common error."""
+    """Name the likely mistake by comparing with the oracle under each common error; the last resort says
+    where the output differs, on which sizes."""
     dtype, d_k = q.dtype, q.shape[-1]
+    sizes = dict(zip(AXES, (*q.shape[:3], k.shape[2], d_k, v.shape[-1]), strict=True))
     if torch.isnan(weights).any() or torch.isnan(output).any():
         return (
             "Your result contains NaN. If you wrote exp() yourself, subtract each row's maximum "
@@ -62,19 +88,20 @@ def _diagnose(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tens
             return "Your weights sum to 1 over the query axis: take the softmax over k_len (dim=-1), not q_len."
         return "Each row of your weights should sum to 1 over k_len: is softmax applied at all?"
     variants = {
-        "You did not divide the scores by sqrt(d_k).": dict(scale=1.0),
-        "You divided the scores by d_k: divide by sqrt(d_k).": dict(scale=1.0 / d_k),
-        "You multiplied the scores by sqrt(d_k): divide by it instead.": dict(scale=math.sqrt(d_k)),
+        hint: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        for hint, scale in (("You did not divide the scores by sqrt(d_k).", 1.0),
+                            ("You divided the scores by d_k: divide by sqrt(d_k).", 1.0 / d_k),
+                            ("You multiplied the scores by sqrt(d_k): divide by it instead.", math.sqrt(d_k)))
     }
     if mask is not None:
-        variants["Your mask is inverted: True means 'may attend', so fill the scores where the mask is False."] = dict(
-            attn_mask=~mask
-        )
-    for hint, kwargs in variants.items():
-        expected = F.scaled_dot_product_attention(q, k, v, **{"attn_mask": mask, **kwargs})
-        if close(output, expected, dtype):
+        variants.update({hint: out.to(dtype) for hint, out in _mask_variants(q, k, v, mask).items()})
+    for hint, expected in variants.items():
+        if close(output, expected, dtype, 1e-4 if dtype == torch.float32 else None):
             return hint
-    return "Compare your scores with q @ k.transpose(-2, -1) / sqrt(d_k) on a small example."
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask).to(dtype)
+    return (f"Your output differs from the oracle's ({difference(output, expected, sizes)}), and matches none of "
+            "the common mistakes. Compare your scores with q @ k.transpose(-2, -1) / sqrt(d_k) and your weights "
+            "with their softmax over k_len on a small example.")
 
 
 @check(forbid=BUILT_IN_ATTENTION)

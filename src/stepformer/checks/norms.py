@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, expect_tensor, kind, passed, show
+from stepformer.checks._core import CheckFailure, call, check, difference, expect_tensor, kind, passed, show
 from stepformer.checks._modules import parameters_of as _parameters
 from stepformer.checks._modules import set_training as _set_training
 
@@ -275,9 +275,18 @@ def _compare_gradients(module: Any, oracle: nn.Module, seed: int, name: str, wan
     result = call(_forward_backward, module, x, upstream)
     if not isinstance(result, tuple) or len(result) != 2 or type(result[1]) is not dict:
         raise CheckFailure(f"Could not run a backward pass through your {name}: got {kind(result)}.")
-    _, grads = result
+    output, grads = result
     x_ref = x.clone().requires_grad_()
-    expected = torch.autograd.grad(oracle(x_ref), [x_ref, *oracle.parameters()], upstream)
+    reference_output = oracle(x_ref)
+    expected = torch.autograd.grad(reference_output, [x_ref, *oracle.parameters()], upstream)
+    sizes = _sizes(seed)
+    if not isinstance(output, Tensor) or not _near(output, reference_output.detach(), 1e-8):
+        # A gradient is only worth comparing once the output is right; never call a wrong output right.
+        found = difference(output, reference_output.detach(), sizes) if isinstance(output, Tensor) else kind(output)
+        raise CheckFailure(
+            f"Your {name}'s output differs from torch.nn.{name}'s in float64 ({found}), so its gradients cannot be "
+            "right either: make the values check pass first; it names the likely mistake."
+        )
     for what, reference in zip(wanted, expected, strict=True):
         if what not in grads:
             raise CheckFailure(
@@ -287,9 +296,9 @@ def _compare_gradients(module: Any, oracle: nn.Module, seed: int, name: str, wan
                             "batch seq d_model" if what == "x" else "d_model", torch.float64)
         if not _near(got, reference, 1e-8):
             raise CheckFailure(
-                f"Your {name}'s output is right, but its gradient with respect to {what} is not. Does forward "
-                "detach something (.detach(), .item(), .data, torch.no_grad()) or compute a statistic "
-                "outside autograd?"
+                f"Your {name}'s output is right, but its gradient with respect to {what} is not "
+                f"({difference(got, reference, sizes)}). Does forward detach something (.detach(), .item(), "
+                ".data, torch.no_grad()) or compute a statistic outside autograd?"
             )
 
 

@@ -1,6 +1,7 @@
-"""``stepformer-course``: the instructor's commands (sync, release, grade)."""
+"""``stepformer-course``: the instructor's commands (sync, release, new-assignment, grade)."""
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -19,22 +20,46 @@ def main(argv: list[str] | None = None) -> int:
     release_cmd.add_argument("--check", action="store_true", help="change nothing; fail if exercises/ is stale")
     release_cmd.add_argument("--assignment", action="append", help="only this assignment (repeatable); default: all")
 
+    new_cmd = commands.add_parser("new-assignment", help="start an assignment of your own in solutions/NAME")
+    new_cmd.add_argument("name", help="two digits, an underscore and a topic, e.g. 12_tokenizers")
+
     grade_cmd = commands.add_parser("grade", help="autograde submissions and write feedback and grades")
-    grade_cmd.add_argument("submissions", type=Path, help="a folder (one sub-folder per student) or a .zip of one")
-    grade_cmd.add_argument("--assignment", default=None, help="assignment name, e.g. 01_attention")
+    grade_cmd.add_argument("submissions", type=Path, nargs="?",
+                           help="a folder (one sub-folder per student) or a .zip of one; or use --course")
+    grade_cmd.add_argument("--course", type=Path, default=None, metavar="DIR",
+                           help="an nbgrader course folder: grade what `nbgrader collect` put in its submitted/, "
+                                "in place, into its own gradebook")
+    grade_cmd.add_argument("--assignment", default=None,
+                           help="assignment name, e.g. 01_attention (default: the one whose notebooks were handed in, "
+                                "if every notebook belongs to one)")
+    grade_cmd.add_argument("--due", default=None, metavar="DATE",
+                           help="due date, e.g. '2026-12-01 17:00 Europe/Paris': a timestamp.txt after it is late, "
+                                "and nbgrader's LateSubmissionPlugin.penalty_method applies")
     grade_cmd.add_argument("--out", type=Path, default=Path("grades"), help="where feedback and grades.csv go")
     grade_cmd.add_argument("--workdir", type=Path, default=None,
-                           help="nbgrader's working folder, kept for resuming (default: autograder/work/<assignment>)")
+                           help="the grader's nbgrader folder, one gradebook for all assignments, kept for resuming "
+                                "and formgrader (default: autograder/work/grading)")
     grade_cmd.add_argument("--workers", type=int, default=None, help="students graded at once (default: cores)")
     grade_cmd.add_argument("--roster", type=Path, default=None, help="CSV with a 'student' column, or one id a line")
     grade_cmd.add_argument("--only", nargs="+", default=None, metavar="STUDENT",
                            help="grade just these students (e.g. one per cluster job, with a shared gradebook)")
-    grade_cmd.add_argument("--fresh", action="store_true", help="forget earlier runs and grade everyone again")
+    grade_cmd.add_argument("--fresh", action="store_true",
+                           help="grade everyone again (manual scores and comments made in formgrader are kept)")
     grade_cmd.add_argument("--cell-seconds", type=int, default=None, help="time limit of one cell (default 60)")
     grade_cmd.add_argument("--notebook-seconds", type=int, default=None, help="time limit of a notebook (default 600)")
     grade_cmd.add_argument("--memory-gib", type=float, default=None, help="memory of one kernel (default 4)")
     grade_cmd.add_argument("--no-sandbox", action="store_true",
                            help="run student code without the sandbox: only for submissions you trust")
+
+    export_cmd = commands.add_parser("export", help="every student x assignment, as CSV or for Canvas or Moodle")
+    export_cmd.add_argument("--format", choices=("csv", "canvas", "moodle"), default="csv")
+    export_cmd.add_argument("--out", type=Path, required=True, help="the file to write")
+    where = export_cmd.add_mutually_exclusive_group()
+    where.add_argument("--workdir", type=Path, default=None,
+                       help="the grader's work folder (default: autograder/work/grading)")
+    where.add_argument("--course", type=Path, default=None, metavar="DIR", help="an nbgrader course folder")
+    export_cmd.add_argument("--roster", type=Path, default=None,
+                            help="CSV with a 'student' column (and first_name, last_name, email, lms_user_id)")
 
     args = parser.parse_args(argv)
     try:
@@ -73,6 +98,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"released into {root / 'exercises'}")
         return 0
 
+    if args.command == "new-assignment":
+        from stepformer.course.scaffold import ScaffoldError, new_assignment
+
+        try:
+            path = new_assignment(root, args.name)
+        except ScaffoldError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        print(f"wrote {path.relative_to(root)}: edit it (solution cells, test cells with assert, a rubric in each "
+              f"answer's solution), then `make release` writes the students' copy to exercises/{args.name}/")
+        return 0
+
+    if args.command == "export":
+        from stepformer.course.export import ExportError, gaps, read_gradebook, read_roster, write
+        from stepformer.course.worker import course_config
+
+        folder = (args.course or args.workdir or root / "autograder" / "work" / "grading").resolve()
+        directory = course_config(root, folder).CourseDirectory
+        if not args.course and not (folder / "gradebook.db").is_file() and "STEPFORMER_DB_URL" not in os.environ:
+            print(f"error: no gradebook in {folder}: grade something first, or say where (--workdir, --course)",
+                  file=sys.stderr)
+            return 2
+        try:
+            assignments_, students = read_gradebook(directory.db_url, directory.course_id,
+                                                    read_roster(args.roster) if args.roster else None)
+            write(args.out, args.format, assignments_, students)
+        except ExportError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        for line in gaps(assignments_, students):
+            print(f"note: {line}", file=sys.stderr)
+        print(f"{len(students)} students x {len(assignments_)} assignments -> {args.out} ({args.format})")
+        return 0
+
     from stepformer.course.grade import grade_command
     from stepformer.course.sandbox import Limits
 
@@ -82,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                        if v is not None})
     return grade_command(root, args.submissions, args.assignment, args.out, args.workdir, workers=args.workers,
                          sandbox=not args.no_sandbox, roster=args.roster, fresh=args.fresh, only=args.only,
-                         limits=limits)
+                         limits=limits, course=args.course, due=args.due)
 
 
 if __name__ == "__main__":

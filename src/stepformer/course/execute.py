@@ -22,6 +22,7 @@
 """
 
 import os
+import shutil
 import signal
 import stat
 import threading
@@ -47,6 +48,9 @@ class GradingExecute(Execute):
     record = Bool(True, help="Have the checks record the student's results for the grader's re-check").tag(config=True)
     records_dir = Unicode("", help="Folder for the checks' records (one sub-folder per notebook); "
                                    "empty: beside the notebook").tag(config=True)
+    sealed_dir = Unicode("", help="Folder the kernel cannot reach, where each graded cell's records are moved as "
+                                  "soon as the cell has run (one sub-folder per notebook); empty: they stay"
+                         ).tag(config=True)
     runtime_dir = Unicode("", help="Host folder the sandboxed kernel may write (sockets, records); "
                                    "empty: not watched").tag(config=True)
     runtime_bytes = Integer(Limits.tmp_bytes, help="Largest total size of the kernel's files in runtime_dir"
@@ -61,6 +65,8 @@ class GradingExecute(Execute):
         self._timed_out = False
         self._records = records_folder(Path((resources or {}).get("metadata", {}).get("path") or "."),
                                        (resources or {}).get("unique_key") or "notebook", self.records_dir or None)
+        self._sealed = records_folder(Path("."), (resources or {}).get("unique_key") or "notebook",
+                                      self.sealed_dir) if self.sealed_dir else None
         self._overflow = False
         stop = threading.Event()
         watcher = threading.Thread(target=self._watch_runtime, args=(stop,), daemon=True) if self.runtime_dir else None
@@ -141,6 +147,23 @@ class GradingExecute(Execute):
                     self._silent(f"__import__('os').environ.pop({RECORD_ENV!r}, None)")
                 except (DeadKernelError, TimeoutError):
                     pass  # the next cell finds the kernel dead and says so
+            if grade_id and self.record and self._sealed is not None:
+                self._seal(grade_id)
+
+    def _seal(self, grade_id: str) -> None:
+        """Move the cell's records where the kernel cannot reach: no later cell can rewrite them.
+
+        So a later cell that tampers can cost only the checks that run after it.
+        """
+        written, sealed = self._records / grade_id, self._sealed / grade_id
+        sealed.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(sealed, ignore_errors=True)
+        if written.is_dir() and not written.is_symlink():
+            try:
+                os.replace(written, sealed)  # one step on one file system
+            except OSError:
+                shutil.copytree(written, sealed, symlinks=True)
+                shutil.rmtree(written, ignore_errors=True)
 
     async def _async_handle_timeout(self, timeout, cell=None):
         self._timed_out = True

@@ -8,14 +8,17 @@ was: a student whose ``done/<student>.json`` exists is not graded again, and nbg
 gradebook keeps one grade per student and cell, so nothing is lost or counted twice.
 """
 
+import contextlib
 import csv
 import dataclasses
+import datetime
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -24,10 +27,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from stepformer.course.intake import Intake, SubmissionsError, load_roster, read_submissions
-from stepformer.course.paths import assignments
+from stepformer.course.intake import Intake, SubmissionsError, infer_assignment, load_roster, read_submissions
+from stepformer.course.paths import assignments, notebook_names
 from stepformer.course.sandbox import Limits, install_kernelspec, sandbox_problem
-from stepformer.course.worker import COURSE_ID, db_url
 
 __all__ = ["SubmissionsError", "StudentResult", "grade", "grade_command"]
 
@@ -44,6 +46,7 @@ class StudentResult:
     status: str = "graded"
     detail: str = ""
     cells: dict[str, float] = field(default_factory=dict)
+    by_hand: float = 0.0  # points of answers still to be graded by hand (counted as 0 in score until then)
 
 
 def _fingerprint(root: Path, assignment: str) -> str:
@@ -56,31 +59,160 @@ def _fingerprint(root: Path, assignment: str) -> str:
     return h.hexdigest()
 
 
+MARKER = ".stepformer-grader.json"  # the file that makes a folder this grader's own
+
+
+class WorkFolderRefused(SubmissionsError):
+    """The work folder holds files this grader did not create: it is left as it is."""
+
+
 def _prepare(root: Path, assignment: str, workdir: Path, fresh: bool) -> None:
-    """The work folder: nbgrader's course layout and gradebook, kept between runs."""
-    stamp = workdir / "fingerprint"
+    """The work folder: nbgrader's course layout, with one gradebook for every assignment, kept between runs.
+
+    Only a folder that is new, empty or this grader's own (it holds ``MARKER``) is used; any other is
+    refused untouched. When an assignment's source or the checks change (or ``fresh``), its students are
+    graded again, and the instructor's manual scores and comments are set aside first and put back
+    after (:func:`_restore_overrides`); nothing but the grader's own files is ever deleted.
+    """
+    marker = workdir / MARKER
     fingerprint = _fingerprint(root, assignment)
-    if fresh or (stamp.exists() and stamp.read_text() != fingerprint):
-        shutil.rmtree(workdir, ignore_errors=True)
-    if stamp.exists():
+    if workdir.exists() and not workdir.is_dir():
+        raise WorkFolderRefused(f"{workdir} is a file, not a folder; give --workdir a new or empty folder")
+    if workdir.is_dir() and any(workdir.iterdir()) and not marker.is_file():
+        raise WorkFolderRefused(
+            f"{workdir} is not empty and is not a work folder of this grader (it has no {MARKER}), so it was "
+            "left untouched. Give --workdir a new or empty folder (the default, autograder/work/grading, is "
+            "the grader's own), or grade an nbgrader course folder in place with --course.")
+    recorded = json.loads(marker.read_text())["fingerprints"] if marker.is_file() else {}
+    if recorded.get(assignment) == fingerprint and not fresh:
         return
+    if assignment in recorded:
+        _set_overrides_aside(root, workdir, assignment)
+        # The grader's own files for this assignment: the copies of source and release, and which
+        # students are finished. Submissions, autograded notebooks and feedback are rewritten per student.
+        for own in (workdir / "source" / assignment, workdir / "release" / assignment):
+            shutil.rmtree(own, ignore_errors=True)
+        for done in (_state(workdir, assignment) / "done").glob("*.json"):
+            done.unlink()
     from stepformer.course.nbgrader_setup import api
     from stepformer.course.worker import course_config
 
-    shutil.rmtree(workdir, ignore_errors=True)
-    (workdir / "source").mkdir(parents=True)
+    (workdir / "source").mkdir(parents=True, exist_ok=True)
     shutil.copytree(root / "solutions" / assignment, workdir / "source" / assignment)
     generated = api(course_config(root, workdir)).generate_assignment(assignment, force=True)
     if not generated["success"]:
         raise RuntimeError(f"nbgrader could not generate {assignment}:\n{generated['log']}")
-    stamp.write_text(fingerprint)
+    tmp = workdir / f".{MARKER}.tmp"
+    tmp.write_text(json.dumps({"fingerprints": {**recorded, assignment: fingerprint}}, indent=1) + "\n")
+    os.replace(tmp, marker)
+
+
+def _state(workdir: Path, assignment: str) -> Path:
+    """The grader's bookkeeping for one assignment: done/, logs/, intake/, the sandbox's kernel."""
+    return workdir / ".stepformer-grader" / assignment
+
+
+def _gradebook(root: Path, workdir: Path):
+    """The gradebook of the work folder (or course folder), as nbgrader's configuration names it."""
+    from nbgrader.api import Gradebook
+
+    from stepformer.course.worker import course_config
+
+    directory = course_config(root, workdir).CourseDirectory
+    return Gradebook(directory.db_url, course_id=directory.course_id)
+
+
+def _set_overrides_aside(root: Path, workdir: Path, assignment: str) -> None:
+    """Save every manual score, extra credit and manual comment of ``assignment``, then forget its submissions.
+
+    The gradebook cannot take a changed assignment while it holds submissions (nbgrader refuses to add or
+    remove cells then), so they go; their manual parts are saved to ``overrides/<time>.json`` (kept for
+    good) and to ``overrides/pending-<assignment>.json``, from which each student's are put back once
+    graded again.
+    """
+    from nbgrader.api import MissingEntry
+
+    saved = []
+    with _gradebook(root, workdir) as gb:
+        try:
+            submissions = gb.find_assignment(assignment).submissions
+        except MissingEntry:
+            return
+        for submission in submissions:
+            for notebook in submission.notebooks:
+                for grade in notebook.grades:
+                    if grade.manual_score is not None or grade.extra_credit:
+                        saved.append({"student": submission.student.id, "notebook": notebook.name,
+                                      "cell": grade.name, "manual_score": grade.manual_score,
+                                      "extra_credit": grade.extra_credit, "auto_score": grade.auto_score})
+                for comment in notebook.comments:
+                    if comment.manual_comment:
+                        saved.append({"student": submission.student.id, "notebook": notebook.name,
+                                      "cell": comment.name, "manual_comment": comment.manual_comment})
+        students = [s.student.id for s in submissions]
+        for student in students:
+            gb.remove_submission(assignment, student)
+    folder = workdir / "overrides"
+    folder.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (folder / f"{assignment}-{stamp}.json").write_text(json.dumps(saved, indent=1) + "\n")
+    pending = folder / f"pending-{assignment}.json"
+    earlier = json.loads(pending.read_text()) if pending.is_file() else []
+    pending.write_text(json.dumps(earlier + saved, indent=1) + "\n")
+
+
+def _restore_overrides(root: Path, workdir: Path, assignment: str, students: list[str]) -> dict[str, list[str]]:
+    """Put back the manual scores and comments set aside for ``students`` (graded again): notes per student.
+
+    A manual score whose cell's automatic score changed meanwhile is flagged for review in formgrader;
+    one whose cell no longer exists stays in ``overrides/pending-<assignment>.json`` and is named in the notes.
+    """
+    from nbgrader.api import MissingEntry
+
+    pending_file = workdir / "overrides" / f"pending-{assignment}.json"
+    if not pending_file.is_file():
+        return {}
+    pending = json.loads(pending_file.read_text())
+    notes: dict[str, list[str]] = {}
+    kept = []
+    with _gradebook(root, workdir) as gb:
+        for entry in pending:
+            student, where = entry["student"], f"{entry['notebook']}:{entry['cell']}"
+            if student not in students:
+                kept.append(entry)
+                continue
+            try:
+                if "manual_comment" in entry:
+                    comment = gb.find_comment(entry["cell"], entry["notebook"], assignment, student)
+                    comment.manual_comment = entry["manual_comment"]
+                    notes.setdefault(student, []).append(f"{where}: manual comment kept")
+                    continue
+                grade = gb.find_grade(entry["cell"], entry["notebook"], assignment, student)
+            except MissingEntry:
+                kept.append(entry)
+                notes.setdefault(student, []).append(
+                    f"{where}: a manual score or comment was set aside (the cell is gone); see {pending_file}")
+                continue
+            grade.manual_score, grade.extra_credit = entry.get("manual_score"), entry.get("extra_credit")
+            changed = grade.auto_score != entry.get("auto_score")
+            grade.needs_manual_grade = changed
+            notes.setdefault(student, []).append(
+                f"{where}: manual score kept" + (f" (automatic score now {grade.auto_score or 0:g}, was "
+                                                 f"{entry.get('auto_score') or 0:g}: review it)" if changed else ""))
+        gb.db.commit()
+    pending_file.write_text(json.dumps(kept, indent=1) + "\n")
+    return notes
 
 
 def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Path, *,
           workers: int | None = None, sandbox: bool = True, limits: Limits | None = None,
           roster: list[str] | None = None, fresh: bool = False, progress: bool = True,
-          only: list[str] | None = None) -> list[StudentResult]:
+          only: list[str] | None = None, due: datetime.datetime | None = None) -> list[StudentResult]:
     """Grade every student in ``submissions`` (or just ``only``); feedback and grades.csv go to ``out``.
+
+    ``due``: the assignment's due date (UTC); a student folder's ``timestamp.txt`` (as ``nbgrader
+    collect`` writes it) is kept, and nbgrader's late penalty (``LateSubmissionPlugin.penalty_method``)
+    applies to a submission after it.
 
     The workers are started with multiprocessing's forkserver, so a script that calls this must
     do so under ``if __name__ == "__main__":`` (the command line and notebooks need nothing).
@@ -98,13 +230,15 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
             )
     workdir, out = workdir.resolve(), out.resolve()
     _prepare(root, assignment, workdir, fresh)
+    state = _state(workdir, assignment)
     if sandbox:
         # Hide the course, the work folder, the outputs and everyone's raw submissions.
         raw = submissions.resolve() if submissions.is_dir() else submissions.resolve().parent
         hidden = [p for p in (root, workdir, out, raw) if p != Path(p.anchor)]
-        kernel = install_kernelspec(workdir / "jupyter" / "kernels", limits=limits, hidden=hidden)
+        kernel = install_kernelspec(state / "jupyter" / "kernels", limits=limits, hidden=hidden)
     expected = sorted(p.name for p in (workdir / "release" / assignment).glob("*.ipynb"))
-    intakes, warnings_ = read_submissions(submissions, assignment, expected, workdir / "intake", roster)
+    intakes, warnings_ = read_submissions(submissions, assignment, expected, state / "intake", roster,
+                                          others=notebook_names(root))
     for line in warnings_:
         print(f"warning: {line}", file=sys.stderr)
     if only:
@@ -115,44 +249,125 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
     if not intakes:
         raise SubmissionsError(f"{submissions}: no student submissions found (expected <student_id>/...)")
 
+    if due is not None:
+        with _gradebook(root, workdir) as gb:
+            gb.update_or_create_assignment(assignment, duedate=due)
     pending = []
     for intake in intakes:
-        if not _finished(workdir, intake.student):
+        if not _finished(state, intake.student):
             if intake.notebooks:
-                _submit(workdir, assignment, intake)
-                pending.append(intake)
+                _submit(root, workdir, assignment, intake)
+                pending.append(intake.student)
             else:
                 from stepformer.course.worker import write_done
 
-                write_done(workdir, {"student": intake.student, "status": intake.status, "detail": "", "notes": []})
-    workers = max(1, workers or os.cpu_count() or 1)
-    env = dict(os.environ, JUPYTER_PATH=os.pathsep.join([str(workdir / "jupyter"), os.environ.get("JUPYTER_PATH", "")]))
-    with ThreadPoolExecutor(workers) as pool:
-        jobs = [pool.submit(_run_worker, root, workdir, assignment, i.student, limits, kernel, env) for i in pending]
-        for job in tqdm(as_completed(jobs), total=len(jobs), desc=f"grading {assignment}", unit="student",
-                        disable=not progress):
-            job.result()
-    results = _collect(workdir, assignment, intakes)
+                write_done(state, {"student": intake.student, "status": intake.status, "detail": "", "notes": []})
+    _run_all(root, workdir, state, assignment, pending, limits, kernel, workers, progress)
+    kept = _restore_overrides(root, workdir, assignment, pending)
+    results = _collect(root, workdir, state, assignment, intakes, kept)
     _write_outputs(workdir, assignment, results, out)
     return results
 
 
-def _finished(workdir: Path, student: str) -> bool:
+def grade_course(root: Path, course: Path, assignment: str, out: Path, *, workers: int | None = None,
+                 sandbox: bool = True, limits: Limits | None = None, fresh: bool = False, progress: bool = True,
+                 only: list[str] | None = None) -> list[StudentResult]:
+    """Autograde, in the sandbox, what ``nbgrader collect`` put in an nbgrader course folder.
+
+    ``course`` is nbgrader's own folder (``nbgrader_config.py`` with its course id and exchange,
+    ``source/``, ``release/``, ``submitted/<student>/<assignment>/`` with ``timestamp.txt``, the
+    gradebook): this reads ``submitted/``, writes ``autograded/``, ``feedback/`` and the gradebook as
+    ``nbgrader autograde`` and ``generate_feedback`` do (so formgrader, ``release_feedback`` and the late
+    penalty work as usual), and keeps its own bookkeeping in ``.stepformer-grader/``; nothing else there
+    is written or deleted. A student is graded again when a newer submission has been collected.
+    """
+    from nbgrader.api import MissingEntry
+
+    warnings.filterwarnings("ignore", message=".*not in session.*")
+    course, out = course.resolve(), out.resolve()
+    if not (course / "submitted").is_dir():
+        raise SubmissionsError(f"{course} has no submitted/ folder: collect first (nbgrader collect {assignment})")
+    with _gradebook(root, course) as gb:
+        try:
+            gb.find_assignment(assignment)
+        except MissingEntry:
+            raise SubmissionsError(f"{assignment} is not in the gradebook of {course}: run "
+                                   f"`nbgrader generate_assignment {assignment}` there first") from None
+    students = sorted(p.parent.name for p in (course / "submitted").glob(f"*/{assignment}") if p.is_dir())
+    if only:
+        unknown = sorted(set(only) - set(students))
+        if unknown:
+            raise SubmissionsError(f"not among the collected submissions: {', '.join(unknown)}")
+        students = [s for s in students if s in only]
+    if not students:
+        raise SubmissionsError(f"{course / 'submitted'}: nobody has a collected {assignment}")
+    limits = limits or Limits()
+    kernel = None
+    state = _state(course, assignment)
+    if sandbox:
+        if problem := sandbox_problem():
+            raise SandboxUnavailable(f"the sandbox for student code cannot start: {problem}. Fix that, or grade "
+                                     "without it (--no-sandbox) only for submissions you trust.")
+        hidden = [p for p in (root, course, out) if p != Path(p.anchor)]
+        kernel = install_kernelspec(state / "jupyter" / "kernels", limits=limits, hidden=hidden)
+    stamps = {s: _read_timestamp(course / "submitted" / s / assignment) for s in students}
+    pending = []
+    for student in students:
+        done = state / "done" / f"{student}.json"
+        if (not fresh and _finished(state, student)
+                and json.loads(done.read_text()).get("timestamp") == stamps[student]):
+            continue
+        with _gradebook(root, course) as gb:
+            gb.update_or_create_student(student)
+        pending.append(student)
+    _run_all(root, course, state, assignment, pending, limits, kernel, workers, progress)
+    for student in pending:
+        done = state / "done" / f"{student}.json"
+        if done.is_file():
+            from stepformer.course.worker import write_done
+
+            write_done(state, {**json.loads(done.read_text()), "timestamp": stamps[student]})
+    results = _collect(root, course, state, assignment, [Intake(s, status="ok") for s in students], {})
+    _write_outputs(course, assignment, results, out)
+    return results
+
+
+def _read_timestamp(folder: Path) -> str | None:
+    """``timestamp.txt`` as ``nbgrader collect`` leaves it (None when there is none)."""
+    path = folder / "timestamp.txt"
+    return path.read_text(errors="replace").strip()[:64] if path.is_file() else None
+
+
+def _run_all(root: Path, workdir: Path, state: Path, assignment: str, students: list[str], limits: Limits,
+             kernel: str | None, workers: int | None, progress: bool) -> None:
+    """Grade ``students``, ``workers`` at a time, each in a process of its own."""
+    workers = max(1, workers or os.cpu_count() or 1)
+    jupyter = str(state / "jupyter")
+    env = dict(os.environ, JUPYTER_PATH=os.pathsep.join([jupyter, os.environ.get("JUPYTER_PATH", "")]))
+    with ThreadPoolExecutor(workers) as pool:
+        jobs = [pool.submit(_run_worker, root, workdir, assignment, s, limits, kernel, env, state) for s in students]
+        for job in tqdm(as_completed(jobs), total=len(jobs), desc=f"grading {assignment}", unit="student",
+                        disable=not progress):
+            job.result()
+
+
+def _finished(state: Path, student: str) -> bool:
     """Graded before (a student whose grading failed is tried again)."""
-    done = workdir / "done" / f"{student}.json"
+    done = state / "done" / f"{student}.json"
     return done.exists() and json.loads(done.read_text()).get("status") != "error"
 
 
-def _submit(workdir: Path, assignment: str, intake: Intake) -> None:
+def _submit(root: Path, workdir: Path, assignment: str, intake: Intake) -> None:
     """Copy the student's notebooks into nbgrader's submitted/ and register the student."""
-    from nbgrader.api import Gradebook
 
     target = workdir / "submitted" / intake.student / assignment
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
     for name, path in intake.notebooks.items():
         shutil.copy2(path, target / name)
-    with Gradebook(db_url(workdir), course_id=COURSE_ID) as gb:
+    if intake.timestamp:
+        (target / "timestamp.txt").write_text(intake.timestamp)
+    with _gradebook(root, workdir) as gb:
         gb.update_or_create_student(intake.student)
 
 
@@ -164,17 +379,18 @@ _WORKERS.set_forkserver_preload(["stepformer.course.worker"])
 
 
 def _run_worker(root: Path, workdir: Path, assignment: str, student: str, limits: Limits, kernel: str | None,
-                env: dict[str, str]) -> None:
+                env: dict[str, str], state: Path | None = None) -> None:
     from stepformer.course.worker import run_logged, write_done
 
+    state = state or workdir
     argv = ["--root", str(root), "--workdir", str(workdir), "--assignment", assignment, "--student", student,
-            "--limits", json.dumps(dataclasses.asdict(limits))]
+            "--limits", json.dumps(dataclasses.asdict(limits)), "--state", str(state)]
     if kernel:
         argv += ["--kernel", kernel]
     # The worker's own limit: every notebook's budget plus kernel starts and feedback.
     wall = limits.notebook_seconds * 2 + 120
-    log = workdir / "logs" / f"{student}.log"
-    log.parent.mkdir(exist_ok=True)
+    log = state / "logs" / f"{student}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     process = _WORKERS.Process(target=run_logged, args=(argv, env, log), name=f"grade {student}")
     process.start()
@@ -187,33 +403,54 @@ def _run_worker(root: Path, workdir: Path, assignment: str, student: str, limits
     elif process.exitcode:
         failure = f"the grading process failed (exit {process.exitcode})"
     process.close()
-    if failure and not (workdir / "done" / f"{student}.json").exists():
-        write_done(workdir, {"student": student, "status": "error", "detail": f"{failure}; see {log}", "notes": [],
+    if failure and not (state / "done" / f"{student}.json").exists():
+        write_done(state, {"student": student, "status": "error", "detail": f"{failure}; see {log}", "notes": [],
                              "seconds": round(time.monotonic() - started, 1)})
 
 
-def _collect(workdir: Path, assignment: str, intakes: list[Intake]) -> list[StudentResult]:
-    from nbgrader.api import Gradebook, MissingEntry
+def _collect(root: Path, workdir: Path, state: Path, assignment: str, intakes: list[Intake],
+             kept: dict[str, list[str]]) -> list[StudentResult]:
+    from nbgrader.api import MissingEntry
 
     results = []
-    with Gradebook(db_url(workdir), course_id=COURSE_ID) as gb:
+    with _gradebook(root, workdir) as gb:
         nbgrader_assignment = gb.find_assignment(assignment)
         cells = sorted((nb.name, cell.name) for nb in nbgrader_assignment.notebooks for cell in nb.grade_cells)
         for intake in intakes:
-            done = json.loads((workdir / "done" / f"{intake.student}.json").read_text())
-            notes = [*intake.problems, *done.get("notes", []), *([done["detail"]] if done.get("detail") else [])]
+            done = json.loads((state / "done" / f"{intake.student}.json").read_text())
+            notes = [*intake.problems, *done.get("notes", []), *([done["detail"]] if done.get("detail") else []),
+                     *kept.get(intake.student, [])]
             result = StudentResult(intake.student, max_score=nbgrader_assignment.max_score, status=done["status"],
                                    detail="; ".join(notes))
             if intake.status == "not-on-roster":
                 result.status = "not-on-roster" if done["status"] == "graded" else done["status"]
+            by_hand = []
             for nb_name, cell in cells:
-                try:
-                    score = gb.find_grade(cell, nb_name, assignment, intake.student).score if done["status"] in (
-                        "graded",) else 0.0
-                except MissingEntry:
-                    score = 0.0
+                score = 0.0
+                if done["status"] == "graded":
+                    try:
+                        grade = gb.find_grade(cell, nb_name, assignment, intake.student)
+                    except MissingEntry:
+                        grade = None
+                    if grade is not None:
+                        score = grade.score
+                        if grade.needs_manual_grade and grade.manual_score is None:
+                            by_hand.append(cell)
+                            result.by_hand += float(grade.max_score)
                 result.cells[f"{nb_name}:{cell}"] = float(score or 0.0)
             result.score = sum(result.cells.values())
+            if done["status"] == "graded":
+                with contextlib.suppress(MissingEntry):
+                    submission = gb.find_submission(assignment, intake.student)
+                    penalty = float(submission.late_submission_penalty or 0.0)
+                    if submission.total_seconds_late > 0:
+                        result.detail = "; ".join(filter(None, [
+                            result.detail, f"late by {_duration(submission.total_seconds_late)}: penalty {penalty:g}"]))
+                    result.score = max(0.0, result.score - penalty)
+            if by_hand:
+                result.detail = "; ".join(filter(None, [
+                    result.detail, f"{len(by_hand)} answer(s) to grade by hand in formgrader ({', '.join(by_hand)}): "
+                                   "not counted yet"]))
             results.append(result)
     return results
 
@@ -235,6 +472,11 @@ def _write_outputs(workdir: Path, assignment: str, results: list[StudentResult],
     os.replace(tmp, out / "grades.csv")
 
 
+def _duration(seconds: float) -> str:
+    hours, rest = divmod(int(seconds), 3600)
+    return f"{hours} h {rest // 60} min" if hours else f"{rest // 60} min {rest % 60} s"
+
+
 def summary_table(results: list[StudentResult]) -> str:
     width = max([7, *(len(r.student) for r in results)])
     lines = [f"{'student':<{width}}  {'score':>11}  {'status':<13}  detail", "-" * (width + 50)]
@@ -244,23 +486,45 @@ def summary_table(results: list[StudentResult]) -> str:
     return "\n".join(lines)
 
 
-def grade_command(root: Path, submissions: Path, assignment: str | None, out: Path, workdir: Path | None, *,
+def grade_command(root: Path, submissions: Path | None, assignment: str | None, out: Path, workdir: Path | None, *,
                   workers: int | None = None, sandbox: bool = True, roster: Path | None = None,
-                  fresh: bool = False, only: list[str] | None = None, limits: Limits | None = None) -> int:
-    names = assignments(root)
-    if assignment is None:
-        if len(names) != 1:
-            print(f"Say which assignment: --assignment one of {', '.join(names)}", file=sys.stderr)
-            return 2
-        assignment = names[0]
-    workdir = (workdir or root / "autograder" / "work" / assignment).resolve()
+                  fresh: bool = False, only: list[str] | None = None, limits: Limits | None = None,
+                  course: Path | None = None, due: str | None = None) -> int:
     try:
-        results = grade(root, submissions.resolve(), assignment, out, workdir, workers=workers, sandbox=sandbox,
-                        roster=load_roster(roster) if roster else None, fresh=fresh, only=only,
-                        limits=limits)
+        if (submissions is None) == (course is None):
+            raise SubmissionsError("give either the submissions (a folder or a .zip) or --course DIR (an nbgrader "
+                                   "course folder whose submitted/ holds what nbgrader collect gathered)")
+        if course is not None:
+            if assignment is None:
+                raise SubmissionsError("with --course, say which assignment: --assignment NAME")
+            if due or roster or workdir:
+                raise SubmissionsError("with --course, the due date, the roster and the folders are the course's "
+                                       "own (nbgrader db assignment add --duedate, nbgrader db student add)")
+            results = grade_course(root, course, assignment, out, workers=workers, sandbox=sandbox, fresh=fresh,
+                                   only=only, limits=limits)
+        else:
+            if assignment is None:
+                with tempfile.TemporaryDirectory(prefix="stepformer-infer-") as scratch:
+                    assignment = infer_assignment(submissions, notebook_names(root), Path(scratch))
+                print(f"assignment: {assignment} (every submitted notebook is one of its notebooks)", file=sys.stderr)
+            workdir = (workdir or root / "autograder" / "work" / "grading").resolve()
+            results = grade(root, submissions.resolve(), assignment, out, workdir, workers=workers, sandbox=sandbox,
+                            roster=load_roster(roster) if roster else None, fresh=fresh, only=only,
+                            limits=limits, due=parse_due(due) if due else None)
     except (SubmissionsError, SandboxUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(summary_table(results))
     print(f"\ngrades: {out.resolve() / 'grades.csv'}\nfeedback: {out.resolve() / 'feedback'}/<student>/{assignment}/")
     return 0
+
+
+def parse_due(text: str) -> datetime.datetime:
+    """A due date as nbgrader reads one (``2026-12-01 17:00``, with an optional zone; UTC when none)."""
+    from nbgrader.utils import parse_utc
+
+    try:
+        return parse_utc(text)
+    except Exception:
+        raise SubmissionsError(f"--due {text!r} is not a date and time (e.g. '2026-12-01 17:00 Europe/Paris' or "
+                               "'2026-12-01T16:00:00Z')") from None

@@ -45,6 +45,7 @@ class Intake:
     notebooks: dict[str, Path] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     status: str = "missing"  # "ok" | "partial" | "missing" | "not-on-roster"
+    timestamp: str | None = None  # when it was handed in, from nbgrader collect's timestamp.txt
 
     def line(self) -> str:
         """One line for the report."""
@@ -77,26 +78,19 @@ def load_roster(path: Path) -> list[str]:
 
 
 def read_submissions(source: Path, assignment: str, expected: list[str], scratch: Path,
-                     roster: list[str] | None = None, *, max_notebook_bytes: int = MAX_NOTEBOOK_BYTES,
-                     max_total_bytes: int = MAX_TOTAL_BYTES, max_members: int = MAX_MEMBERS
-                     ) -> tuple[list[Intake], list[str]]:
-    """-> (one Intake per student, sorted by id; run-level warnings)."""
+                     roster: list[str] | None = None, *, others: dict[str, list[str]] | None = None,
+                     max_notebook_bytes: int = MAX_NOTEBOOK_BYTES, max_total_bytes: int = MAX_TOTAL_BYTES,
+                     max_members: int = MAX_MEMBERS) -> tuple[list[Intake], list[str]]:
+    """-> (one Intake per student, sorted by id; run-level warnings).
+
+    ``others`` maps the course's other assignments to their notebooks' names: a notebook of one of
+    them is never taken for a renamed notebook of ``assignment``, and is reported as what it is.
+    """
     source = Path(source)
     reader = _Reader(Path(scratch), assignment, max_notebook_bytes, max_total_bytes, max_members)
-    if not source.exists():
-        raise SubmissionsError(f"{source} does not exist")
-    if source.is_file():
-        if not zipfile.is_zipfile(source):
-            raise SubmissionsError(f"{source} is neither a folder nor a .zip file")
-        top, problems = reader.open_zip(source, depth=0)
-        if top is None:
-            raise SubmissionsError(f"{source}: {problems[-1]}")
-        reader.warnings.extend(problems)
-    elif source.is_dir():
-        top = source
-    else:
-        raise SubmissionsError(f"{source} is neither a folder nor a .zip file")
-
+    reader.others = {_norm_stem(name): other for other, names in (others or {}).items() if other != assignment
+                     for name in names}
+    top = _open_source(source, reader)
     level = reader.find_student_level(top)
     students = []  # (folder or zip, raw name)
     stray = []
@@ -120,6 +114,54 @@ def read_submissions(source: Path, assignment: str, expected: list[str], scratch
     _apply_roster(intakes, roster)
     intakes.sort(key=lambda i: i.student)
     return intakes, reader.warnings
+
+
+def _open_source(source: Path, reader: _Reader) -> Path:
+    """The folder to read: ``source`` itself, or where its zip was unpacked."""
+    if not source.exists():
+        raise SubmissionsError(f"{source} does not exist")
+    if source.is_file():
+        if not zipfile.is_zipfile(source):
+            raise SubmissionsError(f"{source} is neither a folder nor a .zip file")
+        top, problems = reader.open_zip(source, depth=0)
+        if top is None:
+            raise SubmissionsError(f"{source}: {problems[-1]}")
+        reader.warnings.extend(problems)
+        return top
+    if source.is_dir():
+        return source
+    raise SubmissionsError(f"{source} is neither a folder nor a .zip file")
+
+
+def infer_assignment(source: Path, notebooks: dict[str, list[str]], scratch: Path) -> str:
+    """The one assignment whose notebooks every submitted notebook is (names compared loosely).
+
+    ``notebooks`` maps each assignment to its notebooks' names. Raises :class:`SubmissionsError`, saying
+    what was found, when a notebook fits no assignment or the notebooks fit more than one: the
+    assignment is then for the instructor to say, never guessed.
+    """
+    reader = _Reader(Path(scratch), "", MAX_NOTEBOOK_BYTES, MAX_TOTAL_BYTES, MAX_MEMBERS)
+    owner = {_norm_stem(name): assignment for assignment, names in notebooks.items() for name in names}
+    found: dict[str, set[str]] = {}  # assignment (or "" for none) -> the names seen
+    pending = [(_open_source(Path(source), reader), 1)]  # (folder, how many zips deep it lies)
+    while pending:
+        folder, depth = pending.pop()
+        for path in _files_under(folder):
+            if path.suffix.lower() == ".ipynb":
+                found.setdefault(owner.get(_norm_stem(path.name), ""), set()).add(path.name)
+            elif path.suffix.lower() == ".zip":
+                unpacked, _ = reader.open_zip(path, depth=depth)
+                if unpacked is not None:
+                    pending.append((unpacked, depth + 1))
+    say = "say which with --assignment (make grade ... ASSIGNMENT=<name>)"
+    if not found:
+        raise SubmissionsError(f"{source}: no notebooks found, so no assignment to infer; {say}")
+    if "" in found:
+        raise SubmissionsError(f"{source}: {_few(sorted(found['']))}: not the name of any assignment's notebook; {say}")
+    if len(found) > 1:
+        seen_where = "; ".join(f"{a}: {_few(sorted(names))}" for a, names in sorted(found.items()))
+        raise SubmissionsError(f"{source} holds notebooks of {len(found)} assignments ({seen_where}); {say}")
+    return next(iter(found))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -247,6 +289,7 @@ class _Reader:
         self.max_total_bytes = max_total_bytes
         self.max_members = max_members
         self.warnings: list[str] = []
+        self.others: dict[str, str] = {}  # another assignment's notebook (loose name) -> that assignment
         self.opened: dict[Path, tuple[Path | None, list[str]]] = {}
         self.oversize: dict[Path, int] = {}  # placeholders for members too big to unpack -> real size
         self.unpacked = scratch / "unpacked"
@@ -403,13 +446,21 @@ class _Reader:
         files = _files_under(folder) if folder is not None else []
         candidates = sorted((f for f in files if f.suffix.lower() == ".ipynb"),
                             key=lambda f: (len(f.relative_to(folder).parts), str(f)))
-        extras = [f for f in files if f.suffix.lower() != ".ipynb"]
+        stamp = folder / "timestamp.txt" if folder is not None else None
+        if stamp is not None and stamp in files:
+            intake.timestamp = _timestamp(stamp, intake)
+        extras = [f for f in files if f.suffix.lower() != ".ipynb" and f != stamp]
         if folder is not None and not files:
             intake.problems.append("empty submission (no files)")
 
         chosen = self._match(expected, candidates, folder, intake)
         used = set(chosen.values())
         unused = [f for f in candidates if f not in used]
+        misplaced = [f for f in unused if _norm_stem(f.name) in self.others]
+        for f in misplaced:
+            intake.problems.append(f"{_rel(f, folder)} is the notebook of assignment "
+                                   f"{self.others[_norm_stem(f.name)]}, not of {self.assignment}")
+        unused = [f for f in unused if f not in misplaced]
         if unused:
             intake.problems.append(f"ignored {_count(len(unused), 'other notebook')}: "
                                    f"{_few([_rel(f, folder) for f in unused])}")
@@ -444,7 +495,8 @@ class _Reader:
             elif len(fits) > 1:
                 intake.problems.append(f"could not tell which of {_few([_rel(f, folder) for f in fits])} is {name}")
         missing = [name for name in expected if name not in chosen]
-        unmatched = [f for f in candidates if f not in chosen.values()]
+        # Another assignment's notebook is never a renamed copy of this one's.
+        unmatched = [f for f in candidates if f not in chosen.values() and _norm_stem(f.name) not in self.others]
         if len(missing) == 1 and len(unmatched) == 1:
             chosen[missing[0]] = unmatched[0]
             intake.problems.append(f"used {_rel(unmatched[0], folder)} for {missing[0]} "
@@ -508,6 +560,19 @@ class _Reader:
         target.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(notebook, target)
         return target
+
+
+def _timestamp(path: Path, intake: Intake) -> str | None:
+    """The time in nbgrader's ``timestamp.txt``, checked as nbgrader will read it (None, noted, if unreadable)."""
+    from nbgrader.utils import parse_utc
+
+    text = path.read_bytes()[:200].decode("utf-8", errors="replace").strip()
+    try:
+        parse_utc(text)
+    except Exception:
+        intake.problems.append(f"timestamp.txt does not hold a time ({text[:40]!r}); the submission counts as on time")
+        return None
+    return text
 
 
 def _files_under(folder: Path) -> list[Path]:

@@ -30,3 +30,8 @@ def course_root(start: Path | None = None) -> Path:
 def assignments(root: Path) -> list[str]:
     """Assignment names (``01_attention``, ...) in the order of the syllabus."""
     return sorted(p.name for p in (root / "solutions").iterdir() if p.is_dir() and any(p.glob("*.ipynb")))
+
+
+def notebook_names(root: Path) -> dict[str, list[str]]:
+    """Each assignment's notebooks' file names (nbgrader releases them under the same names)."""
+    return {name: sorted(p.name for p in (root / "solutions" / name).glob("*.ipynb")) for name in assignments(root)}

@@ -13,8 +13,11 @@ The student's own cells are also read as text (:func:`reference_use`):
   reversed), loses the points of its exercise, even where the kernel-side tripwires were dodged;
 - a cell that reaches for the grading machinery or Python's internals (``stepformer.checks``,
   ``importlib``, ``sys.modules``, ``builtins``, ``gc``, ``inspect``, ``ctypes``, ``__globals__``,
-  ``exec``, ...) loses every point of the notebook. This is what refuses forged records: the
-  records are written in the student's kernel, where a determined student can rewrite them.
+  ``exec`` of code built at run time, ...; their few honest uses, such as ``importlib.reload``,
+  ``gc.get_objects`` or ``inspect.signature``, excepted) loses the points of every check that runs
+  after it. This is what refuses forged records: the records are written in the student's kernel,
+  where a determined student can rewrite them; the grader moves each check's records out of the
+  kernel's reach as soon as its cell has run, so checks before the cell keep their points.
 
 The scan reads code, so code it cannot read (names computed from numbers, data loaded from a
 file) gets past it; the kernel-side guard and a human look at the flagged cells are the rest.
@@ -75,13 +78,26 @@ def check_namespace() -> dict[str, object]:
     return names
 
 
+def calls_course_checks(source: str) -> bool:
+    """Whether a test cell calls one of the course's checks (else it is an ordinary nbgrader test cell)."""
+    tree = _parse(source)
+    names = check_namespace()
+    return tree is not None and any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in names
+                                    for n in ast.walk(tree))
+
+
 def recheck(notebook: Path, records: Path) -> dict[str, Verdict]:
-    """Re-run every graded cell's checks from the records under ``records/<grade_id>``."""
+    """Re-run the checks of every graded cell that calls the course's checks, from the records under
+    ``records/<grade_id>``.
+
+    An ordinary nbgrader test cell (plain ``assert`` on the student's objects) records nothing and has
+    no verdict here: nbgrader's own rule, the cell's points unless it raised, is its grade.
+    """
     nb = nbformat.read(notebook, as_version=4)
     verdicts = {}
     for cell in nb.cells:
         meta = cell.get("metadata", {}).get("nbgrader", {})
-        if cell.cell_type != "code" or not meta.get("grade"):
+        if cell.cell_type != "code" or not meta.get("grade") or not calls_course_checks(cell.source):
             continue
         grade_id = meta["grade_id"]
         names = _Names(check_namespace())
@@ -106,8 +122,9 @@ def exercise_of(grade_id: str) -> str:
 @dataclass
 class Finding:
     exercise: str  # "ex1", ... or "*" for a cell outside the exercises
-    kind: str  # "reference": that exercise scores 0; "tampering": everything scores 0; "review": a note
+    kind: str  # "reference": that exercise scores 0; "tampering": every later check scores 0; "review": a note
     what: str
+    cell: int = 0  # the cell's index in the notebook
 
 
 def reference_use(notebook: Path) -> list[Finding]:
@@ -115,15 +132,15 @@ def reference_use(notebook: Path) -> list[Finding]:
     nb = nbformat.read(notebook, as_version=4)
     student_cells = []
     exercise = "*"
-    for cell in nb.cells:
+    for index, cell in enumerate(nb.cells):
         meta = cell.get("metadata", {}).get("nbgrader", {})
         if meta.get("grade_id") and meta.get("solution"):
             exercise = exercise_of(meta["grade_id"])
         # The course's own (locked) cells may name anything; the student's may not.
         if cell.cell_type == "code" and not meta.get("locked") and not meta.get("grade"):
-            student_cells.append((exercise if meta.get("solution") else "*", cell.source))
+            student_cells.append((exercise if meta.get("solution") else "*", cell.source, index))
     own, bound = set(), set()
-    for _, source in student_cells:
+    for _, source, _ in student_cells:
         own |= _defined(source)
         bound |= _bound_by_student(_parse(source))
     torch_names = frozenset({"torch"} | {a.asname or a.name for cell in nb.cells if cell.cell_type == "code"
@@ -132,14 +149,14 @@ def reference_use(notebook: Path) -> list[Finding]:
     forbidden = _forbidden_by_exercise(nb)
     everything = {name: label for names in forbidden.values() for name, label in names.items()}
     findings = []
-    for exercise, source in student_cells:
+    for exercise, source, index in student_cells:
         tree = _parse(source)
         if tampering := _tampering(tree, bound):
-            findings.append(Finding(exercise, "tampering", tampering))
+            findings.append(Finding(exercise, "tampering", tampering, index))
         elif what := _suspect(source, tree, own | bound, forbidden.get(exercise, everything if exercise == "*" else {}),
                               torch_names):
             # Comparing with PyTorch in a scratch cell is honest; inside a solution it is not.
-            findings.append(Finding(exercise, "reference" if exercise != "*" else "review", what))
+            findings.append(Finding(exercise, "reference" if exercise != "*" else "review", what, index))
     return findings
 
 
@@ -166,7 +183,17 @@ TAMPER_ATTRS = {"__globals__", "__code__", "__closure__", "__wrapped__", "__buil
                 "gi_frame", "cr_frame", "_getframe", "__module__"}
 # Modules whose every use is tampering, and the few honest uses of two of them.
 TAMPER_MODULES = ("stepformer.checks", "builtins", "importlib", "ctypes", "gc", "inspect")
-HONEST_USES = {"gc": {"collect"}, "inspect": {"signature", "getsource", "getdoc", "cleandoc", "isfunction", "isclass"}}
+HONEST_USES = {
+    # Counting and freeing memory; not get_referrers/get_referents, which lead from a check to its internals.
+    "gc": {"collect", "get_objects", "get_count", "get_stats", "isenabled", "enable", "disable", "get_threshold",
+           "set_threshold"},
+    # Reading signatures and source; not currentframe/getmodule/getmembers, which lead to a check's internals.
+    "inspect": {"signature", "getsource", "getsourcelines", "getsourcefile", "getfile", "getdoc", "cleandoc",
+                "getfullargspec", "isfunction", "isclass", "ismethod", "ismodule", "isbuiltin", "Parameter",
+                "Signature"},
+    # Reloading a module of one's own after editing it; not import_module, the way to the machinery by name.
+    "importlib": {"reload"},
+}
 # Found inside string constants (pieces joined, and reversed): names with no honest use in a string.
 TAMPER_TEXT = ("stepformer.checks", "__globals__", "__builtins__", "__wrapped__", "__code__", "__closure__",
                "__kwdefaults__", "__defaults__", "__subclasses__", "sys.modules", "f_globals", "_getframe",
@@ -322,13 +349,14 @@ def _tampering(tree: ast.Module | None, own: set[str] = frozenset()) -> str | No
                 if _within(module, TAMPER_MODULES):
                     return f"imports {module}, the grading machinery or Python's internals"
         elif isinstance(node, ast.Name):
-            if node.id in ("__builtins__", "importlib", "ctypes", "builtins") or node.id in private:
+            if node.id in ("__builtins__", "ctypes", "builtins") or node.id in private:
                 return f"uses {node.id}"
             if node.id in HONEST_USES and id(node) not in honest_reads and node.id not in own:
                 return f"uses {node.id} (only {', '.join(sorted(HONEST_USES[node.id]))} is allowed)"
     for node in ast.walk(tree):
         # Code compiled at run time cannot be read here: a solution has no use for it.
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in RUNTIME_CODE:
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in RUNTIME_CODE
+                and not getattr(node, "code_was_read", False)):
             return f"runs code built at run time ({node.func.id})"
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
                 "run_cell", "run_code", "run_source", "runcode", "runsource"):
@@ -387,11 +415,29 @@ def _parse(source: str) -> ast.Module | None:
     for node in list(ast.walk(tree)):
         if isinstance(node, ast.Call) and _called(node) in ("run_line_magic", "run_cell_magic"):
             for arg in node.args[1:]:
-                if (text := _static_str(arg)) and (inner := _parse(text)) is not None:
+                if (text := _static_str(arg)) and (inner := _parse(_without_options(text))) is not None:
                     tree.body.extend(inner.body)
                     if isinstance(arg, ast.Constant):
                         arg.value = ""  # read as code now, not again as a string
+        # ``eval("2 * 3")``: code written out in one literal is as readable as any other line.
+        # Only code assembled at run time (``eval("F." + name)``) stays unreadable.
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in RUNTIME_CODE
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and (inner := _parse(node.args[0].value)) is not None):
+            tree.body.extend(inner.body)
+            node.args[0].value = ""
+            node.code_was_read = True  # see _tampering
     return tree
+
+
+def _without_options(line: str) -> str:
+    """A magic's code without its leading options: ``-n 3 -r 2 f(x)`` -> ``f(x)`` (``%timeit``, ``%prun``)."""
+    words = line.split(" ")
+    while words and re.fullmatch(r"-\w+", words[0]):
+        words = words[1:]
+        if words and re.fullmatch(r"[\w.]+", words[0]) and words[0][:1].isdigit():
+            words = words[1:]  # the option's value
+    return " ".join(words)
 
 
 def _defined(source: str) -> set[str]:

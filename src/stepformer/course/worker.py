@@ -43,17 +43,38 @@ def db_url(workdir: Path) -> str:
     return os.environ.get("STEPFORMER_DB_URL") or f"sqlite:///{workdir / 'gradebook.db'}"
 
 
-COURSE_ID = "stepformer"
+COURSE_ID = "stepformer"  # the course id when the configuration names none
 
 
 def course_config(root: Path, workdir: Path):
-    """nbgrader's configuration for a grading work folder."""
+    """nbgrader's configuration for a grading work folder or an nbgrader course folder.
+
+    The course's grading settings (``autograder/nbgrader_config.py``), then the folder's own
+    ``nbgrader_config.py`` where it has one (an nbgrader course: its course id, exchange, late
+    penalty, gradebook), with nbgrader's standard folder names.
+    """
+    config = load_config(root, root=str(workdir), source_directory="source", release_directory="release",
+                         submitted_directory="submitted", autograded_directory="autograded",
+                         feedback_directory="feedback", db_url=f"sqlite:///{workdir / 'gradebook.db'}")
+    if (workdir / "nbgrader_config.py").is_file():
+        from traitlets.config.loader import PyFileConfigLoader
+
+        config.merge(PyFileConfigLoader("nbgrader_config.py", path=str(workdir)).load_config())
+        config.CourseDirectory.root = str(workdir)
     # A named course: PostgreSQL enforces the gradebook's foreign key to its course row.
-    return load_config(
-        root, root=str(workdir), course_id=COURSE_ID, source_directory="source", release_directory="release",
-        submitted_directory="submitted", autograded_directory="autograded",
-        feedback_directory="feedback", db_url=db_url(workdir),
-    )
+    if not config.CourseDirectory.get("course_id"):
+        config.CourseDirectory.course_id = COURSE_ID
+    if os.environ.get("STEPFORMER_DB_URL"):
+        config.CourseDirectory.db_url = os.environ["STEPFORMER_DB_URL"]
+    return config
+
+
+def course_id(root: Path, workdir: Path) -> str:
+    return course_config(root, workdir).CourseDirectory.course_id
+
+
+def gradebook_url(root: Path, workdir: Path) -> str:
+    return course_config(root, workdir).CourseDirectory.db_url
 
 
 def grade_student(root: Path, workdir: Path, assignment: str, student: str, limits: dict,
@@ -86,9 +107,14 @@ def grade_student(root: Path, workdir: Path, assignment: str, student: str, limi
         # The only host folders the kernel writes: their total is watched (the rest are sized tmpfs).
         config.GradingExecute.runtime_dir = str(runtime)
         config.GradingExecute.runtime_bytes = limits["tmp_bytes"]
+    # Where each graded cell's records go once it has run: a folder of the grader's that the
+    # kernel never sees, so a later cell cannot rewrite what an earlier check recorded.
+    sealed = Path(tempfile.mkdtemp(prefix="stepformer-sealed-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    config.GradingExecute.sealed_dir = str(sealed)
     try:
-        return _autograde(api(config), workdir, assignment, student, records_dir)
+        return _autograde(api(config), workdir, assignment, student, sealed)
     finally:
+        shutil.rmtree(sealed, ignore_errors=True)
         if kernel:
             shutil.rmtree(runtime, ignore_errors=True)
 
@@ -107,7 +133,7 @@ def remove_special_files(folder: Path) -> list[str]:
     return removed
 
 
-def _autograde(grader, workdir: Path, assignment: str, student: str, records_dir: Path | None = None) -> dict:
+def _autograde(grader, workdir: Path, assignment: str, student: str, sealed: Path) -> dict:
     result = {"student": student, "status": "graded", "detail": "", "notes": []}
     graded = grader.autograde(assignment, student, force=True, create=False)
     if not graded["success"]:
@@ -118,36 +144,45 @@ def _autograde(grader, workdir: Path, assignment: str, student: str, records_dir
     # The sandboxed kernel cannot write here, but a kernel without the sandbox (or a bug) could.
     for name in remove_special_files(autograded):
         result["notes"].append(f"removed {name} from the graded folder (a link or special file)")
-    if records_dir is not None:
-        remove_special_files(records_dir)
+    remove_special_files(sealed)
     with grader.gradebook as gb:
         for path in sorted(p for p in autograded.glob("*.ipynb") if p.is_file() and not p.is_symlink()):
-            verdicts = recheck(path, records_folder(autograded, path.stem, records_dir))
+            verdicts = recheck(path, records_folder(autograded, path.stem, sealed))
             findings = reference_use(path)
-            zero_all = next((f for f in findings if f.kind == "tampering"), None)
+            # Records are sealed as each graded cell ends, so a cell that tampers can only have
+            # changed the checks that run after it: those, and only those, lose their points.
+            tampering = min((f for f in findings if f.kind == "tampering"), key=lambda f: f.cell, default=None)
             refused = {f.exercise: f for f in findings if f.kind == "reference"}
             result["notes"] += [f"{path.stem}: a cell outside the exercises uses {f.what}"
                                 for f in findings if f.kind == "review"]
             nb = nbformat.read(path, as_version=4)
-            for cell in nb.cells:
+            for index, cell in enumerate(nb.cells):
                 meta = cell.get("metadata", {}).get("nbgrader", {})
                 if cell.cell_type != "code" or not meta.get("grade"):
                     continue
                 grade_id = meta["grade_id"]
                 grade = gb.find_grade(grade_id, path.stem, assignment, student)
                 reason = None
-                if zero_all:
-                    reason = f"Points withheld: a cell of yours {zero_all.what}, which no solution needs."
+                if tampering and tampering.cell < index:
+                    reason = (f"Points withheld: cell {tampering.cell + 1}, before this check, {tampering.what}; "
+                              "after that the grader cannot trust what a check records (only checks before it "
+                              "keep their points).")
                 elif exercise_of(grade_id) in refused:
                     f = refused[exercise_of(grade_id)]
                     reason = f"Not your own work: your solution uses {f.what}; write it yourself."
                 elif grade_id in verdicts and not verdicts[grade_id].passed and (grade.auto_score or 0) > 0:
                     reason = f"The grader's re-run of this check failed: {verdicts[grade_id].reason}"
-                if reason and (grade.score or 0) > 0:
-                    grade.manual_score = 0.0
+                # The automatic score is lowered, never the manual one: an instructor's score in
+                # formgrader overrides the grader's, and survives a regrade.
+                if reason and (grade.auto_score or 0) > 0:
+                    grade.auto_score = 0.0
                     cell.outputs.append(nbformat.v4.new_output(
                         "error", ename="GradingCheck", evalue=reason, traceback=[f"GradingCheck: {reason}"]))
                     result["notes"].append(f"{grade_id}: {reason.split(':')[0]}")
+            graded_cells = [i for i, c in enumerate(nb.cells) if c.get("metadata", {}).get("nbgrader", {}).get("grade")]
+            if tampering and not any(i > tampering.cell for i in graded_cells):
+                result["notes"].append(f"{path.stem}: cell {tampering.cell + 1} {tampering.what}; it runs after every "
+                                       "check, so no points were withheld (worth a look)")
             nbformat.write(nb, path)
         gb.db.commit()
 
@@ -168,9 +203,9 @@ def _last_error(result: dict) -> str:
     return "nbgrader could not grade it: " + found[:300]
 
 
-def write_done(workdir: Path, result: dict) -> None:
+def write_done(state: Path, result: dict) -> None:
     """Atomically: a half-written file must never mark a student as finished."""
-    done = workdir / "done"
+    done = state / "done"
     done.mkdir(exist_ok=True)
     tmp = done / f".{result['student']}.json.tmp"
     tmp.write_text(json.dumps(result, indent=1))
@@ -194,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--state", type=Path, default=None, help="where done/<student>.json goes (default: workdir)")
     parser.add_argument("--assignment", required=True)
     parser.add_argument("--student", required=True)
     parser.add_argument("--limits", required=True, help="JSON of stepformer.course.sandbox.Limits")
@@ -204,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     result = grade_student(args.root, args.workdir, args.assignment, args.student, json.loads(args.limits),
                            args.kernel)
     result["seconds"] = round(time.monotonic() - started, 1)
-    write_done(args.workdir, result)
+    write_done(args.state or args.workdir, result)
     return 0
 
 
