@@ -19,6 +19,9 @@ def gradebook(tmp_path):
     late with nbgrader's penalty; cy never handed anything in."""
     from nbgrader.api import Gradebook
 
+    from stepformer.course.nbgrader_setup import tools_on_path
+
+    tools_on_path()  # nbgrader's gradebook runs alembic
     url = f"sqlite:///{tmp_path / 'gradebook.db'}"
     due = datetime.datetime(2026, 12, 1, 17, 0)
     with Gradebook(url, course_id="tf101") as gb:

@@ -30,7 +30,7 @@ def test_solution_notebook_runs_and_passes_every_check_in_a_minute(path):
     client.execute()  # raises CellExecutionError on the first failing cell
     elapsed = time.perf_counter() - started
     assert elapsed < 60, f"{path.name} took {elapsed:.0f} s"
-    graded = [c for c in nb.cells if c.get("metadata", {}).get("nbgrader", {}).get("grade")]
+    graded = [c for c in nb.cells if c.cell_type == "code" and c.get("metadata", {}).get("nbgrader", {}).get("grade")]
     assert graded, "a graded notebook needs graded cells"
     for cell in graded:
         text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
@@ -68,7 +68,9 @@ def test_exercises_leak_no_solution_and_no_hidden_test(path):
         leaked = [x for x in hidden if len(x) > 12 and x in released_code]
         assert not leaked, f"solution lines in the release: {leaked}"
     stubs = [c for c in released.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
-    assert stubs and all("raise NotImplementedError()" in c.source for c in stubs)
+    assert stubs and all("raise NotImplementedError()" in c.source for c in stubs if c.cell_type == "code")
+    # Answers graded by hand: an empty answer, and nothing of the rubric.
+    assert all(c.source == "YOUR ANSWER HERE" for c in stubs if c.cell_type == "markdown")
 
 
 @pytest.mark.parametrize("path", _notebooks("solutions") + _notebooks("exercises"), ids=str)

@@ -78,6 +78,11 @@ def _diagnose(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tens
     dtype, d_k = q.dtype, q.shape[-1]
     sizes = dict(zip(AXES, (*q.shape[:3], k.shape[2], d_k, v.shape[-1]), strict=True))
     if torch.isnan(weights).any() or torch.isnan(output).any():
+        # A softmax over the query axis gives NaN wherever a key is masked for every query.
+        columns = torch.nan_to_num(weights).sum(-2)
+        reached = mask.expand_as(weights).any(-2) if mask is not None else torch.ones_like(columns, dtype=torch.bool)
+        if weights.shape[-2] > 1 and close(columns[reached], torch.ones_like(columns[reached]), dtype, 1e-4):
+            return "You took the softmax over the query axis: take it over k_len (dim=-1)."
         return (
             "Your result contains NaN. If you wrote exp() yourself, subtract each row's maximum "
             "first (or use torch.softmax); a row with every key masked must give zeros, not NaN."

@@ -50,6 +50,9 @@ def read_gradebook(db_url: str, course_id: str, roster: list[dict[str, str]] | N
     """(assignments in order with their maximum scores, one :class:`Student` per student)."""
     from nbgrader.api import Gradebook, MissingEntry
 
+    from stepformer.course.nbgrader_setup import tools_on_path
+
+    tools_on_path()
     with Gradebook(db_url, course_id=course_id) as gb:
         assignments = [(a.name, float(a.max_score)) for a in sorted(gb.assignments, key=lambda a: a.name)]
         students = {}

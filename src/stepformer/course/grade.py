@@ -116,8 +116,10 @@ def _gradebook(root: Path, workdir: Path):
     """The gradebook of the work folder (or course folder), as nbgrader's configuration names it."""
     from nbgrader.api import Gradebook
 
+    from stepformer.course.nbgrader_setup import tools_on_path
     from stepformer.course.worker import course_config
 
+    tools_on_path()
     directory = course_config(root, workdir).CourseDirectory
     return Gradebook(directory.db_url, course_id=directory.course_id)
 

@@ -16,13 +16,20 @@ def load_config(course: Path, **course_directory: str) -> Config:
     return config
 
 
-def api(config: Config):
-    """An ``NbGraderAPI`` for ``config`` (imported late: nbgrader is slow to import)."""
-    # nbgrader runs `alembic` and kernels by name: the environment's own bin/ must come first
-    # even when the command was started as .venv/bin/stepformer-course without activating it.
+def tools_on_path() -> None:
+    """Put this environment's bin/ first on PATH.
+
+    nbgrader's gradebook runs `alembic`, and nbgrader starts kernels by name: they must be this
+    environment's even when the command was started as .venv/bin/stepformer-course without activating it.
+    """
     bin_dir = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def api(config: Config):
+    """An ``NbGraderAPI`` for ``config`` (imported late: nbgrader is slow to import)."""
+    tools_on_path()
     from nbgrader.apps import NbGraderAPI
     from nbgrader.coursedir import CourseDirectory
 

@@ -179,7 +179,8 @@ def _autograde(grader, workdir: Path, assignment: str, student: str, sealed: Pat
                     cell.outputs.append(nbformat.v4.new_output(
                         "error", ename="GradingCheck", evalue=reason, traceback=[f"GradingCheck: {reason}"]))
                     result["notes"].append(f"{grade_id}: {reason.split(':')[0]}")
-            graded_cells = [i for i, c in enumerate(nb.cells) if c.get("metadata", {}).get("nbgrader", {}).get("grade")]
+            graded_cells = [i for i, c in enumerate(nb.cells)
+                            if c.cell_type == "code" and c.get("metadata", {}).get("nbgrader", {}).get("grade")]
             if tampering and not any(i > tampering.cell for i in graded_cells):
                 result["notes"].append(f"{path.stem}: cell {tampering.cell + 1} {tampering.what}; it runs after every "
                                        "check, so no points were withheld (worth a look)")
