@@ -60,7 +60,7 @@ def _mask_variants(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> dict[str, T
 
     return {
         "Your mask is inverted: True means 'may attend', so fill the scores where the mask is False.":
-            attend(torch.softmax(torch.where(mask, minus_inf, scores), dim=-1)),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=~mask),
         "You masked after the softmax: the masked keys get 0 but the rest no longer sum to 1. Fill the scores "
         "with -inf before the softmax.": attend(torch.softmax(scores, dim=-1) * mask),
         "You filled the masked scores with 0, which is an ordinary score: fill them with -inf.":

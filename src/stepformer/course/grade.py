@@ -223,21 +223,14 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
     if assignment not in assignments(root):
         raise SubmissionsError(f"unknown assignment {assignment!r}; known: {', '.join(assignments(root))}")
     limits = limits or Limits()
-    kernel = None
     if sandbox:
-        if problem := sandbox_problem():
-            raise SandboxUnavailable(
-                f"the sandbox for student code cannot start: {problem}. Fix that, or grade without it "
-                "(--no-sandbox) only for submissions you trust."
-            )
+        _sandbox_ready()
     workdir, out = workdir.resolve(), out.resolve()
     _prepare(root, assignment, workdir, fresh)
     state = _state(workdir, assignment)
-    if sandbox:
-        # Hide the course, the work folder, the outputs and everyone's raw submissions.
-        raw = submissions.resolve() if submissions.is_dir() else submissions.resolve().parent
-        hidden = [p for p in (root, workdir, out, raw) if p != Path(p.anchor)]
-        kernel = install_kernelspec(state / "jupyter" / "kernels", limits=limits, hidden=hidden)
+    # Hide the course, the work folder, the outputs and everyone's raw submissions.
+    raw = submissions.resolve() if submissions.is_dir() else submissions.resolve().parent
+    kernel = _sandbox_kernel(state, limits, [root, workdir, out, raw]) if sandbox else None
     expected = sorted(p.name for p in (workdir / "release" / assignment).glob("*.ipynb"))
     intakes, warnings_ = read_submissions(submissions, assignment, expected, state / "intake", roster,
                                           others=notebook_names(root))
@@ -285,7 +278,9 @@ def grade_course(root: Path, course: Path, assignment: str, out: Path, *, worker
     """
     from nbgrader.api import MissingEntry
 
-    warnings.filterwarnings("ignore", message=".*not in session.*")
+    warnings.filterwarnings("ignore", message=".*not in session.*")  # nbgrader's own, harmless
+    if sandbox:
+        _sandbox_ready()
     course, out = course.resolve(), out.resolve()
     if not (course / "submitted").is_dir():
         raise SubmissionsError(f"{course} has no submitted/ folder: collect first (nbgrader collect {assignment})")
@@ -304,31 +299,22 @@ def grade_course(root: Path, course: Path, assignment: str, out: Path, *, worker
     if not students:
         raise SubmissionsError(f"{course / 'submitted'}: nobody has a collected {assignment}")
     limits = limits or Limits()
-    kernel = None
     state = _state(course, assignment)
-    if sandbox:
-        if problem := sandbox_problem():
-            raise SandboxUnavailable(f"the sandbox for student code cannot start: {problem}. Fix that, or grade "
-                                     "without it (--no-sandbox) only for submissions you trust.")
-        hidden = [p for p in (root, course, out) if p != Path(p.anchor)]
-        kernel = install_kernelspec(state / "jupyter" / "kernels", limits=limits, hidden=hidden)
+    kernel = _sandbox_kernel(state, limits, [root, course, out]) if sandbox else None
     stamps = {s: _read_timestamp(course / "submitted" / s / assignment) for s in students}
     pending = []
     for student in students:
-        done = state / "done" / f"{student}.json"
-        if (not fresh and _finished(state, student)
-                and json.loads(done.read_text()).get("timestamp") == stamps[student]):
+        if not fresh and _finished(state, student) and _done(state, student).get("timestamp") == stamps[student]:
             continue
         with _gradebook(root, course) as gb:
             gb.update_or_create_student(student)
         pending.append(student)
     _run_all(root, course, state, assignment, pending, limits, kernel, workers, progress)
-    for student in pending:
-        done = state / "done" / f"{student}.json"
-        if done.is_file():
-            from stepformer.course.worker import write_done
+    from stepformer.course.worker import write_done
 
-            write_done(state, {**json.loads(done.read_text()), "timestamp": stamps[student]})
+    for student in pending:
+        if done := _done(state, student):
+            write_done(state, {**done, "timestamp": stamps[student]})
     results = _collect(root, course, state, assignment, [Intake(s, status="ok") for s in students], {})
     _write_outputs(course, assignment, results, out)
     return results
@@ -353,15 +339,34 @@ def _run_all(root: Path, workdir: Path, state: Path, assignment: str, students: 
             job.result()
 
 
+def _sandbox_ready() -> None:
+    if problem := sandbox_problem():
+        raise SandboxUnavailable(
+            f"the sandbox for student code cannot start: {problem}. Fix that, or grade without it "
+            "(--no-sandbox) only for submissions you trust."
+        )
+
+
+def _sandbox_kernel(state: Path, limits: Limits, hidden: list[Path]) -> str:
+    """The sandboxed kernel's name; ``hidden`` are the folders it must not see."""
+    return install_kernelspec(state / "jupyter" / "kernels", limits=limits,
+                              hidden=[p for p in hidden if p != Path(p.anchor)])
+
+
+def _done(state: Path, student: str) -> dict:
+    """The student's record of a finished grading (empty if there is none)."""
+    path = state / "done" / f"{student}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _finished(state: Path, student: str) -> bool:
     """Graded before (a student whose grading failed is tried again)."""
-    done = state / "done" / f"{student}.json"
-    return done.exists() and json.loads(done.read_text()).get("status") != "error"
+    done = _done(state, student)
+    return bool(done) and done.get("status") != "error"
 
 
 def _submit(root: Path, workdir: Path, assignment: str, intake: Intake) -> None:
     """Copy the student's notebooks into nbgrader's submitted/ and register the student."""
-
     target = workdir / "submitted" / intake.student / assignment
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)

@@ -69,14 +69,6 @@ def course_config(root: Path, workdir: Path):
     return config
 
 
-def course_id(root: Path, workdir: Path) -> str:
-    return course_config(root, workdir).CourseDirectory.course_id
-
-
-def gradebook_url(root: Path, workdir: Path) -> str:
-    return course_config(root, workdir).CourseDirectory.db_url
-
-
 def grade_student(root: Path, workdir: Path, assignment: str, student: str, limits: dict,
                   kernel: str | None) -> dict:
     from traitlets.utils.importstring import import_item

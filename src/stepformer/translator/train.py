@@ -209,8 +209,8 @@ def train(
     out_dir = Path(out_dir)
     device = device or pick_device()
     world = _init_distributed(device)
-    if world.world > 1 and device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if world.world > 1:
+        device = world.device  # this process's GPU under torchrun
     existing = checkpoint_paths(out_dir)
     if existing and not resume:
         raise FileExistsError(f"{out_dir} already holds checkpoints ({existing[-1].name}): pass --resume to continue "
