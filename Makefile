@@ -15,6 +15,10 @@ DATA_DIR ?=
 PRESET ?= cpu
 RUN ?= runs/$(PRESET)-de-en
 DATA_FLAG := $(if $(DATA_DIR),--data-dir $(DATA_DIR),)
+# `make book`: the open edition (answers shown, for self-learners) or EDITION=class (for a graded class).
+EDITION ?= open
+BOOK_OUT := $(if $(filter class,$(EDITION)),--path-output _build/class,)
+BOOK_HTML := $(if $(filter class,$(EDITION)),_build/class/_build/html,_build/html)
 
 .DEFAULT_GOAL := help
 .PHONY: help install book lab test lint release sync grade export new-assignment translator clean
@@ -31,9 +35,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install the course and its tools
 
-book: $(STAMP) ## build the site into _build/html and print the page to open
-	$(BIN)/jupyter-book build . --warningiserror --keep-going
-	@echo "Open: file://$(CURDIR)/_build/html/index.html"
+book: $(STAMP) ## build the site into _build/html (EDITION=class: without the answers, into _build/class/_build/html)
+	STEPFORMER_EDITION=$(EDITION) $(BIN)/jupyter-book build . --warningiserror --keep-going $(BOOK_OUT)
+	@echo "Open: file://$(CURDIR)/$(BOOK_HTML)/index.html"
 
 lab: $(STAMP) ## open JupyterLab on the student exercises
 	$(BIN)/jupyter lab exercises/

@@ -35,6 +35,8 @@ def sandbox_required() -> None:
 # Rough seconds of each group on two idle cores, measured from earlier runs; only the order matters.
 WEIGHTS = {
     "book": 500,
+    "book-class": 450,
+    "student-env": 120,
     "corpus": 450,
     "corpus-resume": 240,
     "grading": 120,
@@ -56,6 +58,10 @@ def _group(item: pytest.Item) -> str | None:
     module = item.path.stem
     if module == "test_book":
         return "book"
+    if module == "test_book_class":
+        return "book-class"
+    if module == "test_class_edition" and item.get_closest_marker("slow"):
+        return "student-env"
     if module == "test_corpus":
         return "corpus-resume" if item.name.startswith("test_killed_run") else "corpus"
     if module == "test_chapter_mistakes" and hasattr(item, "callspec"):

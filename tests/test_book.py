@@ -55,11 +55,11 @@ class Build:
         return "\n".join(self.output.splitlines()[-lines:])
 
 
-@pytest.fixture(scope="session")
-def book(tmp_path_factory: pytest.TempPathFactory) -> Build:
-    out = tmp_path_factory.mktemp("book")
+def build_book(out: Path, edition: str = "open") -> Build:
+    """Build the site of one edition (``open`` or ``class``) under ``out``."""
     # The build executes the chapters: the kernel must be this environment's Python.
-    env = {**os.environ, "PATH": f"{JUPYTER_BOOK.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {**os.environ, "PATH": f"{JUPYTER_BOOK.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "STEPFORMER_EDITION": edition}
     proc = subprocess.run(
         [
             str(JUPYTER_BOOK),
@@ -77,6 +77,11 @@ def book(tmp_path_factory: pytest.TempPathFactory) -> Build:
         timeout=900,
     )
     return Build(proc.returncode, proc.stdout + proc.stderr, out / "_build" / "html")
+
+
+@pytest.fixture(scope="session")
+def book(tmp_path_factory: pytest.TempPathFactory) -> Build:
+    return build_book(tmp_path_factory.mktemp("book"))
 
 
 @pytest.fixture(scope="session")
@@ -253,3 +258,15 @@ def _included_objects(page: str) -> list[tuple[str, str]]:
 def _squash(code: str) -> str:
     """Code with runs of whitespace made one space: HTML rendering may alter blank lines."""
     return re.sub(r"\s+", " ", code).strip()
+
+
+def test_the_open_edition_shows_the_answers_that_the_class_edition_hides(built: Path) -> None:
+    """The open edition prints each chapter's finished code: the lines that the class edition's test
+    looks for are there to be found (so that test can fail)."""
+    from tests.fixtures.answers import answer_lines, page_lines
+
+    lines = answer_lines()
+    shown = {lines[line] for path in (built / "book").glob("*.html") for line in page_lines(path) & lines.keys()}
+    for answer in ("stepformer.attention.scaled_dot_product_attention", "stepformer.norms.LayerNorm",
+                   "stepformer.gqa.from_multihead", "stepformer.translator.recipe.train_step"):
+        assert answer in shown, answer

@@ -462,6 +462,15 @@ def _no_shape_check(self, keys, values):
     return _append_along(-2)(self, keys, values)
 
 
+def _no_batch_check(self, keys, values):
+    """Compares kv_heads and d_head with the cache, forgetting the batch."""
+    if self.fixed:
+        raise ValueError("fixed")
+    if self.keys is not None and (self.keys.shape[1] != keys.shape[1] or self.keys.shape[-1] != keys.shape[-1]):
+        raise ValueError("do not continue")
+    return _append_along(-2)(self, keys, values)
+
+
 def _append_anyway(self, keys, values):
     return _append_along(-2)(self, keys, values)
 
@@ -472,6 +481,7 @@ def _append_anyway(self, keys, values):
         (_cache_with(_append_along(1)), check_kv_cache_append, r"along the heads \(dim=1\) axis"),
         (_cache_with(_append_along(-1)), check_kv_cache_append, r"along the features \(d_head, dim=-1\) axis"),
         (_cache_with(_no_shape_check), check_kv_cache_append, "should raise a ValueError"),
+        (_cache_with(_no_batch_check), check_kv_cache_append, r"Appending keys with batch=3 .* should raise"),
         (_cache_with(__len__=lambda self: 0 if self.keys is None else self.keys.shape[1]), check_kv_cache_append,
          "__len__ should count the positions"),
         (_cache_with(_append_anyway), check_kv_cache_fixed, "append should raise a ValueError on it"),

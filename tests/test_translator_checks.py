@@ -81,11 +81,13 @@ def test_translator_sizes_are_pairwise_distinct_for_every_seed():
 
 
 def smoothed_loss(*, log=True, spread="all", mask_sum=True, count="real", swap=False, by_hand=False,
-                  nan_when_empty=False, validate=True):
+                  nan_when_empty=False, validate=True, validate_reduction=True):
     """A label-smoothed loss written apart from the library, with switches for the usual mistakes."""
     def fn(logits, target, pad_id, smoothing=0.1, reduction="mean"):
         if validate and not 0 <= smoothing < 1:
             raise ValueError(smoothing)
+        if validate_reduction and reduction not in ("mean", "sum"):
+            raise ValueError(reduction)
         reduction = {"sum": "mean", "mean": "sum"}[reduction] if swap else reduction
         if by_hand:
             log_probs = (logits.exp() / logits.exp().sum(-1, keepdim=True)).log()
@@ -122,6 +124,7 @@ def test_translator_loss_check_names_the_mistake(mistake, message):
     (smoothed_loss(by_hand=True), "overflows float32"),
     (smoothed_loss(nan_when_empty=True), "must be 0; yours is nan"),
     (smoothed_loss(validate=False), "should raise a ValueError"),
+    (smoothed_loss(validate_reduction=False), r"reduction='none'\) should raise a ValueError"),
 ])
 def test_translator_loss_edges_name_the_mistake(mistake, message):
     with pytest.raises(CheckFailure, match=message):
@@ -162,12 +165,14 @@ def test_translator_schedule_check_names_the_mistake(mistake, message):
         check_inverse_sqrt_lr(mistake)
 
 
-def training_step(*, reads="prefix", clip=True, set_lr=True, zero=True, item=True, loss=None):
+def training_step(*, reads="prefix", clip=True, set_lr="all", zero=True, item=True, loss=None):
     """A training step written apart from the library, with switches for the usual mistakes."""
     loss_fn = loss or smoothed_loss()
 
     def train_step(model, optimizer, src, tgt, pad_id, lr, smoothing=0.1, clip_norm=1.0):
-        if set_lr:
+        if set_lr == "first":
+            optimizer.param_groups[0]["lr"] = lr
+        elif set_lr == "all":
             for group in optimizer.param_groups:
                 group["lr"] = lr
         decoder_in, expected = {"prefix": (tgt[:, :-1], tgt[:, 1:]), "whole": (tgt, tgt),
@@ -193,11 +198,12 @@ def test_translator_step_checks_pass_on_an_independent_step_in_float64():
     (check_train_step, training_step(reads="whole"), "including the token it must predict"),
     (check_train_step, training_step(reads="backwards"), "shifted the wrong way"),
     (check_train_step, training_step(clip=False), "No clipping"),
-    (check_train_step, training_step(set_lr=False), "lr not set"),
+    (check_train_step, training_step(set_lr="none"), "lr not set"),
+    (check_train_step, training_step(set_lr="first"), "lr set on the first parameter group only"),
     (check_train_step, training_step(item=False), r"Python float \(a tensor: return loss.item\(\)\)"),
     (check_train_step, training_step(loss=smoothed_loss(spread="others")), "returned the loss"),
     (check_train_steps, training_step(zero=False), "Gradients accumulate across steps: zero them"),
-    (check_train_steps, training_step(set_lr=False), "lr not set"),
+    (check_train_steps, training_step(set_lr="none"), "lr not set"),
     (check_train_steps, training_step(reads="whole"), "including the token it must predict"),
 ])
 def test_translator_step_checks_name_the_mistake(check, mistake, message):
@@ -271,6 +277,11 @@ def _memorising(**switches):
      "greedy decoding does not give the targets back"),
     ((lambda *args, **kwargs: torch.tensor(memorise(*args, **kwargs)), recipe.train_step, recipe.inverse_sqrt_lr),
      "list of the 150 losses"),
+    # Arguments that are ignored: the defaults hard-coded.
+    ((lambda model, src, tgt, pad_id, steps=150, peak_lr=1e-2, warmup=20: memorise(model, src, tgt, pad_id),
+      recipe.train_step, recipe.inverse_sqrt_lr), "it should run `steps` steps, not a fixed number"),
+    ((lambda model, src, tgt, pad_id, steps=150, peak_lr=1e-2, warmup=20: memorise(model, src, tgt, pad_id, steps),
+      recipe.train_step, recipe.inverse_sqrt_lr), "those of the default peak_lr and warmup"),
 ])
 def test_translator_memorise_check_names_the_mistake(functions, message):
     with pytest.raises(CheckFailure, match=message):
@@ -300,17 +311,17 @@ def test_translator_loss_is_own_work_in_every_exercise_that_uses_it():
         check_train_step(stepformer.translator.recipe.train_step)
 
 
-def test_translator_models_run_the_library_unwatched_only_inside_their_forward():
-    # The check's model is the library's Transformer: calling it is not a use of the library...
+def test_translator_models_are_pytorch_and_the_library_stays_watched():
+    # The check's model is built from PyTorch's modules: calling it is not a use of the library...
     check_train_step(training_step())
-    # ...and the library is watched again around it (the tripwires are back after each forward).
+    # ...and the library is watched around it.
     def calls_the_library_after_the_model(model, optimizer, src, tgt, pad_id, lr, smoothing=0.1, clip_norm=1.0):
         model(src, tgt[:, :-1])
         return stepformer.translator.recipe.train_step(model, optimizer, src, tgt, pad_id, lr, smoothing, clip_norm)
 
     with pytest.raises(CheckFailure, match="Not your own work"):
         check_train_step(calls_the_library_after_the_model)
-    assert "Transformer(src_vocab=" in repr(_Translator(5, 6, 8, 2, 1, 1, 12))
+    assert "Transformer(src_vocab=5, tgt_vocab=6, d_model=8" in repr(_Translator(5, 6, 8, 2, 12, 1))
 
 
 def test_translator_checks_replay_the_recorded_verdicts(monkeypatch, tmp_path):

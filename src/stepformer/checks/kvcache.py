@@ -5,8 +5,8 @@ cache grows along the sequence axis and refuses what does not continue it; atten
 step by step from the cache equals one causal pass of ``torch.nn.MultiheadAttention`` (the
 oracle, with the same weights) over the whole sequence; each step projects only its new
 positions (counted by projections that tally the rows they see); the formula's bytes equal the
-bytes of the caches that a real model holds after decoding. Every touch of the student's code
-goes through :func:`call`, with the small helpers below.
+bytes of the caches that a decoder, built here from PyTorch's pieces, holds after decoding. Every
+touch of the student's code goes through :func:`call`, with the small helpers below.
 """
 
 import math
@@ -18,7 +18,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed
+from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed
 from stepformer.checks._modules import error_of as _error_of
 
 AXES = ("batch", "kv_heads", "d_head", "prefill", "steps")
@@ -150,7 +150,8 @@ def check_kv_cache_append(cls: Callable[..., Any], seed: int = 0, dtype: torch.d
                                                            and torch.equal(stored[1], all_values[:, :, :total])):
         raise CheckFailure("After the appends, cache.keys and cache.values should hold every position so far (keep "
                            "the concatenated tensors in self.keys and self.values).")
-    for what, keys in ((f"kv_heads={kv + 1}", torch.randn(b, kv + 1, 1, d_head, generator=g, dtype=dtype)),
+    for what, keys in ((f"batch={b + 1}", torch.randn(b + 1, kv, 1, d_head, generator=g, dtype=dtype)),
+                       (f"kv_heads={kv + 1}", torch.randn(b, kv + 1, 1, d_head, generator=g, dtype=dtype)),
                        (f"d_head={d_head + 1}", torch.randn(b, kv, 1, d_head + 1, generator=g, dtype=dtype))):
         error = call(_append_error, cache, keys, keys.clone())
         if error != "ValueError":
@@ -366,8 +367,9 @@ def check_cached_attention(functions: tuple[Callable[..., Any], Callable[..., An
                         "aligned to the last key, merge the heads and apply w_o.")
             raise CheckFailure(
                 f"For {what}, your output differs from the same positions of one causal pass of "
-                f"torch.nn.MultiheadAttention over the whole sequence (largest difference "
-                f"{(got - want).nan_to_num(1e9).abs().max().item():.3g}). {hint}"
+                f"torch.nn.MultiheadAttention over the whole sequence ("
+                f"{difference(got, want, dict(batch=b, heads=module.heads, d_model=d_model, cached=cached, new=new))}"
+                f"). {hint}"
             )
         cached = length
     keys, values = call(_contents, cache)
@@ -420,31 +422,42 @@ def check_projects_new_only(functions: tuple[Callable[..., Any], Callable[..., A
 
 def _measured_cache_bytes(layers: int, heads: int, kv_heads: int, d_head: int, length: int, batch: int,
                           dtype: torch.dtype, seed: int) -> int:
-    """Decode ``length`` tokens with a small Transformer and a KV-cache; the bytes of its self-attention caches."""
-    from stepformer.kvcache import new_cache
-    from stepformer.transformer import Transformer
+    """Decode ``length`` tokens with a small decoder built here from PyTorch's pieces; its caches' bytes.
 
+    Each layer projects only the newest token's key and value, appends them to the tensors it keeps, and
+    attends over all of them with PyTorch's fused attention (grouped when ``kv_heads < heads``); the
+    cross-attention and the feed-forward do not hold a cache, so they are left out.
+    """
     threads = torch.get_num_threads()
     # Tensors this small run fastest on one thread (several only wait for each other on a busy machine).
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)
-            vocab = 11
-            # Learned positions: any d_model will do (sinusoids need an even one).
-            model = Transformer(vocab, vocab, heads * d_head, heads, 1, layers, 8, dropout=0.0, positional="learned",
-                                kv_heads=kv_heads)
-            model = model.to(dtype).eval()
-            src = torch.randint(3, vocab, (batch, 3))
-            memory = model.encode(src)
-            cache = new_cache(layers)
+            vocab, d_model = 11, heads * d_head
+            embed = nn.Embedding(vocab, d_model).to(dtype)
+            w_q, w_k, w_v, w_o = (
+                nn.ModuleList(nn.Linear(d_model, n * d_head).to(dtype) for _ in range(layers))
+                for n in (heads, kv_heads, kv_heads, heads))
+            generator = nn.Linear(d_model, vocab).to(dtype)
+            keys: list[Tensor | None] = [None] * layers
+            values: list[Tensor | None] = [None] * layers
             tokens = torch.ones(batch, 1, dtype=torch.long)
             for _ in range(length):
-                hidden = model.decode(tokens, memory, None, None, cache)
-                tokens = model.generator(hidden[:, -1]).argmax(-1, keepdim=True)
+                x = embed(tokens)
+                for i in range(layers):
+                    q = rearrange(w_q[i](x), "batch new (heads d_head) -> batch heads new d_head", d_head=d_head)
+                    k, v = (rearrange(w(x), "batch new (kv_heads d_head) -> batch kv_heads new d_head", d_head=d_head)
+                            for w in (w_k[i], w_v[i]))
+                    keys[i] = k if keys[i] is None else torch.cat([keys[i], k], dim=2)
+                    values[i] = v if values[i] is None else torch.cat([values[i], v], dim=2)
+                    attended = nn.functional.scaled_dot_product_attention(q, keys[i], values[i],
+                                                                          enable_gqa=kv_heads != heads)
+                    x = x + w_o[i](rearrange(attended, "batch heads new d_head -> batch new (heads d_head)"))
+                tokens = generator(x[:, -1]).argmax(-1, keepdim=True)
     finally:
         torch.set_num_threads(threads)
-    return sum(layer.self_attn.keys.nbytes + layer.self_attn.values.nbytes for layer in cache)
+    return sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
 
 
 FORMULA_MISTAKES = [  # (hint, what the mistaken formula gives, from the right one and the case)
@@ -461,7 +474,7 @@ FORMULA_MISTAKES = [  # (hint, what the mistaken formula gives, from the right o
 
 @check
 def check_cache_formula(fn: Callable[..., Any], seed: int = 0) -> None:
-    """The formula's bytes equal those of the self-attention caches of a real model after decoding."""
+    """The formula's bytes equal those of the self-attention caches of a decoder after decoding."""
     s = _sizes(seed)
     kv, d_head = s["kv_heads"], s["d_head"]
     # Layers and batch sizes that differ from each other and from 2, so that each missing factor shows.

@@ -3,11 +3,12 @@ one step of beam search, and memorising a batch.
 
 The oracles: PyTorch's ``F.cross_entropy(..., ignore_index=pad_id, label_smoothing=...)`` for the
 loss; the paper's formula, ``d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)``, for the schedule;
-the library's :func:`~stepformer.translator.recipe.train_step` on a twin of the student's model for
-the step; every ``beam · vocab`` candidate sorted by hand for the beam step; the library's
-:func:`~stepformer.translator.search.greedy_search` on the memorised weights. The models are the
-library's :class:`~stepformer.transformer.Transformer`, built here (the student trains them, never
-builds them). Every touch of the student's code goes through :func:`call`.
+the recipe's step written out here (PyTorch's loss, ``clip_grad_norm_``, the optimiser's own step) on
+a twin of the student's model for the step; every ``beam · vocab`` candidate sorted by hand for the
+beam step; greedy decoding of the memorised weights, written out here. The models are PyTorch's
+``nn.Transformer`` with embeddings and an output layer, built here (the student trains them, never
+builds them), so the checks need none of the course's reference code. Every touch of the student's
+code goes through :func:`call`.
 """
 
 import contextlib
@@ -18,15 +19,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, kind, library_callables, passed
+from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, passed
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import parameters_of as _parameters_of
-from stepformer.transformer import Transformer
-from stepformer.translator.recipe import label_smoothed_loss as _library_loss
-from stepformer.translator.recipe import train_step as _library_train_step
-from stepformer.translator.search import greedy_search
 
 # The loss is what exercise 1 asks students to write: PyTorch's versions of it are off limits there,
 # and in the exercises whose code calls the student's loss (the step, memorising).
@@ -69,41 +67,44 @@ def _one_thread() -> Iterator[None]:
 
 # -- the models the student trains -----------------------------------------------------------
 
-_LIBRARY = library_callables()  # taken at import, before any check has set its tripwires
+class _Translator(nn.Module):
+    """An encoder-decoder from PyTorch's own pieces: embeddings scaled by sqrt(d_model) plus sinusoids,
+    ``nn.Transformer`` (post-norm, no dropout), an output layer. ``model(src, tgt)`` gives the logits
+    ``(batch, tgt_len, tgt_vocab)`` of the next token at each target position, as the course's model does."""
 
+    def __init__(self, src_vocab: int, tgt_vocab: int, d_model: int, heads: int, d_ff: int, pad_id: int) -> None:
+        super().__init__()
+        self.pad_id = pad_id
+        self.src_tokens = nn.Embedding(src_vocab, d_model)
+        self.tgt_tokens = nn.Embedding(tgt_vocab, d_model)
+        self.transformer = nn.Transformer(d_model, heads, 1, 1, d_ff, dropout=0.0, batch_first=True)
+        self.transformer.encoder.use_nested_tensor = False  # its padding-free fast path warns in eval mode
+        self.generator = nn.Linear(d_model, tgt_vocab)
+        position = torch.arange(_MAX_POSITIONS, dtype=torch.float64)[:, None]
+        angle = position * torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(1e4) / d_model))
+        table = rearrange(torch.stack([angle.sin(), angle.cos()]), "pair seq half -> seq (half pair)")
+        self.register_buffer("positions", table, persistent=False)
 
-@contextlib.contextmanager
-def _library_unwatched() -> Iterator[None]:
-    """The library's own objects in place of the tripwires, for the duration of the block."""
-    swapped = [(module, name, getattr(module, name)) for module, name, original in _LIBRARY
-               if getattr(module, name, original) is not original]
-    originals = {(id(module), name): original for module, name, original in _LIBRARY}
-    for module, name, _ in swapped:
-        setattr(module, name, originals[id(module), name])
-    try:
-        yield
-    finally:
-        for module, name, wire in swapped:
-            setattr(module, name, wire)
+    def _embed(self, tokens: Int[Tensor, "batch seq"], table: nn.Embedding) -> Float[Tensor, "batch seq d_model"]:
+        x = table(tokens) * math.sqrt(table.embedding_dim)
+        return x + self.positions[: tokens.shape[1]].to(x.dtype)
 
-
-class _Translator(Transformer):
-    """The library's Transformer, whose forward pass is the checks' code, not the student's.
-
-    While the student's code runs, :func:`call` replaces every library function by a tripwire, and
-    the model's own forward (its masks, its attention) would trip them although the student only
-    called the model. So the forward pass puts the library back for its own duration; what the
-    student's code does around it (the loss, the step) is watched as everywhere else.
-    """
-
-    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
-        with _library_unwatched():
-            return super().forward(src, tgt)
+    def forward(self, src: Int[Tensor, "batch src_len"],
+                tgt: Int[Tensor, "batch tgt_len"]) -> Float[Tensor, "batch tgt_len tgt_vocab"]:
+        dtype = self.generator.weight.dtype
+        # PyTorch's masks say True = "may not attend", the reverse of the course's.
+        padding = src == self.pad_id
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], dtype=dtype)
+        hidden = self.transformer(self._embed(src, self.src_tokens), self._embed(tgt, self.tgt_tokens), tgt_mask=causal,
+                                  src_key_padding_mask=padding, memory_key_padding_mask=padding)
+        return self.generator(hidden)
 
     def __repr__(self) -> str:  # one line in a failure's message, not the whole module tree
-        return (f"Transformer(src_vocab={self.src_embed.tokens.num_embeddings}, tgt_vocab="
-                f"{self.generator.out_features}, d_model={self.generator.in_features}, "
-                f"{len(self.encoder.layers)} + {len(self.decoder.layers)} layers)")
+        return (f"Transformer(src_vocab={self.src_tokens.num_embeddings}, tgt_vocab={self.generator.out_features}, "
+                f"d_model={self.generator.in_features}, 1 + 1 layers)")
+
+
+_MAX_POSITIONS = 64
 
 
 def _build(vocab: tuple[int, int], d_model: int, heads: int, d_ff: int, pad_id: int, seed: int,
@@ -111,15 +112,31 @@ def _build(vocab: tuple[int, int], d_model: int, heads: int, d_ff: int, pad_id: 
     """A seeded 1 + 1 layer Transformer without dropout; the caller's random numbers are left as they were."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = _Translator(vocab[0], vocab[1], d_model, heads, 1, 1, d_ff, dropout=0.0, pad_id=pad_id)
+        model = _Translator(vocab[0], vocab[1], d_model, heads, d_ff, pad_id)
     return model.to(dtype)
 
 
-def _load(model: Transformer, params: dict[str, Tensor]) -> Transformer:
+def _load(model: _Translator, params: dict[str, Tensor]) -> _Translator:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(params[name])
     return model
+
+
+@torch.no_grad()
+def _greedy(model: _Translator, src: Int[Tensor, "batch src_len"], bos_id: int, eos_id: int) -> list[list[int]]:
+    """The most likely next token at every step, the whole prefix re-read each time; each sentence without
+    ``<s>`` and ``</s>``. At most src_len + 10 tokens, as the course's decoders allow."""
+    model.eval()
+    tokens = torch.full((src.shape[0], 1), bos_id)
+    for _ in range(src.shape[1] + 10):
+        tokens = torch.cat([tokens, model(src, tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        if bool((tokens == eos_id).any(dim=1).all()):
+            break
+    rows = []
+    for row in tokens[:, 1:].tolist():
+        rows.append(row[: row.index(eos_id)] if eos_id in row else row)
+    return rows
 
 
 # -- exercise 1: the label-smoothed loss ---------------------------------------------------
@@ -285,8 +302,13 @@ def check_label_smoothed_loss_edges(fn: Callable[..., Any], seed: int = 0) -> No
                 f"the target's probability, in [0, 1) (at 1 nothing would be left for the right token); it raised "
                 f"{raised}."
             )
+    error = call(_error_of, fn, logits, target, pad_id, smoothing=0.1, reduction="none")
+    if error != "ValueError":
+        raised = "no error" if error is None else f"a {error}"
+        raise CheckFailure(f"label_smoothed_loss(..., reduction='none') should raise a ValueError: the loss knows "
+                           f"'mean' and 'sum' only, and any other word is a typo to report; it raised {raised}.")
     passed("label_smoothed_loss: no overflow at logits + 100, 0 for an all-padding batch, ValueError for smoothing "
-           "outside [0, 1)")
+           "outside [0, 1) and for a reduction other than 'mean' or 'sum'")
 
 
 # -- exercise 2: the learning-rate schedule ------------------------------------------------
@@ -406,11 +428,14 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """SGD with momentum, not AdamW: Adam's first update is about lr · sign(gradient), the same whatever the
     gradients' scale, so clipping would barely show; and for a gradient near 0 it is lr · (rounding noise) / eps,
     which would fail a loss computed in float64 instead of float32. train_step works with any optimiser."""
-    return torch.optim.SGD(model.parameters(), lr=_FIRST_LR, momentum=0.9)
+    # Two groups (biases and norms apart, as weight decay is usually set), so that an lr set on the first only shows.
+    flat = [p for p in model.parameters() if p.dim() < 2]
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    return torch.optim.SGD([{"params": matrices}, {"params": flat}], lr=_FIRST_LR, momentum=0.9)
 
 
 def _gradient_norm(model: nn.Module, src: Tensor, tgt: Tensor, pad_id: int, smoothing: float) -> float:
-    loss = _library_loss(model(src, tgt[:, :-1]), tgt[:, 1:], pad_id, smoothing)
+    loss = _oracle_loss(model(src, tgt[:, :-1]), tgt[:, 1:], pad_id, smoothing, "mean")
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
     model.zero_grad(set_to_none=True)
@@ -419,14 +444,13 @@ def _gradient_norm(model: nn.Module, src: Tensor, tgt: Tensor, pad_id: int, smoo
 
 def _mistaken_step(model: nn.Module, optimizer: torch.optim.Optimizer, src: Tensor, tgt: Tensor, pad_id: int,
                    lr: float, smoothing: float, clip_norm: float, *, reads: str = "prefix", clip: str = "norm",
-                   set_lr: bool = True, zero: bool = True) -> float:
-    """The library's training step with switches for the usual mistakes (to name them)."""
-    if set_lr:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+                   set_lr: str = "all", zero: bool = True) -> float:
+    """The recipe's training step (all switches at their defaults), or one of the usual mistakes (to name them)."""
+    for group in optimizer.param_groups[: None if set_lr == "all" else 1 if set_lr == "first" else 0]:
+        group["lr"] = lr
     decoder_in, expected = {"prefix": (tgt[:, :-1], tgt[:, 1:]), "whole": (tgt, tgt),
                             "same": (tgt[:, :-1], tgt[:, :-1]), "backwards": (tgt[:, 1:], tgt[:, :-1])}[reads]
-    loss = _library_loss(model(src, decoder_in), expected, pad_id, smoothing)
+    loss = _oracle_loss(model(src, decoder_in), expected, pad_id, smoothing, "mean")
     loss.backward()
     if clip == "norm":
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
@@ -456,8 +480,11 @@ _STEP_MISTAKES = {
                  "gradients together (clip_grad_norm_), which keeps their direction.",
     },
     "set_lr": {
-        False: "lr not set: the optimiser stepped with the learning rate it was built with. Set group['lr'] = lr "
-               "for every group in optimizer.param_groups before optimizer.step().",
+        "none": "lr not set: the optimiser stepped with the learning rate it was built with. Set group['lr'] = lr "
+                "for every group in optimizer.param_groups before optimizer.step().",
+        "first": "lr set on the first parameter group only (optimizer.param_groups[0]): an optimiser can hold "
+                 "several groups (say, with and without weight decay). Set group['lr'] = lr for every group in "
+                 "optimizer.param_groups.",
     },
     "zero": {
         False: "Gradients accumulate across steps: zero them. backward() adds to .grad, so the second step also "
@@ -472,12 +499,8 @@ def _step_twin(seed: int, vocab: int, steps: list[tuple[Tensor, Tensor, float, f
     model = _step_model(seed, vocab)
     optimizer = _optimizer(model)
     pad_id = _specials(seed, vocab)[0]
-    if mistake:
-        losses = [_mistaken_step(model, optimizer, src, tgt, pad_id, lr, smoothing, clip_norm, **mistake)
-                  for src, tgt, lr, smoothing, clip_norm in steps]
-    else:  # the oracle: the library's own step
-        losses = [_library_train_step(model, optimizer, src, tgt, pad_id, lr, smoothing, clip_norm)
-                  for src, tgt, lr, smoothing, clip_norm in steps]
+    losses = [_mistaken_step(model, optimizer, src, tgt, pad_id, lr, smoothing, clip_norm, **mistake)
+              for src, tgt, lr, smoothing, clip_norm in steps]
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -528,8 +551,10 @@ def _compare_steps(fn: Callable[..., Any], seed: int, vocab: int,
             hint = _diagnose_steps(seed, vocab, steps[:number], losses[:number], params, check_losses=True) or (
                 "The loss is your label_smoothed_loss of model(src, tgt[:, :-1]) against tgt[:, 1:], with pad_id and "
                 "smoothing, computed before the step.")
-            raise CheckFailure(f"{what}: step {number} (smoothing={smoothing}) returned the loss {loss:.6g}; the "
-                               f"recipe's step gives {expected:.6g}. {hint}")
+            batch, src_len = src.shape
+            raise CheckFailure(f"{what}: step {number} (smoothing={smoothing}; batch={batch}, src_len={src_len}, "
+                               f"tgt_len={tgt.shape[1]}, vocab={vocab}) returned the loss {loss:.6g}; the recipe's "
+                               f"step gives {expected:.6g}. {hint}")
     if not _same_parameters(params, expected_params):
         if type(params) is not dict or set(params) != set(expected_params):
             raise CheckFailure("train_step changed which parameters the model has: it should only update them.")
@@ -539,7 +564,8 @@ def _compare_steps(fn: Callable[..., Any], seed: int, vocab: int,
             "After the loss: backward, clip the gradients' global norm to clip_norm, set lr on every parameter group, "
             "optimizer.step(), then clear the gradients.")
         raise CheckFailure(f"{what}: your losses are right, but after the step {len(wrong)} of {len(expected_params)} "
-                           f"parameters differ from the recipe's (e.g. {wrong[0]}). {hint}")
+                           f"parameters differ from the recipe's (e.g. {wrong[0]}: "
+                           f"{difference(params[wrong[0]], expected_params[wrong[0]])}). {hint}")
 
 
 @check(forbid=BUILT_IN_LOSS)
@@ -771,6 +797,31 @@ _MEMORISE_MISTAKES = {
 }
 
 
+_OTHER_ARGUMENTS = dict(steps=12, peak_lr=3e-3, warmup=5)  # none of them the default
+
+
+def _check_memorise_arguments(memorise: Callable[..., Any], train_step: Callable[..., Any],
+                              inverse_sqrt_lr: Callable[..., Any], seed: int, src: Tensor, tgt: Tensor) -> None:
+    """memorise with steps, peak_lr and warmup other than the defaults follows them, every step compared."""
+    other = _OTHER_ARGUMENTS
+    losses = call(memorise, _memorise_model(seed), src, tgt, _PAD, **other)
+    shown = f"{len(losses)} losses" if type(losses) is list else kind(losses)
+    if type(losses) is not list or len(losses) != other["steps"]:
+        raise CheckFailure(f"memorise(..., steps={other['steps']}, peak_lr={other['peak_lr']}, warmup="
+                           f"{other['warmup']}) returned {shown}: it should run `steps` steps, not a fixed number.")
+    recipe = call(_recipe_losses, (train_step, inverse_sqrt_lr), _memorise_model(seed), src, tgt, **other)
+    if _same_losses(losses, recipe):
+        return
+    defaults = {**_MEMORISE, "steps": other["steps"]}
+    hint = ("they are those of the default peak_lr and warmup: pass your arguments on to inverse_sqrt_lr"
+            if _same_losses(losses, call(_recipe_losses, (train_step, inverse_sqrt_lr), _memorise_model(seed), src,
+                                         tgt, **defaults)) else
+            "build a fresh AdamW and call train_step with lr=inverse_sqrt_lr(step, peak_lr, warmup) at each step")
+    raise CheckFailure(f"With steps={other['steps']}, peak_lr={other['peak_lr']} and warmup={other['warmup']} your "
+                       f"losses {[round(x, 4) for x in losses]} differ from the recipe's "
+                       f"{[round(x, 4) for x in recipe]}: {hint}.")
+
+
 def _words(ids: list[int], vocabulary: tuple[str, ...]) -> str:
     return " ".join(vocabulary[i] if 0 <= i < len(vocabulary) else f"<{i}>" for i in ids)
 
@@ -812,22 +863,23 @@ def check_memorise(functions: tuple[Callable[..., Any], Callable[..., Any], Call
                            "steps call train_step(model, optimizer, src, tgt, pad_id, inverse_sqrt_lr(step, peak_lr, "
                            "warmup), smoothing=0.0) and keep what it returns.")
             )
+        _check_memorise_arguments(memorise, train_step, inverse_sqrt_lr, seed, src, tgt)
     if not losses[-1] < _FINAL_LOSS:
         raise CheckFailure(f"After {steps} steps the loss is still {losses[-1]:.4g} (it started at {losses[0]:.4g}); "
                            f"a model that has learnt these four sentences by heart is under {_FINAL_LOSS}. Your "
-                           "memorise follows the recipe, so look at train_step and inverse_sqrt_lr: does the lr rise "
-                           "to peak_lr and do the parameters move?")
+                           f"memorise's first {_COMPARED_STEPS} steps follow the recipe, so look at train_step and "
+                           "inverse_sqrt_lr: does the lr rise to peak_lr and do the parameters move?")
     decoder = _load(_memorise_model(seed), params)
-    decoded = greedy_search(decoder, src, _BOS, _EOS)
+    decoded = _greedy(decoder, src, _BOS, _EOS)
     if decoded != targets:
         rows = "\n".join(f"  {_words(s, _GERMAN)}  →  {_words(d, _ENGLISH)}   (expected: {_words(t, _ENGLISH)})"
                          for s, d, t in zip(sources, decoded, targets, strict=True))
         raise CheckFailure(
             f"The loss fell to {losses[-1]:.4g}, yet greedy decoding does not give the targets back:\n{rows}\n"
-            "Your memorise follows the recipe, so look at your train_step. A decoder that read, during training, the "
-            "token it had to predict has learnt to copy its input, which it does not have when it generates: the "
-            "decoder reads tgt[:, :-1] and the loss compares with tgt[:, 1:]. Gradients that are never cleared pile "
-            "up from step to step."
+            f"Your memorise's first {_COMPARED_STEPS} steps follow the recipe, so look at your train_step. A "
+            "decoder that read, during training, the token it had to predict has learnt to copy its input, which "
+            "it does not have when it generates: the decoder reads tgt[:, :-1] and the loss compares with "
+            "tgt[:, 1:]. Gradients that are never cleared pile up from step to step."
         )
     rows = "\n".join(f"    {_words(s, _GERMAN)}  →  {_words(d, _ENGLISH)}"
                      for s, d in zip(sources, decoded, strict=True))

@@ -1,4 +1,4 @@
-"""``stepformer-course``: the instructor's commands (sync, release, new-assignment, grade)."""
+"""``stepformer-course``: the instructor's commands (sync, release, new-assignment, grade, export, class-edition)."""
 
 import argparse
 import os
@@ -50,6 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     grade_cmd.add_argument("--memory-gib", type=float, default=None, help="memory of one kernel (default 4)")
     grade_cmd.add_argument("--no-sandbox", action="store_true",
                            help="run student code without the sandbox: only for submissions you trust")
+
+    class_cmd = commands.add_parser("class-edition",
+                                    help="the class edition: nbgrader source/ without printed answers, and the "
+                                         "students' package (the checks without the reference code)")
+    class_cmd.add_argument("--out", type=Path, required=True,
+                           help="where source/ and the wheel go (say, your nbgrader course folder)")
+    class_cmd.add_argument("--package-url", default=None, metavar="URL",
+                           help="where the set-up cells (Colab) fetch the students' wheel; default: its file name")
+    class_cmd.add_argument("--assignment", action="append", help="only this assignment (repeatable); default: all")
+    class_cmd.add_argument("--replace", action="store_true",
+                           help="replace source/<assignment> folders that are already there")
 
     export_cmd = commands.add_parser("export", help="every student x assignment, as CSV or for Canvas or Moodle")
     export_cmd.add_argument("--format", choices=("csv", "canvas", "moodle"), default="csv")
@@ -108,6 +119,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"wrote {path.relative_to(root)}: edit it (solution cells, test cells with assert, a rubric in each "
               f"answer's solution), then `make release` writes the students' copy to exercises/{args.name}/")
+        return 0
+
+    if args.command == "class-edition":
+        from stepformer.course.edition import EditionError, write_class_course
+
+        try:
+            source, wheel = write_class_course(root, args.out, args.package_url, args.assignment,
+                                               replace=args.replace)
+        except EditionError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        print(f"wrote {source} (nbgrader's source/ of the class edition) and {wheel} (the students' package: "
+              f"pip install it on the hub's image, or put it where --package-url points)")
         return 0
 
     if args.command == "export":

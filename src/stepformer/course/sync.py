@@ -19,20 +19,9 @@ from pathlib import Path
 
 import nbformat
 
+from stepformer.checks.given import given_source
+
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-
-
-def given_source(qualified_name: str) -> str:
-    """The whole source of ``module.function``: for a locked cell that hands students an earlier piece."""
-    module_name, _, function_name = qualified_name.rpartition(".")
-    module = importlib.import_module(module_name)
-    tree = ast.parse(inspect.getsource(module))
-    lines = inspect.getsource(module).splitlines()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == function_name:
-            first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
-            return "\n".join(lines[first:node.end_lineno])
-    raise LookupError(f"{qualified_name}: no top-level function or class {function_name!r} in {module.__file__}")
 
 
 def solution_source(qualified_name: str) -> str:

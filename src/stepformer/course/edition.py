@@ -1,0 +1,182 @@
+"""The class edition: the course without its answers, for a class whose grades must measure the students' work.
+
+Built from the same sources as the open edition:
+
+- :func:`class_notebook`: a notebook whose "given" cells (earlier chapters' answers, printed in
+  full in the open edition) load the student's own earlier answer instead, or the course's copy
+  where it is installed (the grader's machine: see :mod:`stepformer.checks.given`), and whose
+  set-up cell installs the students' package rather than the whole course;
+- :func:`build_student_dist`: that package, ``stepformer-checks``: the exercise checks without
+  the reference implementations (``import stepformer.attention`` fails where only it is installed);
+- :func:`write_class_course`: both, as an instructor's nbgrader ``source/`` folder and the wheel
+  to hand out (a hub's image, or a web address for Colab);
+- the book's extension (``book/_ext/edition.py``) uses :func:`graded_answers` to replace each
+  graded function's code by a note pointing to its exercise.
+"""
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+from stepformer.course.paths import assignments
+
+DIST_NAME = "stepformer-checks"
+# The open edition's set-up cell installs the whole course from its repository.
+COURSE_INSTALL = '"git+https://github.com/stepformer/transformers-step-by-step"'
+# What the checks and the notebooks import; the translator's own packages serve the full library only.
+STUDENT_DEPENDENCIES = ("torch", "einops", "jaxtyping", "beartype", "matplotlib", "numpy", "tqdm")
+CLASS_NOTE = (
+    "**Class edition.** The cells below define your own answers from the earlier chapters' notebooks, "
+    "which must lie beside this one's folder as you fetched them. When your work is graded, the course's "
+    "versions are used instead, so a mistake there costs no points here.\n\n"
+)
+
+
+class EditionError(RuntimeError):
+    """The class edition cannot be built as asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A graded function or class: its library name, and the exercise that asks for it."""
+
+    library: str  # "stepformer.attention.scaled_dot_product_attention"
+    assignment: str  # "01_attention"
+    notebook: str  # "attention.ipynb"
+    grade_id: str  # "ex1-solution"
+
+    @property
+    def name(self) -> str:
+        return self.library.rpartition(".")[2]
+
+    @property
+    def exercise(self) -> str:
+        number = re.match(r"ex(\d+)", self.grade_id)
+        where = f"{self.assignment}/{self.notebook}"
+        return f"exercise {number.group(1)} of {where}" if number else where
+
+
+def graded_answers(root: Path) -> dict[str, Answer]:
+    """Every library function or class that a solution cell hands to students to write, by library name."""
+    found: dict[str, Answer] = {}
+    for assignment in assignments(root):
+        for path in sorted((root / "solutions" / assignment).glob("*.ipynb")):
+            for cell in nbformat.read(path, as_version=4).cells:
+                meta = cell.metadata.get("stepformer", {})
+                if meta.get("library") and not meta.get("given"):
+                    grade_id = cell.metadata.get("nbgrader", {}).get("grade_id", "")
+                    found.setdefault(meta["library"], Answer(meta["library"], assignment, path.name, grade_id))
+    return found
+
+
+def given_cell_source(answer: Answer) -> str:
+    """What a class edition's given cell runs instead of printing the answer."""
+    return (f"# {answer.name}: your answer to {answer.exercise} (the grader uses the course's copy).\n"
+            "from stepformer.checks.given import given\n\n"
+            f'given("{answer.library}", "{answer.assignment}/{answer.notebook}", globals())')
+
+
+def class_notebook(nb: nbformat.NotebookNode, answers: dict[str, Answer], package: str) -> nbformat.NotebookNode:
+    """The class edition of a notebook (a copy): given answers loaded, not printed; the students' package installed.
+
+    ``package`` is what the set-up cell gives to pip: the wheel's web address, or its file name.
+    """
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        meta = cell.metadata.get("stepformer", {})
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id", "")
+        if meta.get("given") and meta.get("library") in answers:
+            cell.source = given_cell_source(answers[meta["library"]])
+            cell.outputs, cell.execution_count = [], None
+        elif grade_id == "given-intro" and cell.cell_type == "markdown":
+            cell.source = CLASS_NOTE + cell.source.replace(" (this is the course's solution; run the cell)", "")
+        elif grade_id == "setup" and COURSE_INSTALL in cell.source:
+            cell.source = cell.source.replace(
+                "this installs the course's\n# checks",
+                "this installs the course's\n# checks (the class edition's package: the checks without the answers)",
+            ).replace(COURSE_INSTALL, json.dumps(package))
+    return nb
+
+
+def build_student_dist(root: Path, out: Path) -> Path:
+    """Build the students' wheel (``stepformer-checks``: the checks, no reference code) into ``out``; its path."""
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    pins = [d for d in project["dependencies"] if re.split(r"[=<>~!\[ ]", d, maxsplit=1)[0] in STUDENT_DEPENDENCIES]
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="stepformer-checks-") as tmp:
+        work = Path(tmp)
+        package = work / "src" / "stepformer"
+        shutil.copytree(root / "src" / "stepformer" / "checks", package / "checks",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        (package / "__init__.py").write_text(
+            '"""Transformers, Step by Step, class edition: the exercise checks, without the reference '
+            'implementations."""\n')
+        shutil.copy(root / "LICENSE", work / "LICENSE")
+        (work / "pyproject.toml").write_text("\n".join([
+            "[build-system]",
+            'requires = ["setuptools>=68"]',
+            'build-backend = "setuptools.build_meta"',
+            "",
+            "[project]",
+            f'name = "{DIST_NAME}"',
+            f'version = "{project["version"]}"',
+            'description = "Transformers, Step by Step: the exercise checks of the class edition, without the '
+            'answers"',
+            f'requires-python = "{project["requires-python"]}"',
+            'license = "MIT"',
+            'license-files = ["LICENSE"]',
+            f"dependencies = {json.dumps(pins)}",
+            "",
+            "[tool.setuptools.packages.find]",
+            'where = ["src"]',
+            "",
+        ]))
+        # No build isolation: setuptools is already here, and nothing needs downloading.
+        proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                               "--wheel-dir", str(out), str(work)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise EditionError(f"pip could not build the students' wheel:\n{proc.stdout}{proc.stderr}")
+    wheel = out / f"{DIST_NAME.replace('-', '_')}-{project['version']}-py3-none-any.whl"
+    if not wheel.is_file():
+        raise EditionError(f"pip built no {wheel.name} in {out}")
+    return wheel
+
+
+def write_class_course(root: Path, out: Path, package_url: str | None = None, names: list[str] | None = None,
+                       *, replace: bool = False) -> tuple[Path, Path]:
+    """The class edition's nbgrader ``source/`` (of ``names``, default all) and the students' wheel, under ``out``.
+
+    ``package_url`` is where students' set-up cells fetch the wheel (say, the class site's copy); without it
+    the cells name the wheel's file, to install on the hub's image or beside the notebooks. An assignment's
+    folder already in ``source/`` is refused (it may hold an instructor's edits) unless ``replace``.
+    """
+    known = assignments(root)
+    unknown = sorted(set(names or []) - set(known))
+    if unknown:
+        raise EditionError(f"no such assignment: {', '.join(unknown)} (known: {', '.join(known)})")
+    source = out / "source"
+    there = [name for name in names or known if (source / name).exists()]
+    if there and not replace:
+        raise EditionError(f"{source} already has {', '.join(there)}: nothing was written. Pass --replace to "
+                           "overwrite them with the class edition, or choose another --out.")
+    wheel = build_student_dist(root, out)
+    answers = graded_answers(root)
+    for assignment in names or known:
+        target = source / assignment
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(root / "solutions" / assignment, target,
+                        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+        for path in sorted(target.glob("*.ipynb")):
+            nb = nbformat.read(path, as_version=4)
+            nbformat.write(class_notebook(nb, answers, package_url or wheel.name), path)
+    return source, wheel
