@@ -105,7 +105,7 @@ def test_the_class_course_refuses_to_overwrite_an_instructors_source(tmp_path):
     kept = tmp_path / "source" / "01_attention" / "attention.ipynb"
     kept.parent.mkdir(parents=True)
     kept.write_text("my own edits")
-    with pytest.raises(EditionError, match="already has 01_attention: nothing was written"):
+    with pytest.raises(EditionError, match="already has source/01_attention: nothing was written"):
         write_class_course(ROOT, tmp_path, URL, ["01_attention", "02_masks"])
     assert kept.read_text() == "my own edits" and not (tmp_path / "source" / "02_masks").exists()
     with pytest.raises(EditionError, match="no such assignment: 99_nope"):
@@ -114,6 +114,11 @@ def test_the_class_course_refuses_to_overwrite_an_instructors_source(tmp_path):
     assert wheel.is_file() and nbformat.read(kept, as_version=4).cells
     masks = nbformat.read(source / "02_masks" / "masks.ipynb", as_version=4)
     assert any('given("stepformer.attention.scaled_dot_product_attention"' in c.source for c in masks.cells)
+    # The students' copies: stubs, and the earlier answer loaded rather than printed.
+    handed_out = (tmp_path / "release" / "02_masks" / "masks.ipynb").read_text()
+    assert "raise NotImplementedError()" in handed_out and "BEGIN SOLUTION" not in handed_out
+    assert 'given(\\"stepformer.attention.scaled_dot_product_attention\\"' in handed_out
+    assert "weights = weights.masked_fill(~has_key, 0.0)" not in handed_out  # a line of the course's attention
 
 
 def test_the_cli_writes_the_class_course(tmp_path):

@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         except EditionError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        print(f"wrote {source} (nbgrader's source/ of the class edition) and {wheel} (the students' package: "
-              f"pip install it on the hub's image, or put it where --package-url points)")
+        print(f"wrote {source} (nbgrader's source/ of the class edition), {source.parent / 'release'} (the students' "
+              f"copies) and {wheel} (the students' package: pip install it on the hub's image, or put it where "
+              f"--package-url points)")
         return 0
 
     if args.command == "export":

@@ -8,8 +8,9 @@ Built from the same sources as the open edition:
   set-up cell installs the students' package rather than the whole course;
 - :func:`build_student_dist`: that package, ``stepformer-checks``: the exercise checks without
   the reference implementations (``import stepformer.attention`` fails where only it is installed);
-- :func:`write_class_course`: both, as an instructor's nbgrader ``source/`` folder and the wheel
-  to hand out (a hub's image, or a web address for Colab);
+- :func:`write_class_course`: both, as an instructor's nbgrader ``source/`` folder, its
+  ``release/`` (the students' copies), and the wheel to hand out (a hub's image, or a web
+  address for Colab);
 - the book's extension (``book/_ext/edition.py``) uses :func:`graded_answers` to replace each
   graded function's code by a note pointing to its exercise.
 """
@@ -153,20 +154,23 @@ def build_student_dist(root: Path, out: Path) -> Path:
 
 def write_class_course(root: Path, out: Path, package_url: str | None = None, names: list[str] | None = None,
                        *, replace: bool = False) -> tuple[Path, Path]:
-    """The class edition's nbgrader ``source/`` (of ``names``, default all) and the students' wheel, under ``out``.
+    """The class edition's nbgrader ``source/`` and ``release/`` (of ``names``, default all) and the students'
+    wheel, under ``out``; returns the source folder and the wheel.
 
     ``package_url`` is where students' set-up cells fetch the wheel (say, the class site's copy); without it
     the cells name the wheel's file, to install on the hub's image or beside the notebooks. An assignment's
-    folder already in ``source/`` is refused (it may hold an instructor's edits) unless ``replace``.
+    folder already in ``source/`` or ``release/`` is refused (it may hold an instructor's edits) unless
+    ``replace``.
     """
     known = assignments(root)
     unknown = sorted(set(names or []) - set(known))
     if unknown:
         raise EditionError(f"no such assignment: {', '.join(unknown)} (known: {', '.join(known)})")
-    source = out / "source"
-    there = [name for name in names or known if (source / name).exists()]
+    source, release_folder = out / "source", out / "release"
+    there = [f"{folder.name}/{name}" for folder in (source, release_folder) for name in names or known
+             if (folder / name).exists()]
     if there and not replace:
-        raise EditionError(f"{source} already has {', '.join(there)}: nothing was written. Pass --replace to "
+        raise EditionError(f"{out} already has {', '.join(there)}: nothing was written. Pass --replace to "
                            "overwrite them with the class edition, or choose another --out.")
     wheel = build_student_dist(root, out)
     answers = graded_answers(root)
@@ -179,4 +183,11 @@ def write_class_course(root: Path, out: Path, package_url: str | None = None, na
         for path in sorted(target.glob("*.ipynb")):
             nb = nbformat.read(path, as_version=4)
             nbformat.write(class_notebook(nb, answers, package_url or wheel.name), path)
+    # The students' copies (nbgrader's release of that source): what a class without the exchange hands out.
+    from stepformer.course.release import release
+
+    for assignment in names or known:
+        if (release_folder / assignment).exists():
+            shutil.rmtree(release_folder / assignment)
+    release(root, release_folder, names or known, source=source)
     return source, wheel

@@ -13,13 +13,19 @@ class ReleaseError(RuntimeError):
     """nbgrader could not generate an assignment."""
 
 
-def release(root: Path, target: Path | None = None, names: list[str] | None = None) -> Path:
-    """Generate the release of ``names`` (default: all) into ``target`` (default: exercises/)."""
+def release(root: Path, target: Path | None = None, names: list[str] | None = None,
+            source: Path | None = None) -> Path:
+    """Generate the release of ``names`` (default: all) into ``target`` (default: exercises/).
+
+    ``source`` is the folder of source notebooks (default: solutions/), e.g. the class edition's.
+    """
     target = (target or root / "exercises").resolve()
+    folders = {"root": str(root)} if source is None else {"root": str(source.resolve().parent),
+                                                           "source_directory": source.name}
     with tempfile.TemporaryDirectory(prefix="stepformer-release-") as work:
         config = load_config(
             root,
-            root=str(root),
+            **folders,
             release_directory=str(target),
             db_url=f"sqlite:///{Path(work) / 'gradebook.db'}",
         )
