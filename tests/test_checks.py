@@ -120,6 +120,32 @@ def off_by_a_little(q, k, v, mask=None):
     return output + 0.01 * (mask is not None), weights
 
 
+def four_axes_only(q, k, v, mask=None):
+    # Written for (batch, heads, seq, d) only: the pattern names four axes where *batch allows any number.
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    weights = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhqk,bhkd->bhqd", weights, v), weights
+
+
+def squeezes(q, k, v, mask=None):
+    output, weights = attention(q, k, v, mask)
+    return output.squeeze(), weights.squeeze()  # meant for a leftover axis; batch=1 goes too
+
+
+def weights_masked_after_softmax(q, k, v, mask=None):
+    output, weights = attention(q, k, v, mask)  # the output is right...
+    if mask is not None:  # ...but the weights returned for plotting are masked after the softmax
+        weights = torch.softmax(_scores(q, k), dim=-1) * mask
+    return output, weights
+
+
+def returns_unmasked_weights(q, k, v, mask=None):
+    output, _ = attention(q, k, v, mask)
+    return output, torch.softmax(_scores(q, k), dim=-1)
+
+
 class AlwaysEqual(torch.Tensor):
     def __eq__(self, other):
         return True
@@ -173,6 +199,23 @@ def test_attention_checks_fail_on_the_stub(check):
         (check_attention_shapes, swapped_results, "output should have shape"),
         (check_attention_shapes, float32_always, "dtype"),
         (check_attention_shapes, impostor, "should be a torch.Tensor"),
+        # Gap 21: a pattern with four named axes passed while every check used 4-D inputs only.
+        (check_attention_shapes, four_axes_only, r"with 1 leading axis instead of \(batch, heads\).*'\.\.\.'"),
+        (check_attention_values, four_axes_only, r"leading axis instead of \(batch, heads\)"),
+        # Gap 19: no size was ever 1.
+        (check_attention_shapes, squeezes, r"shape \(batch=1, heads=3, q_len=5, d_v=6\).*squeeze\(\) without an axis"),
+        (check_attention_values, squeezes, r"squeeze\(\) without an axis"),
+        # Gap 22: the weights under a mask were never compared with the masked softmax.
+        (check_attention_mask, weights_masked_after_softmax,
+         r"your output is right, but the weights you return differ .*largest difference .* on sizes batch=2, "
+         r"heads=3, q_len=5, k_len=7, d_k=4, d_v=6\)\. Your weights are masked after the softmax"),
+        # Section 3: every message gives the largest difference and the sizes, a named mistake included.
+        (check_attention_values, no_scale,
+         r"did not divide the scores by sqrt\(d_k\)\. \(Your output: largest difference .* on sizes batch=2, heads=3"),
+        (check_attention_mask, inverted_mask, r"mask is inverted.*\(Your output: largest difference .* on sizes"),
+        (check_attention_values, weights_before_normalising,
+         r"weights you return are not softmax.*\(largest difference .* on sizes batch=2, heads=3, q_len=5"),
+        (check_attention_mask, returns_unmasked_weights, r"masked keys got weight up to .* on sizes batch=2, heads=3"),
     ],
 )
 def test_attention_checks_name_the_mistake(check, mistake, message):
@@ -198,8 +241,18 @@ def test_entropy_check():
         check_attention_entropy(lambda w: -student.attention_entropy(w))
     with pytest.raises(CheckFailure, match="0·log 0"):
         check_attention_entropy(lambda w: -(w * w.log()).sum(-1))
-    with pytest.raises(CheckFailure, match="summed over the k_len axis"):
+    with pytest.raises(CheckFailure, match=r"summed over the k_len axis \(largest difference .* on sizes batch=2"):
         check_attention_entropy(lambda w: -(w * w.log()).sum(-2)[..., : w.shape[-2]].expand(w.shape[:-1]).contiguous())
+    # Gap 28: float32 input, the row of a fully masked query (all zeros), the shape of every result.
+    with pytest.raises(CheckFailure, match="entropy should have dtype torch.float32"):
+        check_attention_entropy(lambda w: student.attention_entropy(w.double()))
+    # PyTorch's Categorical normalises its probs: right on every softmax row, 0/0 on a fully masked one.
+    with pytest.raises(CheckFailure, match=r"A fully masked row .* raised ValueError.*Categorical normalises them"):
+        check_attention_entropy(lambda w: torch.distributions.Categorical(probs=w).entropy())
+    with pytest.raises(CheckFailure, match=r"A fully masked row .* gives NaN \(largest difference inf.*p / p.sum"):
+        check_attention_entropy(lambda w: torch.distributions.Categorical(probs=w, validate_args=False).entropy())
+    with pytest.raises(CheckFailure, match=r"entropy should have shape"):
+        check_attention_entropy(lambda w: student.attention_entropy(w) if (w > 0).all() else torch.zeros(1).double())
 
 
 def test_measurement_check():
@@ -218,6 +271,13 @@ def test_measurement_check():
 
     with pytest.raises(CheckFailure, match="Python float"):
         check_entropy_measurement(returns_tensor)
+
+    # Gap 17: k_len was the default (16), so a function that ignored it passed.
+    def ignores_k_len(d_k, *, scale, q_len=16, k_len=16, samples=64, seed=0):
+        return student.mean_attention_entropy(d_k, scale=scale, q_len=q_len, samples=samples, seed=seed)
+
+    with pytest.raises(CheckFailure, match=r"over 9 keys lies in \[0, log 9\].*the k_len it is given"):
+        check_entropy_measurement(ignores_k_len)
 
 
 # -- own work -----------------------------------------------------------------------------

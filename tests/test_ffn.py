@@ -223,6 +223,16 @@ class Feed(nn.Module):
             return F.dropout(self.linear2(hidden), self.p, self.training)
         if self.mistake == "no_dropout":
             return self.linear2(hidden)
+        if self.mistake == "dropout_on_input":
+            return self.linear2(self.act(self.linear1(F.dropout(x, self.p, self.training))))
+        if self.mistake == "dropout_before_activation":
+            return self.linear2(self.act(F.dropout(self.linear1(x), self.p, self.training)))
+        if self.mistake == "dropout_unscaled" and self.training:
+            return self.linear2(hidden * (torch.rand_like(hidden) >= self.p))  # a hand-made mask, not rescaled
+        if self.mistake == "dropout_keep_probability":
+            return self.linear2(F.dropout(hidden, 1 - self.p, self.training))
+        if self.mistake == "squeeze":
+            return self.linear2(F.dropout(hidden, self.p, self.training)).squeeze()
         return self.linear2(F.dropout(hidden, self.p, self.training))
 
 
@@ -287,6 +297,25 @@ def test_checks_fail_on_the_stub(check):
         (check_feedforward_dropout, feed("dropout_always"), "eval mode the output changed"),
         (check_feedforward_dropout, feed("dropout_on_output"), "after linear2"),
         (check_feedforward_dropout, feed("no_dropout"), "nothing was dropped"),
+        # Gap 10: only "something changed, and not whole outputs" was checked, with ReLU only.
+        (check_feedforward_dropout, feed("dropout_on_input"),
+         r"\(largest difference .* on sizes batch=6, seq=10, d_model=7, d_ff=5\): what reaches linear2 is not the "
+         r"hidden activations.*not to x"),
+        (check_feedforward_dropout, feed("dropout_unscaled"), "the kept hidden activations are not scaled"),
+        (check_feedforward_dropout, feed("dropout_keep_probability"),
+         r"scaled by 1/0.25: you dropped with probability"),
+        (check_feedforward_dropout, feed("dropout_before_activation"),
+         r"activation='gelu' in training mode .* you applied dropout before the activation"),
+        # Gap 19: batch=1.
+        (check_feedforward_values, feed("squeeze"),
+         r"should have shape \(batch=1, seq=3, d_model=5\), got \(3, 5\): the axes of size 1 are gone"),
+        # Section 3: the sizes and the largest difference, a named mistake included.
+        (check_feedforward_values, feed("act_after_linear2"),
+         r"\(same weights; largest difference .* on sizes batch=2, seq=3, d_model=5, d_ff=7\): you applied the "
+         r"activation after linear2"),
+        (check_feedforward_dropout, feed("dropout_always"), r"eval mode the output changed \(largest difference"),
+        (check_swiglu_values, glu("sigmoid"), r"\(largest difference .* on sizes batch=2, seq=3, d_model=5, d_ff=7\): "
+                                              "you used sigmoid"),
         (check_swiglu_values, glu("swapped"), "w_gate and w_up are swapped"),
         (check_swiglu_values, glu("sigmoid"), "sigmoid as the gate"),
         (check_swiglu_values, glu("swapped_sigmoid"), "sigmoid instead of silu, and on w_up"),
@@ -296,6 +325,15 @@ def test_checks_fail_on_the_stub(check):
 def test_checks_name_the_mistake(check, mistake, message):
     with pytest.raises(CheckFailure, match=message):
         check(mistake)
+
+
+def test_dropout_check_does_not_charge_a_wrong_forward(capsys):
+    # A wrong activation costs the values check only: dropout is compared with the student's own eval output.
+    check_feedforward_dropout(feed("gelu_tanh"))
+    assert "scales them by 1/(1-p)" in capsys.readouterr().out
+    # A forward that does not end in linear2 leaves nothing to solve for: the check says what it did not verify.
+    check_feedforward_dropout(feed("act_after_linear2"))
+    assert "where it acts is checked once your forward ends in linear2" in capsys.readouterr().out
 
 
 def test_feedforward_structure_wants_a_value_error():

@@ -243,6 +243,35 @@ def padding_one_wrong(tokens, pad_id):
     return mask
 
 
+def padding_k_len_on_queries(tokens, pad_id):
+    return (tokens != pad_id)[:, None, :, None]
+
+
+def padding_k_len_on_heads(tokens, pad_id):
+    return (tokens != pad_id)[..., None, None]
+
+
+def padding_squeezed(tokens, pad_id):
+    # squeeze() meant for a leftover axis: with one sentence the batch axis goes too.
+    return (tokens != pad_id).squeeze()[..., None, None, :]
+
+
+def causal_additive(q_len, k_len=None, device=None):
+    # PyTorch's convention (generate_square_subsequent_mask): 0 where a query may attend, -inf where not.
+    k_len = q_len if k_len is None else k_len
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    return torch.zeros(q_len, k_len).masked_fill(~allowed, -torch.inf)
+
+
+def causal_keys_by_queries(q_len, k_len=None, device=None):
+    k_len = q_len if k_len is None else k_len
+    return torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len).T
+
+
+def causal_top_left_strict(q_len, k_len=None, device=None):
+    return _ones(q_len, k_len).tril(-1)
+
+
 def _ones(q_len, k_len):
     return torch.ones(q_len, q_len if k_len is None else k_len, dtype=torch.bool)
 
@@ -329,7 +358,8 @@ def _measure(x, mask, *, queries=True, keys=True, transpose=False, apply_mask=Tr
         (check_padding_in_attention, lambda tokens, pad_id: padding_inverted(tokens, pad_id).int(),
          "Return a boolean mask"),
         (check_padding_in_attention, lambda tokens, pad_id: (tokens != pad_id)[:, None, :],
-         r"cannot be the mask of attention .* must have shape \(batch, 1, 1, k_len\)"),
+         r"cannot be the mask of attention .* With three axes \(batch, 1, k_len\) the mask lines batch up with the "
+         r"heads axis"),
         (check_padding_mask, padding_one_wrong,
          r"Sentence 1 should keep positions 0\.\.6; yours keeps positions 1\.\.6"),
         (check_padding_in_attention, padding_one_wrong, r"differs from attention that ignores.*Sentence 1 should keep"),
@@ -350,6 +380,30 @@ def _measure(x, mask, *, queries=True, keys=True, transpose=False, apply_mask=Tr
         (check_which_outputs_change, lambda x, mask=None: _measure(x, mask, transpose=True), "transposed"),
         (check_which_outputs_change, lambda x, mask=None: _measure(x, mask, apply_mask=False), "pass the mask"),
         (check_which_outputs_change, lambda x, mask=None: _measure(x, mask, same_copy=True), "Nothing changed"),
+        # The catalogue of chapter 02: each usual mistake named, with how many entries are wrong and the sizes.
+        (check_padding_mask, padding_inverted,
+         r"padding mask is inverted.*\(\d+ of 14 entries wrong, largest difference 1 at index \[0, 0\] on sizes "
+         r"batch=2, k_len=7, pad_id=0\)"),
+        (check_padding_mask, padding_k_len_on_queries, r"puts k_len on the q_len axis \(batch, 1, k_len, 1\)"),
+        (check_padding_in_attention, padding_k_len_on_queries, r"cannot be the mask.*puts k_len on the q_len axis"),
+        (check_padding_mask, padding_k_len_on_heads, r"puts k_len on the heads axis"),
+        (check_padding_mask, padding_squeezed,
+         r"should have shape \(batch=1, 1, 1, k_len=7\), got \(1, 1, 7\)\. squeeze\(\) without an axis dropped "
+         r"the batch axis"),
+        (check_padding_in_attention, padding_one_wrong,
+         r"ignores exactly the padded keys \(largest difference .* on sizes batch=2, heads=3, q_len=2, k_len=7, "
+         r"d_k=5\)"),
+        (check_causal_mask, causal_triu,
+         r"tril, not triu\)\. \(\d+ of 16 entries wrong, largest difference 1 at index \[.*\] on sizes q_len=4, "
+         r"k_len=4\)"),
+        (check_causal_mask, causal_strict, r"hides the diagonal \(j < i instead of j <= i\)"),
+        (check_causal_mask, causal_additive, "the additive mask of PyTorch's generate_square_subsequent_mask"),
+        (check_causal_mask_offset, causal_keys_by_queries,
+         r"should have shape \(q_len=4, k_len=7\), got \(7, 4\)\. Yours is transposed"),
+        (check_causal_mask_offset, causal_top_left_strict, "aligned to the first key and hides the diagonal"),
+        (check_causal_mask_offset, causal_one_wrong, r"1 of 28 entries wrong.*on sizes q_len=4, k_len=7\. Query 3"),
+        (check_which_outputs_change, lambda x, mask=None: _measure(x, mask, transpose=True),
+         r"With a causal mask \(\d+ of 49 entries wrong, .* on sizes seq=7, d_model=5\): Your matrix is transposed"),
     ],
 )
 def test_checks_name_the_mistake(check, mistake, message):

@@ -255,12 +255,13 @@ class Attention(nn.Module):
         super().__init__()
         if d_model % heads and self.mistake != "no validation":
             raise ValueError("d_model must be a multiple of heads")
-        self.heads, self.p = heads, dropout
+        self.heads = heads
         width = d_model // heads if self.mistake == "per-head width" else d_model
         self.w_q = nn.Linear(d_model, width, bias=bias)
         self.w_k = nn.Linear(d_model, width, bias=bias)
         self.w_v = nn.Linear(d_model, width, bias=bias)
         self.w_o = nn.Linear(width, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, query, key, value, mask=None):
         b, heads = query.shape[0], self.heads
@@ -276,16 +277,31 @@ class Attention(nn.Module):
         v = split(self.w_v(key if self.mistake == "key as value" else value))
         scale = math.sqrt(query.shape[-1] if self.mistake == "sqrt(d_model)" else q.shape[-1])
         scores = q @ k.transpose(-2, -1) / scale
+        if mask is not None and self.mistake == "padding row only" and mask.dim() == 4:
+            mask = mask[:, 0, 0, :][:, None, None, :]  # every 4-D mask read as a padding mask
         if mask is not None and self.mistake != "ignores mask":
             scores = scores.masked_fill(~mask, -math.inf)
         weights = torch.softmax(scores, dim=-1)
-        if self.mistake != "no dropout":
-            weights = nn.functional.dropout(weights, self.p, self.training)
+        if self.mistake == "dropout through F":
+            weights = nn.functional.dropout(weights, self.dropout.p, self.training)
+        elif self.mistake == "dropout on values":
+            v = self.dropout(v)
+        elif self.mistake not in ("no dropout", "dropout on merged heads"):
+            weights = self.dropout(weights)
         out = weights @ v  # (b, heads, q_len, d_head)
+        if self.mistake == "squeeze heads":
+            out = out.squeeze()  # meant for nothing in particular; with heads=1 the heads axis goes
+            return self.w_o(torch.cat(out.unbind(1), dim=-1))
         if self.mistake in ("merge d_head heads", "split d_head heads"):
             concat = out.permute(0, 2, 3, 1).reshape(b, out.shape[2], -1)
         else:
             concat = out.transpose(1, 2).reshape(b, out.shape[2], -1)
+        if self.mistake == "squeeze merged":
+            concat = concat.squeeze()  # with batch=1 the batch axis goes too
+        if self.mistake == "dropout on merged heads":
+            concat = self.dropout(concat)
+        if self.mistake == "w_o by hand":
+            return concat @ self.w_o.weight.T + self.w_o.bias
         return concat if self.mistake == "no w_o" else self.w_o(concat)
 
 
@@ -326,6 +342,30 @@ def test_module_checks_fail_on_the_stub(check):
         (check_mha_cross_attention, "sqrt(d_model)", r"sqrt\(d_model\)"),
         (check_mha_init, "no validation", "should raise a ValueError"),
         (check_mha_init, "per-head width", r"should be \(\d+, \d+\)"),
+        # Gap 11: with p = 1 only, dropout on the values or on the merged heads also left w_o's bias alone.
+        (check_mha_self_attention, "dropout on values",
+         r"known half of the attention weights.*largest difference .* on sizes batch=2, heads=3, q_len=5, k_len=5, "
+         r"d_head=4, d_model=12\)\. self\.dropout was applied to a tensor of shape \(2, 3, 5, 4\), not to the "
+         r"attention weights"),
+        (check_mha_self_attention, "dropout on merged heads", r"applied to a tensor of shape \(2, 5, 12\)"),
+        (check_mha_self_attention, "dropout through F", "never calls self.dropout"),
+        # Gap 29: every 4-D mask was a padding mask, so reading mask[:, 0, 0, :] passed.
+        (check_mha_self_attention, "padding row only",
+         r"per-head mask \(batch, heads, q_len, k_len\).*reads one row of the mask, mask\[:, 0, 0, :\]"),
+        # Gap 18: the forward pass never ran with bias=False.
+        (check_mha_self_attention, "w_o by hand",
+         r"For self-attention with bias=False .* raised TypeError.*\.bias is None: apply the layers"),
+        # Gap 19: no size was ever 1.
+        (check_mha_self_attention, "squeeze merged",
+         r"should have shape \(batch=1, q_len=5, d_model=12\), got \(5, 12\): the axes of size 1 are gone"),
+        (check_mha_cross_attention, "squeeze merged", "squeeze"),
+        (check_mha_self_attention, "squeeze heads",
+         r"For self-attention with (batch|heads)=1 and a padding mask: .* raised"),
+        (check_mha_cross_attention, "squeeze heads", r"For cross-attention with (batch|heads)=1"),
+        # Section 3: the sizes and the largest difference, a named mistake included.
+        (check_mha_cross_attention, "key as value",
+         r"\(largest difference .* on sizes batch=2, heads=3, q_len=5, k_len=7, d_head=4, d_model=12\)\. You took "
+         r"the values from `key`"),
     ],
 )
 def test_module_checks_name_the_mistake(check, name, message):
@@ -359,6 +399,21 @@ def test_split_and_merge_checks():
         check_merge_heads(merge_d_head_heads)
     with pytest.raises(CheckFailure, match=r"shape \(batch=2, heads=3, seq=5, d_head=4\)"):
         check_split_heads(split_without_moving_heads)
+    # Section 3 and gap 19: the sizes and the largest difference; batch=1 and heads=1 kept.
+    with pytest.raises(CheckFailure, match=r"interleaves them.*\(largest difference .* on sizes batch=2, heads=3, "
+                                           r"seq=5, d_head=4\)"):
+        check_merge_heads(merge_d_head_heads)
+
+    def split_squeezed(x, heads):
+        return x.reshape(*x.shape[:2], heads, -1).transpose(1, 2).squeeze()
+
+    def merge_squeezed(x):
+        return x.transpose(1, 2).flatten(2).squeeze()
+
+    with pytest.raises(CheckFailure, match=r"shape \(batch=1, heads=3, seq=5, d_head=4\).*squeeze\(\)"):
+        check_split_heads(split_squeezed)
+    with pytest.raises(CheckFailure, match=r"shape \(batch=1, seq=5, d_model=12\).*squeeze\(\)"):
+        check_merge_heads(merge_squeezed)
     with pytest.raises(CheckFailure, match="dtype"):
         check_merge_heads(merge_float32, dtype=torch.float64)
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from einops import reduce
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
@@ -271,11 +272,12 @@ class Norm(nn.Module):
 
 
 def layer_norm(**switches):
-    return lambda d_model: Norm(d_model, **switches)
+    # A switch wins over the constructor's eps: it is the student's hard-coded value.
+    return lambda d_model, eps=None: Norm(d_model, **({"eps": eps} if eps is not None else {}) | switches)
 
 
 def rms_norm(**switches):
-    return lambda d_model: Norm(d_model, rms=True, **switches)
+    return lambda d_model, eps=None: Norm(d_model, rms=True, **({"eps": eps} if eps is not None else {}) | switches)
 
 
 LAYER_NORM_CHECKS = [check_layer_norm_parameters, check_layer_norm_values, check_layer_norm_gradients]
@@ -316,6 +318,9 @@ def test_rms_norm_checks_pass_on_the_solution_and_fail_on_the_stub(check, capsys
         (layer_norm(centre=False), "did not subtract the mean"),
         (layer_norm(bias_first=True), "bias before multiplying"),
         (layer_norm(affine=False), "left out the learned weight and bias"),
+        # Section 3: the sizes and the largest difference with the named mistake.
+        (layer_norm(unbiased=True), r"\(largest difference .* on sizes batch=\d+, seq=\d+, d_model=\d+\)\. You used "
+                                    "the unbiased variance"),
     ],
 )
 def test_layer_norm_checks_name_the_mistake(check, kwargs, mistake, message):
@@ -340,6 +345,41 @@ def test_layer_norm_checks_name_the_subtler_mistakes():
         check_layer_norm_parameters(layer_norm(init=0.5))
 
 
+def test_a_variance_that_cancels_fails_in_float64_and_float32():
+    """Gap 14: E[x²] - E[x]² passed every float64 run (x + 100 loses no digit that shows at 1e-10) and some
+    float32 ones (the tolerance at x + 100 was 1e-3)."""
+    for seed, dtype in ((202, torch.float64), (2, torch.float32), (10, torch.float32)):
+        with pytest.raises(CheckFailure, match=r"With inputs with a (huge|large) mean .*large mean go wrong"):
+            check_layer_norm_values(layer_norm(cancel=True), seed=seed, dtype=dtype)
+
+
+def test_a_hard_coded_eps_fails():
+    """Gap 12: eps was never passed, so a hard-coded default passed."""
+    with pytest.raises(CheckFailure, match=r"With eps=0.01 on inputs of tiny variance .*\(largest difference .* on "
+                                           r"sizes batch=2, seq=5, d_model=12\)\. You ignored the eps argument"):
+        check_layer_norm_values(layer_norm(eps=1e-5))
+    with pytest.raises(CheckFailure, match=r"With eps=0.001 .*You ignored the eps argument: RMSNorm"):
+        check_rms_norm_values(rms_norm(eps=1e-6))
+
+
+class NamedAxes(Norm):
+    def forward(self, x):  # statistics over d_model, but the pattern names exactly two leading axes
+        mean = reduce(x, "batch seq d_model -> batch seq 1", "mean")
+        variance = reduce((x - mean) ** 2, "batch seq d_model -> batch seq 1", "mean")
+        return (x - mean) / torch.sqrt(variance + self.eps) * self.weight + self.bias
+
+
+def test_norms_on_other_leading_axes():
+    """Gap 13: only (batch, seq, d_model) inputs, so a fixed axis number or named leading axes passed."""
+    for check, mistake, name in ((check_layer_norm_values, layer_norm(dim=2), "LayerNorm"),
+                                 (check_rms_norm_values, rms_norm(dim=2), "RMSNorm")):
+        with pytest.raises(CheckFailure, match=rf"On a 2-D input \(seq, d_model\) your {name} raised: .*IndexError.*"
+                                               r"take the statistics over dim=-1"):
+            check(mistake)
+    with pytest.raises(CheckFailure, match=r"On a 2-D input .* raised: .*EinopsError"):
+        check_layer_norm_values(NamedAxes)
+
+
 @pytest.mark.parametrize(
     ("mistake", "message"),
     [
@@ -360,9 +400,10 @@ class Res(nn.Module):
     """A standalone residual sublayer with switches for the usual mistakes."""
 
     def __init__(self, d_model, sublayer, norm_first=False, dropout=0.0, *, swap=False, skip=True,
-                 residual_of_norm=False, dropout_on_sum=False, norm_name="norm", broken_norm=False):
+                 residual_of_norm=False, dropout_on_sum=False, norm_name="norm", broken_norm=False, post_dropout=True):
         super().__init__()
         self.sublayer, self.drop, self.norm_first = sublayer, nn.Dropout(dropout), norm_first != swap
+        self.post_dropout = post_dropout
         self.skip, self.residual_of_norm, self.dropout_on_sum = skip, residual_of_norm, dropout_on_sum
         self.norm_name = norm_name
         setattr(self, norm_name, Norm(d_model, unbiased=broken_norm, eps_outside=broken_norm))
@@ -375,7 +416,7 @@ class Res(nn.Module):
             if self.dropout_on_sum:
                 return self.drop(base + inner)
             return base + self.drop(inner) if self.skip else self.drop(inner)
-        inner = self.drop(self.sublayer(x))
+        inner = self.drop(self.sublayer(x)) if self.post_dropout else self.sublayer(x)
         return norm(x + inner if self.skip else inner)
 
 
@@ -408,6 +449,14 @@ def test_residual_checks_pass_on_the_solution_and_fail_on_the_stub(capsys):
         (check_residual_dropout, {}, residual(dropout_on_sum=True), "more than the sublayer's output"),
         (check_residual_dropout, {}, lambda d, s, norm_first=False, dropout=0.0: Res(d, s, norm_first),
          "no dropout at all"),
+        # Gap 1: only pre-norm was run with dropout, so a post-norm branch without it passed.
+        (check_residual_dropout, {}, residual(post_dropout=False),
+         r"your post-norm \(norm_first=False\) output has no dropout at all .*largest difference 0 .* in both "
+         r"branches of `if self.norm_first`"),
+        # Section 3: the sizes and the largest difference.
+        (check_residual, {"norm_first": False}, residual(swap=True),
+         r"\(largest difference .* on sizes batch=2, seq=5, d_model=12\)\. You computed pre-norm"),
+        (check_residual_dropout, {}, residual(dropout_on_sum=True), r"pre-norm.*largest difference .* from the nearer"),
     ],
 )
 def test_residual_checks_name_the_mistake(check, kwargs, mistake, message):

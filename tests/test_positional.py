@@ -199,10 +199,12 @@ class Rotary(torch.nn.Module):
     def forward(self, x, positions):
         d = self.d_head
         exponent = 1 if self.mistake == "i_not_2i" else 2
-        theta = self.base ** (-exponent * torch.arange(d // 2, dtype=torch.float64) / d)
+        # The common ``torch.arange(0, d, 2).float()``: float32 angles, whatever the input's dtype.
+        dtype = torch.float32 if self.mistake == "float32_angles" else torch.float64
+        theta = self.base ** (-exponent * torch.arange(d // 2, dtype=dtype) / d)
         if self.mistake == "ignores_positions":
             positions = torch.arange(x.shape[-2])
-        angle = positions.double()[:, None] * theta
+        angle = positions.to(dtype)[:, None] * theta
         cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
         if self.mistake == "half_split":
             a, b = x[..., : d // 2], x[..., d // 2:]
@@ -324,11 +326,29 @@ def _no_value_error(seq_len, d_model):
         (check_offset_measurement, measure_with(rotary_with("half_split")), "half-split"),
         (check_offset_measurement, measure_with(Rotary, reverse=True), "wrong way"),
         (check_offset_measurement, measure_with(rotary_with("minus_theta")), "mirrored"),
+        # Gap 27: float64 was compared at 1e-5, so angles computed in float32 passed the float64 runs.
+        (lambda cls: check_rope_values(cls, dtype=torch.float64), rotary_with("float32_angles"),
+         r"\(largest difference .* on sizes batch=2, heads=3, seq=5, d_head=8\): Your float64 result is only as "
+         r"accurate as float32"),
+        # Section 3: the largest difference, a named mistake included.
+        (check_rope_values, rotary_with("minus_theta"), r"\(largest difference .* on sizes .*\): You rotate by -pos"),
+        (check_sinusoidal_values, lambda s, d: encoding(s, d, swap=True),
+         r"\(largest difference .* on sizes seq_len=35, d_model=32\): sin and cos are swapped"),
+        (check_rope_properties, rotary_with("one_sided_sign"), r"lengths: largest difference .* on sizes batch=2"),
     ],
 )
 def test_checks_name_the_mistake(check, mistake, message):
     with pytest.raises(CheckFailure, match=message):
         check(mistake)
+
+
+def test_float32_angles_cost_only_the_float64_values_run():
+    # The properties and the measurement are about rotations, not precision.
+    float32_angles = type("CheckedRotary_float32_angles", (CheckedRotary,), {"mistake": "float32_angles"})
+    check_rope_properties(float32_angles)
+    check_offset_measurement(measure_with(float32_angles))
+    with pytest.raises(CheckFailure, match="only as accurate as float32"):
+        check_rope_values(float32_angles, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("seed", [0, 603, 11])

@@ -6,6 +6,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from beartype import beartype
+from einops import einsum
+from jaxtyping import Bool, Float, jaxtyped
 from torch import Tensor
 
 from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed, show
@@ -36,16 +39,69 @@ def _qkv(seed: int, dtype: torch.dtype, scale: float = 1.0) -> tuple[dict[str, i
     return s, q, k, v
 
 
-def _result(fn: Callable[..., Any], s: dict[str, int], dtype: torch.dtype, *args: Any) -> tuple[Tensor, Tensor]:
-    result = call(fn, *args)
+def _lead_names(count: int) -> tuple[str, ...]:
+    """The names of ``count`` leading axes, the innermost last: (batch, heads), (heads,) or ()."""
+    return ("batch", "heads")[2 - count:] if count else ()
+
+
+def _sizes_of(q: Tensor, k: Tensor, v: Tensor) -> dict[str, int]:
+    """The sizes of one call, named, for messages: its leading axes, then q_len, k_len, d_k, d_v."""
+    lead = dict(zip(_lead_names(q.dim() - 2), q.shape[:-2], strict=True))
+    return {**lead, "q_len": q.shape[-2], "k_len": k.shape[-2], "d_k": q.shape[-1], "d_v": v.shape[-1]}
+
+
+def _expect_kept(x: Any, what: str, shape: tuple[int, ...], axes: str, dtype: torch.dtype) -> Tensor:
+    """:func:`expect_tensor`, which also names the usual cause of a lost axis of size 1 (batch=1, heads=1)."""
+    if type(x) is Tensor and tuple(x.shape) != shape and tuple(x.shape) == tuple(n for n in shape if n != 1):
+        named = ", ".join(f"{a}={n}" for a, n in zip(axes.split(), shape, strict=True))
+        raise CheckFailure(
+            f"{what} should have shape ({named}), got {tuple(x.shape)}: the axes of size 1 are gone. "
+            "squeeze() without an axis drops every axis of size 1, batch and heads included when they are 1: "
+            "squeeze only the axis you mean (squeeze(dim)), or use rearrange with named axes."
+        )
+    return expect_tensor(x, what, shape, axes, dtype)
+
+
+def _first_line(failure: CheckFailure) -> str:
+    """The first line of a failure, ending a sentence (an exception's text may run over many lines)."""
+    line = str(failure).splitlines()[0].rstrip(" .:")
+    return line + "."
+
+
+def _result(fn: Callable[..., Any], dtype: torch.dtype, q: Tensor, k: Tensor, v: Tensor,
+            mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Call ``fn`` on inputs with any leading axes; check the pair's types, shapes and dtypes."""
+    s = _sizes_of(q, k, v)
+    lead = [f"{a}={n}" for a, n in s.items()][: q.dim() - 2]
+    try:
+        result = call(fn, q, k, v) if mask is None else call(fn, q, k, v, mask)
+    except CheckFailure as failure:
+        if q.dim() == 4 or ") raised " not in str(failure):
+            raise
+        shape = ", ".join([*lead, f"q_len={s['q_len']}", f"d_k={s['d_k']}"])
+        raise CheckFailure(
+            f"On q of shape ({shape}), with {q.dim() - 2 or 'no'} leading "
+            f"ax{'i' if q.dim() == 3 else 'e'}s instead of (batch, heads): {_first_line(failure)} The leading axes "
+            "are *batch, any number of them, none included: write einsum patterns with '...' (\"... q_len d_k, "
+            "... k_len d_k -> ... q_len k_len\") and transpose with transpose(-2, -1), never with fixed axis numbers."
+        ) from None
     if not isinstance(result, tuple) or len(result) != 2:
         raise CheckFailure(
             f"scaled_dot_product_attention should return a pair (output, weights), got {kind(result)}."
         )
-    b, h, q_len, k_len, d_v = s["batch"], s["heads"], s["q_len"], s["k_len"], s["d_v"]
-    output = expect_tensor(result[0], "output", (b, h, q_len, d_v), "batch heads q_len d_v", dtype)
-    weights = expect_tensor(result[1], "weights", (b, h, q_len, k_len), "batch heads q_len k_len", dtype)
+    names = list(_lead_names(q.dim() - 2))
+    sizes = [s[a] for a in names]
+    output = _expect_kept(result[0], "output", (*sizes, s["q_len"], s["d_v"]), " ".join([*names, "q_len d_v"]),
+                         dtype)
+    weights = _expect_kept(result[1], "weights", (*sizes, s["q_len"], s["k_len"]),
+                          " ".join([*names, "q_len k_len"]), dtype)
     return output, weights
+
+
+def _samples(q: Tensor, k: Tensor, v: Tensor) -> list[tuple[str, Tensor, Tensor, Tensor]]:
+    """The same inputs with (batch, heads), batch=1, (heads,) and no leading axes: *batch means any."""
+    return [("", q, k, v), (" (batch=1)", q[:1], k[:1], v[:1]),
+            (" (3-D inputs: heads, seq, d)", q[0], k[0], v[0]), (" (2-D inputs: seq, d)", q[0, 0], k[0, 0], v[0, 0])]
 
 
 def _mask_variants(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> dict[str, Tensor]:
@@ -74,9 +130,21 @@ def _mask_variants(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> dict[str, T
 
 def _diagnose(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tensor, weights: Tensor) -> str:
     """Name the likely mistake by comparing with the oracle under each common error; the last resort says
-    where the output differs, on which sizes."""
+    where the output differs. Either way, say by how much and on which sizes."""
+    dtype = q.dtype
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask).to(dtype)
+    found = difference(output, expected, _sizes_of(q, k, v))
+    hint = _hint(q, k, v, mask, output, weights)
+    if hint is None:
+        return (f"Your output differs from the oracle's ({found}), and matches none of the common mistakes. "
+                "Compare your scores with q @ k.transpose(-2, -1) / sqrt(d_k) and your weights with their softmax "
+                "over k_len on a small example.")
+    return f"{hint} (Your output: {found}.)"
+
+
+def _hint(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tensor, weights: Tensor) -> str | None:
+    """The common mistake that reproduces the student's output, if one does."""
     dtype, d_k = q.dtype, q.shape[-1]
-    sizes = dict(zip(AXES, (*q.shape[:3], k.shape[2], d_k, v.shape[-1]), strict=True))
     if torch.isnan(weights).any() or torch.isnan(output).any():
         # A softmax over the query axis gives NaN wherever a key is masked for every query.
         columns = torch.nan_to_num(weights).sum(-2)
@@ -103,49 +171,61 @@ def _diagnose(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tens
     for hint, expected in variants.items():
         if close(output, expected, dtype, 1e-4 if dtype == torch.float32 else None):
             return hint
-    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask).to(dtype)
-    return (f"Your output differs from the oracle's ({difference(output, expected, sizes)}), and matches none of "
-            "the common mistakes. Compare your scores with q @ k.transpose(-2, -1) / sqrt(d_k) and your weights "
-            "with their softmax over k_len on a small example.")
+    return None
 
 
 @check(forbid=BUILT_IN_ATTENTION)
 def check_attention_shapes(fn: Callable[..., Any], seed: int = 0) -> None:
-    """output is (batch, heads, q_len, d_v) and weights (batch, heads, q_len, k_len)."""
+    """output is (*batch, q_len, d_v) and weights (*batch, q_len, k_len), for any leading axes, batch=1 included."""
     for dtype in (torch.float32, torch.float64):
-        s, q, k, v = _qkv(seed, dtype)
-        _result(fn, s, dtype, q, k, v)
-    passed("shapes and dtypes are right")
+        _, q, k, v = _qkv(seed, dtype)
+        for _, *inputs in _samples(q, k, v):
+            _result(fn, dtype, *inputs)
+    passed("shapes and dtypes are right, with (batch, heads), batch=1, one and no leading axes")
 
 
 @check(forbid=BUILT_IN_ATTENTION)
 def check_attention_values(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Equal to torch.nn.functional.scaled_dot_product_attention without a mask, large scores included."""
+    """Equal to torch.nn.functional.scaled_dot_product_attention without a mask, large scores and any leading
+    axes included."""
     for scale, label in ((1.0, "random"), (30.0, "large")):
-        s, q, k, v = _qkv(seed, dtype, scale)
-        output, weights = _result(fn, s, dtype, q, k, v)
-        scores = q.double() @ k.double().transpose(-2, -1) / math.sqrt(s["d_k"])
-        # Scores in the thousands carry rounding of eps * |score| into the softmax, in any correct
-        # code, PyTorch's included: compare with float64 at that tolerance. Overflow (NaN, inf) or a
-        # missing max-subtraction is off by far more.
-        tolerance = max(1e-5 if dtype == torch.float32 else 1e-10,
-                        2 * torch.finfo(dtype).eps * scores.abs().max().item())
-        expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double()).to(dtype)
-        if not close(output, expected, dtype, tolerance):
-            raise CheckFailure(
-                f"With {label} scores, your output differs from PyTorch's: {_diagnose(q, k, v, None, output, weights)}"
-            )
-        if not close(weights, torch.softmax(scores, dim=-1).to(dtype), dtype, tolerance):
-            raise CheckFailure(
-                "Your output is right but the weights you return are not softmax(q kᵀ / sqrt(d_k)): "
-                "return the weights that you multiplied v by."
-            )
-    passed(f"equal to torch.nn.functional.scaled_dot_product_attention ({str(dtype).removeprefix('torch.')})")
+        _, q, k, v = _qkv(seed, dtype, scale)
+        for where, *inputs in _samples(q, k, v) if scale == 1.0 else [("", q, k, v)]:
+            q_, k_, v_ = inputs
+            output, weights = _result(fn, dtype, q_, k_, v_)
+            scores = q_.double() @ k_.double().transpose(-2, -1) / math.sqrt(q_.shape[-1])
+            # Scores in the thousands carry rounding of eps * |score| into the softmax, in any correct
+            # code, PyTorch's included: compare with float64 at that tolerance. Overflow (NaN, inf) or a
+            # missing max-subtraction is off by far more.
+            tolerance = max(1e-5 if dtype == torch.float32 else 1e-10,
+                            2 * torch.finfo(dtype).eps * scores.abs().max().item())
+            expected = F.scaled_dot_product_attention(q_.double(), k_.double(), v_.double()).to(dtype)
+            if not close(output, expected, dtype, tolerance):
+                raise CheckFailure(f"With {label} scores{where}, your output differs from PyTorch's: "
+                                   f"{_diagnose(q_, k_, v_, None, output, weights)}")
+            softmax = torch.softmax(scores, dim=-1).to(dtype)
+            if not close(weights, softmax, dtype, tolerance):
+                raise CheckFailure(
+                    f"With {label} scores{where}, your output is right but the weights you return are not "
+                    f"softmax(q kᵀ / sqrt(d_k)) ({difference(weights, softmax, _sizes_of(q_, k_, v_))}): "
+                    "return the weights that you multiplied v by."
+                )
+    passed(f"equal to torch.nn.functional.scaled_dot_product_attention, weights included, with any leading axes "
+           f"({str(dtype).removeprefix('torch.')})")
+
+
+@jaxtyped(typechecker=beartype)
+def _masked_softmax(q: Float[Tensor, "*batch q_len d_k"], k: Float[Tensor, "*batch k_len d_k"],
+                    mask: Bool[Tensor, "*#batch #q_len #k_len"]) -> Float[Tensor, "*batch q_len k_len"]:
+    """softmax(where(mask, scores, -inf)) over k_len in float64, zeros for a query with no key."""
+    scores = einsum(q.double(), k.double(), "... q_len d_k, ... k_len d_k -> ... q_len k_len") / math.sqrt(q.shape[-1])
+    return torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1).nan_to_num(0.0)
 
 
 @check(forbid=BUILT_IN_ATTENTION)
 def check_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Masked keys get zero weight, masks broadcast, and a fully masked row gives zeros, not NaN."""
+    """Masked keys get zero weight, the others their softmax weight, masks broadcast, and a fully masked row
+    gives zeros, not NaN."""
     s, q, k, v = _qkv(seed, dtype)
     g = torch.Generator().manual_seed(seed + 1)
     b, h, q_len, k_len = s["batch"], s["heads"], s["q_len"], s["k_len"]
@@ -154,68 +234,114 @@ def check_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
     lengths = torch.randint(1, k_len + 1, (b,), generator=g)
     padding = torch.arange(k_len).expand(b, 1, 1, k_len) < lengths.view(b, 1, 1, 1)
     causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
-    for name, mask in (("a random (batch, heads, q_len, k_len)", full), ("a padding (batch, 1, 1, k_len)", padding),
-                       ("a causal (q_len, k_len)", causal)):
-        output, weights = _result(fn, s, dtype, q, k, v, mask)
-        if not close(output, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), dtype):
-            raise CheckFailure(f"With {name} mask: {_diagnose(q, k, v, mask, output, weights)}")
+    cases = (("a random (batch, heads, q_len, k_len)", q, k, v, full),
+             ("a padding (batch, 1, 1, k_len)", q, k, v, padding),
+             ("a causal (q_len, k_len)", q, k, v, causal),
+             ("a padding (batch=1, 1, 1, k_len)", q[:1], k[:1], v[:1], padding[:1]),
+             ("a causal (q_len, k_len) mask on 3-D (heads, seq, d) inputs, that is", q[0], k[0], v[0], causal))
+    for name, q_, k_, v_, mask in cases:
+        sizes = _sizes_of(q_, k_, v_)
+        output, weights = _result(fn, dtype, q_, k_, v_, mask)
+        if not close(output, F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask), dtype):
+            raise CheckFailure(f"With {name} mask: {_diagnose(q_, k_, v_, mask, output, weights)}")
         leaked = weights.masked_select(~mask.expand_as(weights))
         if leaked.numel() and leaked.abs().max() != 0:
             raise CheckFailure(
-                f"With {name} mask, masked keys got weight up to {leaked.abs().max().item():.3g}; "
-                "they must get exactly 0 (fill their scores with -inf before the softmax)."
+                f"With {name} mask, masked keys got weight up to {leaked.abs().max().item():.3g} on sizes "
+                f"{', '.join(f'{a}={n}' for a, n in sizes.items())}; they must get exactly 0 (fill their scores "
+                "with -inf before the softmax)."
+            )
+        expected = _masked_softmax(q_, k_, mask).to(dtype)
+        if not close(weights, expected, dtype):
+            unmasked = torch.ones(mask.shape[-2:], dtype=torch.bool)
+            after = (_masked_softmax(q_, k_, unmasked) * mask).to(dtype)
+            hint = ("Your weights are masked after the softmax: the kept ones no longer sum to 1. Return the weights "
+                    "of the masked softmax, the ones your output is made of." if close(weights, after, dtype)
+                    else "Return the weights that you multiplied v by.")
+            raise CheckFailure(
+                f"With {name} mask your output is right, but the weights you return differ from "
+                f"softmax(where(mask, scores, -inf)) ({difference(weights, expected, sizes)}). {hint}"
             )
     blind = full.clone()
     blind[:, :, 1, :] = False
-    output, weights = _result(fn, s, dtype, q, k, v, blind)
+    output, weights = _result(fn, dtype, q, k, v, blind)
     row_out, row_w = output[:, :, 1], weights[:, :, 1]
+    where = f"query 1 of every (batch, heads), on sizes {', '.join(f'{a}={n}' for a, n in s.items())}"
     if torch.isnan(row_out).any() or torch.isnan(row_w).any():
         raise CheckFailure(
-            "A query whose keys are all masked gives NaN (softmax of all -inf). Give such rows zero "
+            f"A query whose keys are all masked gives NaN (softmax of all -inf), {where}. Give such rows zero "
             "weights and a zero output: e.g. find them with mask.any(dim=-1, keepdim=True)."
         )
     if row_out.abs().max() != 0 or row_w.abs().max() != 0:
         raise CheckFailure(
-            "A query whose keys are all masked should get zero weights and a zero output, "
-            f"got weights {show(row_w[0, 0])}."
+            f"A query whose keys are all masked should get zero weights and a zero output ({where}), "
+            f"got weights {show(row_w[0, 0])} (output: {difference(row_out, torch.zeros_like(row_out))})."
         )
-    passed("masks: masked keys get 0, masks broadcast, a fully masked row gives zeros")
+    passed("masks: masked keys get 0 and the others their softmax weight, masks broadcast (batch=1 and 3-D inputs "
+           "too), a fully masked row gives zeros")
 
 
 @check
 def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
-    """Equal to torch.distributions.Categorical's entropy; 0·log 0 counts as 0."""
+    """Equal to torch.distributions.Categorical's entropy in float64 and float32; 0·log 0 counts as 0, and a
+    fully masked row (all zeros) has entropy 0."""
     s = _sizes(seed)
+    sizes = {a: s[a] for a in ("batch", "heads", "q_len", "k_len")}
+    axes = "batch heads q_len"
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(s["batch"], s["heads"], s["q_len"], s["k_len"], generator=g, dtype=torch.float64)
+    for dtype in (torch.float64, torch.float32):
+        weights = torch.softmax(logits, dim=-1).to(dtype)
+        expected = torch.distributions.Categorical(probs=weights.double()).entropy().to(dtype)
+        got = expect_tensor(call(fn, weights), "entropy", tuple(expected.shape), axes, dtype)
+        if not close(got, expected, dtype):
+            found = difference(got, expected, sizes)
+            if close(got, -expected, dtype):
+                raise CheckFailure(f"Your entropy has the wrong sign: H = -Σ p log p is never negative ({found}).")
+            if close(got, expected / math.log(2), dtype):
+                raise CheckFailure(f"You used log base 2: the course measures entropy in nats, the natural log "
+                                   f"({found}).")
+            raise CheckFailure(f"Your entropy differs from -Σ_k p log p summed over the k_len axis ({found}; "
+                               f"{str(dtype).removeprefix('torch.')}).")
     weights = torch.softmax(logits, dim=-1)
-    expected = torch.distributions.Categorical(probs=weights).entropy()
-    got = expect_tensor(call(fn, weights), "entropy", tuple(expected.shape), "batch heads q_len", torch.float64)
-    if not close(got, expected, torch.float64):
-        if close(got, -expected, torch.float64):
-            raise CheckFailure("Your entropy has the wrong sign: H = -Σ p log p is never negative.")
-        if close(got, expected / math.log(2), torch.float64):
-            raise CheckFailure("You used log base 2: the course measures entropy in nats (natural log).")
-        raise CheckFailure("Your entropy differs from -Σ_k p log p summed over the k_len axis.")
     one_hot = torch.zeros_like(weights)
     one_hot[..., 0] = 1.0
-    got = call(fn, one_hot)
-    if torch.isnan(got).any() or not close(got, torch.zeros_like(got), torch.float64):
-        raise CheckFailure(
-            "Weights with zeros give NaN or a nonzero entropy: 0·log 0 must count as 0 "
-            "(torch.where(p > 0, p * p.log(), 0.0))."
-        )
-    passed("equal to torch.distributions.Categorical(probs=weights).entropy()")
+    blind = weights.clone()
+    blind[:, :, 1, :] = 0.0  # query 1 has no key: the weights of a fully masked row
+    expected = torch.distributions.Categorical(probs=weights).entropy()
+    expected[:, :, 1] = 0.0
+    for what, probs, hint, right in (
+        ("Weights with zeros (one-hot rows)", one_hot,
+         "0·log 0 must count as 0 (torch.where(p > 0, p * p.log(), 0.0)).", torch.zeros(expected.shape,
+                                                                                     dtype=torch.float64)),
+        ("A fully masked row (all its weights 0)", blind,
+         "such a row has entropy 0: count 0·log 0 as 0, and do not normalise the weights (they sum to 0, so "
+         "p / p.sum() is 0/0; torch.distributions.Categorical normalises them).", expected),
+    ):
+        try:
+            got = call(fn, probs)
+        except CheckFailure as failure:
+            if ") raised " not in str(failure):
+                raise
+            raise CheckFailure(f"{what}: {_first_line(failure)} {hint}") from None
+        got = expect_tensor(got, "entropy", tuple(right.shape), axes, torch.float64)
+        if not close(got, right, torch.float64):
+            raise CheckFailure(f"{what} give{'s' if what.startswith('A ') else ''} "
+                               f"{'NaN' if torch.isnan(got).any() else 'a wrong entropy'} "
+                               f"({difference(got, right, sizes)}): {hint}")
+    passed("equal to torch.distributions.Categorical(probs=weights).entropy() in float64 and float32; 0 for a "
+           "one-hot or a fully masked row")
 
 
 @check(forbid=BUILT_IN_ATTENTION)
 def check_entropy_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
     """Unscaled entropy collapses as d_k grows; scaled entropy stays put; both agree with a fresh sample."""
-    k_len = 16
+    # Not the defaults (16 keys, 16 queries, 64 samples): a function that ignores an argument fails.
+    q_len, k_len, samples = 12, 9, 48
     table = {}
     for d_k in (4, 64, 256):
         for scale in (True, False):
-            value = call(fn, d_k, scale=scale, q_len=12, k_len=k_len, samples=48, seed=seed)
+            value = call(fn, d_k, scale=scale, q_len=q_len, k_len=k_len, samples=samples, seed=seed)
             if type(value) is not float:
                 raise CheckFailure(
                     f"mean_attention_entropy should return a Python float (use .item()), got {kind(value)}."
@@ -223,25 +349,27 @@ def check_entropy_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
             if not 0.0 <= value <= math.log(k_len) + 1e-9:
                 raise CheckFailure(
                     f"An entropy over {k_len} keys lies in [0, log {k_len}] = [0, {math.log(k_len):.3f}], "
-                    f"got {value:.3f}."
+                    f"got {value:.3f} for d_k={d_k}, scale={scale}. Does your function draw k_len keys, "
+                    "the k_len it is given?"
                 )
             table[d_k, scale] = value
     g = torch.Generator().manual_seed(seed + 7)
     for (d_k, scale), value in table.items():
-        q = torch.randn(256, 12, d_k, generator=g, dtype=torch.float64)
+        q = torch.randn(256, q_len, d_k, generator=g, dtype=torch.float64)
         k = torch.randn(256, k_len, d_k, generator=g, dtype=torch.float64)
         scores = q @ k.transpose(-2, -1) / (math.sqrt(d_k) if scale else 1.0)
         reference = torch.distributions.Categorical(logits=scores).entropy().mean().item()
         if abs(value - reference) > 0.15:
             hint = (
                 "Did you divide by sqrt(d_k) only when scale=True?" if not scale
-                else "Are q and k unit-variance (torch.randn)?"
+                else "Are q and k unit-variance (torch.randn), with the q_len, k_len and samples you are given?"
             )
             raise CheckFailure(
-                f"For d_k={d_k}, scale={scale} you measured {value:.3f} nats; a fresh sample gives "
-                f"about {reference:.3f}. {hint}"
+                f"For d_k={d_k}, scale={scale}, q_len={q_len}, k_len={k_len}, samples={samples} you measured "
+                f"{value:.3f} nats; a fresh sample gives about {reference:.3f} (difference "
+                f"{abs(value - reference):.3f}, allowed 0.15). {hint}"
             )
     passed(
         f"unscaled entropy falls from {table[4, False]:.2f} to {table[256, False]:.2f} nats as d_k goes 4 → 256; "
-        f"scaled stays near {table[256, True]:.2f}"
+        f"scaled stays near {table[256, True]:.2f} (over {k_len} keys)"
     )

@@ -5,9 +5,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from beartype import beartype
+from einops import rearrange
+from jaxtyping import Float, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed
+from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, passed
+from stepformer.checks.attention import _expect_kept
 
 AXES = ("batch", "seq", "d_model", "d_ff")
 # What exercise 1 asks students to write themselves: the feed-forward half of a Transformer layer.
@@ -71,9 +75,22 @@ def _expect_parameters(module: Any, expected: dict[str, tuple[int, ...]], cls: s
     )
 
 
-def _output(module: Any, x: Tensor, what: str) -> Tensor:
+def _seeded(module: nn.Module, x: Float[Tensor, "batch seq d_model"], seed: int) -> Any:
+    """The module's output with the global RNG seeded here and restored afterwards: a reproducible dropout draw."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return module(x)
+
+
+def _output(module: Any, x: Tensor, what: str, seed: int | None = None) -> Tensor:
     b, seq, d_model = x.shape
-    return expect_tensor(call(module, x), what, (b, seq, d_model), FFN_AXES, x.dtype)
+    got = call(module, x) if seed is None else call(_seeded, module, x, seed)
+    return _expect_kept(got, what, (b, seq, d_model), FFN_AXES, x.dtype)
+
+
+def _named(s: dict[str, int]) -> dict[str, int]:
+    """The sizes that a message reports."""
+    return {a: s[a] for a in AXES}
 
 
 # -- FeedForward -------------------------------------------------------------------------------
@@ -159,7 +176,8 @@ def check_feedforward_structure(cls: Callable[..., Any], seed: int = 0) -> None:
 
 @check(forbid=BUILT_IN_LAYERS)
 def check_feedforward_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Equal to torch.nn.TransformerEncoderLayer's linear2(activation(linear1(x))), ReLU and GELU, weights copied."""
+    """Equal to torch.nn.TransformerEncoderLayer's linear2(activation(linear1(x))), ReLU and GELU, weights copied;
+    batch=1 too."""
     s = _sizes(seed)
     x = _input(s, seed, dtype)
     for activation in ("relu", "gelu"):
@@ -167,52 +185,127 @@ def check_feedforward_values(cls: Callable[..., Any], seed: int = 0, dtype: torc
         module = call(cls, s["d_model"], s["d_ff"], activation=activation)
         _expect_parameters(module, _ffn_expected(s), "FeedForward", FFN_BIAS_HINT)
         call(_prepare, module, _ffn_state(layer), False)
-        got = _output(module, x, "FeedForward's output")
-        with torch.no_grad():
-            expected = layer.linear2(layer.activation(layer.linear1(x)))
-        if not close(got, expected, dtype):
-            alone = _output(module, x[:, -1:], "FeedForward's output")
-            raise CheckFailure(
-                f"With activation={activation!r}, your output differs from PyTorch's TransformerEncoderLayer "
-                f"(same weights): {_ffn_diagnose(layer, activation, x, got, alone)}"
-            )
-    passed(f"equal to nn.TransformerEncoderLayer's feed-forward, ReLU and GELU ({str(dtype).removeprefix('torch.')})")
+        for sample in (x, x[:1]):
+            got = _output(module, sample, "FeedForward's output")
+            with torch.no_grad():
+                expected = layer.linear2(layer.activation(layer.linear1(sample)))
+            if not close(got, expected, dtype):
+                alone = _output(module, sample[:, -1:], "FeedForward's output")
+                found = difference(got, expected, dict(_named(s), batch=len(sample)))
+                raise CheckFailure(
+                    f"With activation={activation!r}, your output differs from PyTorch's TransformerEncoderLayer "
+                    f"(same weights; {found}): {_ffn_diagnose(layer, activation, sample, got, alone)}"
+                )
+    passed(f"equal to nn.TransformerEncoderLayer's feed-forward, ReLU and GELU, batch=1 too "
+           f"({str(dtype).removeprefix('torch.')})")
+
+
+@jaxtyped(typechecker=beartype)
+def _reaching_linear2(layer: nn.TransformerEncoderLayer,
+                      y: Float[Tensor, "batch seq d_model"]) -> tuple[Float[Tensor, "batch seq d_ff"], float]:
+    """The hidden vector h with linear2(h) = y at every position, and how far y is from any such output.
+
+    linear2 maps d_ff to more d_model features, so h is unique when it exists, and least squares in float64
+    finds it; a forward that does not end in linear2 leaves a residual.
+    """
+    rhs = rearrange(y - layer.linear2.bias, "batch seq d_model -> d_model (batch seq)")
+    solution = torch.linalg.lstsq(layer.linear2.weight, rhs).solution
+    residual = (layer.linear2.weight @ solution - rhs).abs().max().item()
+    return rearrange(solution, "d_ff (batch seq) -> batch seq d_ff", batch=y.shape[0]), residual
+
+
+@jaxtyped(typechecker=beartype)
+def _dropout_diagnose(layer: nn.TransformerEncoderLayer, x: Float[Tensor, "batch seq d_model"],
+                      hidden: Float[Tensor, "batch seq d_ff"], reached: Float[Tensor, "batch seq d_ff"],
+                      p: float) -> str | None:
+    """Why what reached linear2 in training is not ``hidden`` (what reaches it in eval mode) with each unit
+    dropped (0) or kept and scaled by 1/(1-p)."""
+    scale = 1e-8 * (1.0 + hidden.abs().max().item())
+    dropped = reached.abs() <= scale
+    if ((reached - hidden / (1 - p)).abs() <= scale)[~dropped].all():
+        return None
+    live = ~dropped & (hidden.abs() > 1e-3)
+    ratios = reached[live] / hidden[live]
+    factor = ratios.median().item() if ratios.numel() else float("nan")
+    if ratios.numel() and ((ratios - factor).abs() <= 1e-6).all():
+        if abs(factor - 1.0) <= 1e-6:
+            return ("the kept hidden activations are not scaled: dropout must divide what it keeps by 1 - p, so that "
+                    "the expected output stays the same (nn.Dropout does; a hand-made mask must too).")
+        if abs(factor - 1 / p) <= 1e-6:
+            return (f"the kept hidden activations are scaled by 1/{p}: you dropped with probability 1 - p "
+                    "(nn.Dropout(1 - dropout)); nn.Dropout's p is the probability of dropping.")
+        return (f"the kept hidden activations are scaled by {factor:.4g}, not by 1/(1-p) = {1 / (1 - p):.4g}: pass "
+                "the module's dropout probability to nn.Dropout.")
+    before = layer.activation(layer.linear1(x) / (1 - p))
+    if ((reached - before).abs() <= scale)[~dropped].all():
+        return ("you applied dropout before the activation, to linear1's output: it belongs after it, on "
+                "activation(linear1(x)) (with GELU the two differ).")
+    return ("what reaches linear2 is not the hidden activations with some of them dropped: apply dropout to "
+            "activation(linear1(x)), not to x (the input) or to linear1's output.")
 
 
 @check(forbid=BUILT_IN_LAYERS)
 def check_feedforward_dropout(cls: Callable[..., Any], seed: int = 0) -> None:
-    """Dropout acts on the hidden activations in training and does nothing in eval mode."""
-    s = dict(_sizes(seed), batch=8, seq=16)  # enough hidden units to see dropout at work
+    """In training, dropout sets each hidden activation to 0 or scales it by 1/(1-p), ReLU and GELU; in eval mode
+    it does nothing."""
+    base = _sizes(seed)
+    # d_ff below d_model: linear2 is then one-to-one, so the hidden activations that reached it can be solved for
+    # from the output, in eval mode and in training (the dropout draw itself is the student's). Compared with
+    # the student's own eval-mode hidden layer, so that a wrong activation costs the values check only.
+    s = {"batch": 6, "seq": 10, "d_model": base["d_ff"], "d_ff": base["d_model"]}
     p = 0.25
     x = _input(s, seed, torch.float64)
-    state = _ffn_state(_oracle_layer(s, "relu", seed, torch.float64))
-    plain = call(cls, s["d_model"], s["d_ff"], activation="relu", dropout=0.0)
-    dropping = call(cls, s["d_model"], s["d_ff"], activation="relu", dropout=p)
-    _expect_parameters(dropping, _ffn_expected(s), "FeedForward", FFN_BIAS_HINT)
-    call(_prepare, plain, state, False)
-    call(_prepare, dropping, state, False)
-    reference = _output(plain, x, "FeedForward's output")
-    evaluated = _output(dropping, x, "FeedForward's output in eval mode")
-    if not close(evaluated, reference, torch.float64):
-        raise CheckFailure(
-            f"With dropout={p} in eval mode the output changed: dropout must do nothing after module.eval(). "
-            "Use an nn.Dropout layer (it follows train()/eval()), not F.dropout(x, p), whose training=True "
-            "by default."
-        )
-    call(_prepare, dropping, state, True)
-    trained = _output(dropping, x, "FeedForward's output in training mode")
-    if close(trained, reference, torch.float64):
-        raise CheckFailure(
-            f"With dropout={p} in training mode nothing was dropped: pass `dropout` to nn.Dropout and apply it "
-            "to the hidden activations in forward."
-        )
-    zeros = trained == 0
-    if zeros.any() and close(trained[~zeros], reference[~zeros] / (1 - p), torch.float64):
-        raise CheckFailure(
-            "Dropout zeroes whole outputs: you applied it after linear2. It belongs to the hidden "
-            "activations, between the activation and linear2."
-        )
-    passed("dropout drops hidden activations in training and is off in eval mode")
+    shares: list[float] = []
+    for activation in ("relu", "gelu"):
+        layer = _oracle_layer(s, activation, seed, torch.float64)
+        state = _ffn_state(layer)
+        plain = call(cls, s["d_model"], s["d_ff"], activation=activation, dropout=0.0)
+        dropping = call(cls, s["d_model"], s["d_ff"], activation=activation, dropout=p)
+        _expect_parameters(dropping, _ffn_expected(s), "FeedForward", FFN_BIAS_HINT)
+        call(_prepare, plain, state, False)
+        call(_prepare, dropping, state, False)
+        reference = _output(plain, x, "FeedForward's output")
+        evaluated = _output(dropping, x, "FeedForward's output in eval mode")
+        if not close(evaluated, reference, torch.float64):
+            raise CheckFailure(
+                f"With dropout={p} and activation={activation!r} in eval mode the output changed "
+                f"({difference(evaluated, reference, _named(s))}): dropout must do nothing after module.eval(). "
+                "Use an nn.Dropout layer (it follows train()/eval()), not F.dropout(x, p), whose training=True "
+                "by default."
+            )
+        call(_prepare, dropping, state, True)
+        trained = _output(dropping, x, "FeedForward's output in training mode", seed=seed + 6000)
+        found = difference(trained, reference, _named(s))
+        if close(trained, reference, torch.float64):
+            raise CheckFailure(
+                f"With dropout={p} in training mode nothing was dropped ({found}): pass `dropout` to nn.Dropout and "
+                "apply it to the hidden activations in forward."
+            )
+        zeros = trained == 0
+        if zeros.any() and close(trained[~zeros], reference[~zeros] / (1 - p), torch.float64):
+            raise CheckFailure(
+                f"Dropout zeroes whole outputs ({found}): you applied it after linear2. It belongs to the hidden "
+                "activations, between the activation and linear2."
+            )
+        with torch.no_grad():
+            hidden, residual = _reaching_linear2(layer, reference)
+            if residual > 1e-8 * (1.0 + reference.abs().max().item()):
+                continue  # the forward does not end in linear2: the values check says why; nothing to solve for
+            reached, _ = _reaching_linear2(layer, trained)
+            hint = _dropout_diagnose(layer, x, hidden, reached, p)
+        if hint is not None:
+            raise CheckFailure(f"With dropout={p} and activation={activation!r} in training mode ({found}): {hint}")
+        live = hidden.abs() > 1e-3
+        shares.append((reached[live].abs() <= 1e-8 * (1 + hidden.abs().max())).double().mean().item())
+        if not 0.1 <= shares[-1] <= 0.45:
+            raise CheckFailure(f"With dropout={p}, {shares[-1]:.0%} of the hidden activations were dropped "
+                               f"(activation={activation!r}, sizes {_named(s)}): use the p given.")
+    if len(shares) < 2:
+        passed("dropout is on in training and off in eval mode; where it acts is checked once your forward ends in "
+               "linear2 (see the values check)")
+        return
+    passed(f"dropout sets hidden activations to 0 ({shares[0]:.0%} and {shares[1]:.0%} at p={p}) or scales them by "
+           "1/(1-p), ReLU and GELU, only in training mode")
 
 
 # -- SwiGLU ------------------------------------------------------------------------------------
@@ -287,11 +380,12 @@ def check_swiglu_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dty
             "the silu is missing: the gate is silu(w_gate(x)), not w_gate(x) (that is the 'bilinear' variant).":
                 dict(gate_fn=lambda z: z),
         }
+        found = difference(got, expected, _named(s))
         for hint, kwargs in variants.items():
             if close(got, _glu(state64, x, **kwargs).to(dtype), dtype):
-                raise CheckFailure(f"Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)): {hint}")
+                raise CheckFailure(f"Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)) ({found}): {hint}")
         raise CheckFailure(
-            "Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)): multiply the gate and w_up(x) "
+            f"Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)) ({found}): multiply the gate and w_up(x) "
             "elementwise (over d_ff), then apply w_down."
         )
     passed(f"equal to w_down(silu(w_gate(x)) ⊙ w_up(x)) computed in float64 ({str(dtype).removeprefix('torch.')})")

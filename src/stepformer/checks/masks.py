@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from stepformer.checks._core import CheckFailure, call, check, close, kind, passed
+from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, passed
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_k")
 # What exercise 2 asks students to write themselves.
@@ -70,6 +70,17 @@ def _compare_grids(expected: Tensor, got: Tensor, row: str, col: str, verb: str,
     return message
 
 
+def _named(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{a}={n}" for a, n in sizes.items())
+
+
+def _mask_difference(got: Tensor, expected: Tensor, sizes: dict[str, int]) -> str:
+    """How many entries of a boolean mask are wrong, and the largest difference (1 for a bool), on which sizes."""
+    wrong = int((got != expected).sum()) if got.shape == expected.shape else None
+    count = f"{wrong} of {expected.numel()} entries wrong, " if wrong is not None else ""
+    return count + difference(got.double(), expected.double(), sizes)
+
+
 # -- exercise 1: padding_mask ------------------------------------------------------------
 
 def _tokens(seed: int, pad_id: int) -> Tensor:
@@ -86,13 +97,33 @@ def _tokens(seed: int, pad_id: int) -> Tensor:
     return tokens.masked_fill(padded, pad_id)
 
 
+def _shape_mistake(shape: tuple[int, ...], batch: int, k_len: int) -> str:
+    """Why a padding mask of this shape is wrong: the usual misplaced axes first, then the general rule."""
+    if batch == 1 and len(shape) < 4 and shape == (1, 1, 1, k_len)[4 - len(shape):]:
+        return ("squeeze() without an axis dropped the batch axis, which is 1 here: squeeze only the axis you mean, "
+                'or build the mask with rearrange(tokens != pad_id, "batch k_len -> batch 1 1 k_len").')
+    named = {(batch, k_len): SHAPE_HINT,
+             (batch, 1, k_len): ("With three axes (batch, 1, k_len) the mask lines batch up with the heads axis of "
+                                 "the scores (batch, heads, q_len, k_len): add both 1-axes, (batch, 1, 1, k_len)."),
+             (batch, 1, k_len, 1): ("Your mask puts k_len on the q_len axis (batch, 1, k_len, 1): padding hides keys, "
+                                    "the last axis of the scores, so k_len goes last: (batch, 1, 1, k_len)."),
+             (batch, k_len, 1, 1): ("Your mask puts k_len on the heads axis (batch, k_len, 1, 1): padding hides keys, "
+                                    "the last axis of the scores, so k_len goes last: (batch, 1, 1, k_len)."),
+             (1, 1, batch, k_len): ("Your mask puts batch on the q_len axis (1, 1, batch, k_len): batch goes first, "
+                                    "(batch, 1, 1, k_len).")}
+    return named.get(shape, SHAPE_HINT)
+
+
 def _padding_result(fn: Callable[..., Any], tokens: Tensor, pad_id: int) -> Tensor:
     batch, k_len = tokens.shape
     try:
         mask = call(fn, tokens, pad_id)
     except CheckFailure as failure:
         if "TypeCheckError" in str(failure) and "return value" in str(failure):
-            raise CheckFailure(f"padding_mask returned a mask of the wrong shape. {SHAPE_HINT}") from None
+            squeezed = (" With batch=1, a squeeze() without an axis drops the batch axis too: squeeze only the "
+                        "axis you mean." if batch == 1 else "")
+            raise CheckFailure(f"padding_mask returned a mask of the wrong shape. {SHAPE_HINT} (Here batch={batch}, "
+                               f"k_len={k_len}.){squeezed}") from None
         raise
     if type(mask) is not Tensor:
         raise CheckFailure(f"padding_mask should return a torch.Tensor, got {kind(mask)}.")
@@ -104,32 +135,38 @@ def _padding_result(fn: Callable[..., Any], tokens: Tensor, pad_id: int) -> Tens
     if tuple(mask.shape) != (batch, 1, 1, k_len):
         raise CheckFailure(
             f"padding_mask should have shape (batch={batch}, 1, 1, k_len={k_len}), got {tuple(mask.shape)}. "
-            + SHAPE_HINT
+            + _shape_mistake(tuple(mask.shape), batch, k_len)
         )
     expected = (tokens != pad_id).view(batch, 1, 1, k_len)
     if not torch.equal(mask, expected):
-        if torch.equal(mask, ~expected):
-            raise CheckFailure(
-                "Your padding mask is inverted: it is True on the padding. The course's masks say True = "
-                "'may attend', so real tokens are True and padding is False (tokens != pad_id)."
-            )
         raise CheckFailure(_diagnose_padding(mask.view(batch, k_len), tokens, pad_id))
     return mask
 
 
-def _diagnose_padding(mask: Tensor, tokens: Tensor, pad_id: int) -> str:
-    """Why a (batch, k_len) boolean mask differs from tokens != pad_id."""
+def _padding_variants(tokens: Tensor, pad_id: int) -> dict[str, Tensor]:
+    """The (batch, k_len) masks of the usual mistakes, keyed by the hint that names each."""
     expected = tokens != pad_id
-    if torch.equal(mask, ~expected):
-        return ("Your padding mask is inverted: it is True on the padding. The course's masks say True = "
-                "'may attend', so real tokens are True and padding is False (tokens != pad_id).")
-    if pad_id != 0 and torch.equal(mask, tokens != 0):
-        return (f"Your mask treats token id 0 as padding, but here pad_id={pad_id} and 0 is a real word: "
-                "compare with pad_id, not with 0.")
-    if torch.equal(mask, tokens > pad_id):
-        return (f"Your mask is tokens > pad_id: it marks real tokens whose id is below pad_id={pad_id} "
-                "(id 0, for one) as padding. Token ids are names, not sizes: compare with tokens != pad_id.")
-    return (f"Your padding mask differs from tokens != pad_id (pad_id={pad_id}). "
+    variants = {"Your padding mask is inverted: it is True on the padding. The course's masks say True = "
+                "'may attend', so real tokens are True and padding is False (tokens != pad_id).": ~expected}
+    if pad_id != 0:
+        variants[f"Your mask treats token id 0 as padding, but here pad_id={pad_id} and 0 is a real word: "
+                 "compare with pad_id, not with 0."] = tokens != 0
+    variants[f"Your mask is tokens > pad_id: it marks real tokens whose id is below pad_id={pad_id} "
+             "(id 0, for one) as padding. Token ids are names, not sizes: compare with tokens != pad_id."] = (
+        tokens > pad_id)
+    return variants
+
+
+def _diagnose_padding(mask: Tensor, tokens: Tensor, pad_id: int) -> str:
+    """Why a (batch, k_len) boolean mask differs from tokens != pad_id: a named mistake, or the first wrong
+    sentence; either way how many entries are wrong, on which sizes."""
+    expected = tokens != pad_id
+    sizes = dict(zip(("batch", "k_len"), tokens.shape, strict=True))
+    found = _mask_difference(mask, expected, sizes)
+    for hint, variant in _padding_variants(tokens, pad_id).items():
+        if torch.equal(mask, variant):
+            return f"{hint} ({found}, pad_id={pad_id})"
+    return (f"Your padding mask differs from tokens != pad_id (pad_id={pad_id}; {found}). "
             + _compare_grids(expected, mask, "Sentence", "positions", "keep", "keeps")
             + f"\nTokens:\n{_grid_ids(tokens)}")
 
@@ -140,22 +177,32 @@ def _grid_ids(tokens: Tensor) -> str:
 
 @check
 def check_padding_mask(fn: Callable[..., Any], seed: int = 0, pad_id: int = 0) -> None:
-    """padding_mask is boolean, (batch, 1, 1, k_len), True on real tokens and False on padding."""
-    _padding_result(fn, _tokens(seed, pad_id), pad_id)
-    passed(f"padding mask: (batch, 1, 1, k_len), True on real tokens, False where tokens == {pad_id}")
+    """padding_mask is boolean, (batch, 1, 1, k_len), True on real tokens and False on padding; batch=1 too."""
+    tokens = _tokens(seed, pad_id)
+    _padding_result(fn, tokens, pad_id)
+    _padding_result(fn, tokens[:1], pad_id)  # one sentence, padded: no axis of size 1 may go
+    passed(f"padding mask: (batch, 1, 1, k_len), True on real tokens, False where tokens == {pad_id} (batch=1 too)")
 
 
 @check
 def check_padding_in_attention(fn: Callable[..., Any], seed: int = 0, pad_id: int = 0,
                                dtype: torch.dtype = torch.float32) -> None:
-    """Cross-attention with your mask equals attention that ignores exactly the padded source tokens."""
+    """Cross-attention with your mask equals attention that ignores exactly the padded source tokens (batch=1 too)."""
     s = _sizes(seed)
     tokens = _tokens(seed, pad_id)
-    batch, heads, k_len, d_k = s["batch"], s["heads"], s["k_len"], s["d_k"]
+    for sample in (tokens, tokens[:1]):
+        _padding_attention(fn, sample, pad_id, s["heads"], s["d_k"], seed, dtype)
+    passed("cross-attention with your mask equals attention that ignores exactly the padded source tokens")
+
+
+def _padding_attention(fn: Callable[..., Any], tokens: Tensor, pad_id: int, heads: int, d_k: int, seed: int,
+                       dtype: torch.dtype) -> None:
+    batch, k_len = tokens.shape
     # q_len == batch on purpose: a flat (batch, k_len) mask then broadcasts against the scores
     # (batch, heads, q_len, k_len) without an error, lining batch up with q_len, and only the
     # numbers can tell.
     q_len = batch
+    sizes = {"batch": batch, "heads": heads, "q_len": q_len, "k_len": k_len, "d_k": d_k}
     mask = call(fn, tokens, pad_id)
     if type(mask) is not Tensor:
         raise CheckFailure(f"padding_mask should return a torch.Tensor, got {kind(mask)}.")
@@ -171,15 +218,15 @@ def check_padding_in_attention(fn: Callable[..., Any], seed: int = 0, pad_id: in
     except Exception as error:  # a shape that does not broadcast, or a dtype attention refuses
         raise CheckFailure(
             f"Your mask of shape {tuple(mask.shape)} and dtype {mask.dtype} cannot be the mask of attention "
-            f"whose scores have shape (batch={batch}, heads={heads}, q_len={q_len}, k_len={k_len}): "
+            f"whose scores have shape ({_named({a: sizes[a] for a in ('batch', 'heads', 'q_len', 'k_len')})}): "
             f"{str(error).rstrip('. ')}. "
-            + (SHAPE_HINT if mask.dtype == torch.bool
+            + (_shape_mistake(tuple(mask.shape), batch, k_len) if mask.dtype == torch.bool
                else "Return a boolean mask (True = may attend): tokens != pad_id.")
         ) from None
     if close(output, expected, dtype):
-        passed("cross-attention with your mask equals attention that ignores exactly the padded source tokens")
         return
-    what = "Cross-attention with your mask differs from attention that ignores exactly the padded keys."
+    what = ("Cross-attention with your mask differs from attention that ignores exactly the padded keys "
+            f"({difference(output, expected, sizes)}).")
     if mask.dtype != torch.bool:
         raise CheckFailure(
             f"{what} Your mask has dtype {mask.dtype}: attention adds a float mask to the scores instead of "
@@ -191,11 +238,11 @@ def check_padding_in_attention(fn: Callable[..., Any], seed: int = 0, pad_id: in
             f"because here q_len = batch = {batch}, so query i of every sentence got sentence i's padding. "
             + SHAPE_HINT
         )
-    if mask.numel() == batch * k_len:
+    if mask.numel() == batch * k_len and tuple(mask.shape) == (batch, 1, 1, k_len):
         raise CheckFailure(f"{what} " + _diagnose_padding(mask.reshape(batch, k_len), tokens, pad_id))
     raise CheckFailure(
         f"{what} Your mask has shape {tuple(mask.shape)}; it should be (batch={batch}, 1, 1, k_len={k_len}). "
-        + SHAPE_HINT
+        + _shape_mistake(tuple(mask.shape), batch, k_len)
     )
 
 
@@ -211,14 +258,28 @@ def _causal_result(fn: Callable[..., Any], q_len: int, k_len: int | None = None)
         raise CheckFailure(
             f"causal_mask{args} should have shape (q_len={rows}, k_len={cols}), got {tuple(mask.shape)}."
             + (" With k_len left out, it must default to q_len." if k_len is None else "")
+            + (" Yours is transposed: rows are queries, columns are keys." if tuple(mask.shape) == (cols, rows)
+               and rows != cols else "")
         )
     if mask.dtype != torch.bool:
-        raise CheckFailure(f"causal_mask should be boolean (True = may attend), got dtype {mask.dtype}.")
+        lower = torch.ones(rows, cols, dtype=torch.bool).tril(cols - rows)
+        additive = mask.is_floating_point() and bool(((mask == 0) == lower).all()
+                                                      and (mask[~lower] == -torch.inf).all())
+        raise CheckFailure(
+            f"causal_mask should be boolean (True = may attend), got dtype {mask.dtype}"
+            + (": yours is the additive mask of PyTorch's generate_square_subsequent_mask (0 where a query may "
+               "attend, -inf where not), which attention adds to the scores. The course's masks are boolean and "
+               "choose instead: True on and below the diagonal." if additive else
+               ". Create it with dtype=torch.bool (torch.ones(..., dtype=torch.bool).tril(...)).")
+        )
     return mask
 
 
 def _diagnose_causal(mask: Tensor, expected: Tensor) -> str:
+    """Name the mistake whose mask equals the student's, or show the first wrong row; either way say how many
+    entries are wrong, on which sizes."""
     q_len, k_len = expected.shape
+    found = _mask_difference(mask, expected, {"q_len": q_len, "k_len": k_len})
     ones = torch.ones(q_len, k_len, dtype=torch.bool)
     offset = k_len - q_len
     # The most specific hints first: on small masks several mistakes can coincide.
@@ -234,13 +295,18 @@ def _diagnose_causal(mask: Tensor, expected: Tensor) -> str:
                 "triangle away from the keys. The queries are the last q_len positions, so query i may read "
                 f"keys up to i + k_len - q_len: tril(diagonal=k_len - q_len) = tril({offset})."
             )),
+            (ones.tril(-1), (
+                "Your mask is aligned to the first key and hides the diagonal: with k_len > q_len query i may read "
+                f"keys up to i + k_len - q_len, its own position included (tril(diagonal={offset}))."
+            )),
         ]
     hints += [
         (ones.tril(offset + 1), (
             f"Your diagonal is off by one: each query also reads the key just after its own position, a "
             f"future token. Keep tril(diagonal={offset})" + (" (k_len - q_len)." if offset else ".")
         )),
-        (ones.tril(offset - 1), "Your mask hides the diagonal: a token may attend to itself."),
+        (ones.tril(offset - 1), "Your mask hides the diagonal (j < i instead of j <= i): a token may attend to "
+                                "itself."),
         (ones.triu(offset), "Your mask is the upper triangle: it lets each query read the future. "
                             "Keep the lower triangle (tril, not triu)."),
         (~expected, "Your mask is inverted: it is True on the future. True must mean 'may attend' "
@@ -248,8 +314,8 @@ def _diagnose_causal(mask: Tensor, expected: Tensor) -> str:
     ]
     for wrong, hint in hints:
         if torch.equal(mask, wrong):
-            return hint
-    return _compare_grids(expected, mask, "Query", "keys", "read", "reads")
+            return f"{hint} ({found})"
+    return f"{found}. " + _compare_grids(expected, mask, "Query", "keys", "read", "reads")
 
 
 @check(forbid=BUILT_IN_CAUSAL)
@@ -269,8 +335,11 @@ def check_causal_mask(fn: Callable[..., Any], seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(s["batch"], s["heads"], n, s["d_k"], generator=g, dtype=torch.float64) for _ in range(3))
     with_mask = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if not close(with_mask, F.scaled_dot_product_attention(q, k, v, is_causal=True), torch.float64):
-        raise CheckFailure("Attention with your mask differs from scaled_dot_product_attention(..., is_causal=True).")
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if not close(with_mask, expected, torch.float64):
+        sizes = {"batch": s["batch"], "heads": s["heads"], "q_len": n, "k_len": n, "d_k": s["d_k"]}
+        raise CheckFailure("Attention with your mask differs from scaled_dot_product_attention(..., is_causal=True) "
+                           f"({difference(with_mask, expected, sizes)}).")
     passed("causal_mask(n) equals nn.Transformer.generate_square_subsequent_mask(n) == 0 and is_causal=True")
 
 
@@ -296,7 +365,9 @@ def check_causal_mask_offset(fn: Callable[..., Any], seed: int = 0) -> None:
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     last = F.scaled_dot_product_attention(q[..., -q_len:, :], k, v, attn_mask=mask)
     if not close(last, full[..., -q_len:, :], torch.float64):
-        raise CheckFailure("The last queries with your mask differ from the last rows of full causal attention.")
+        sizes = {"batch": s["batch"], "heads": s["heads"], "q_len": q_len, "k_len": k_len, "d_k": s["d_k"]}
+        raise CheckFailure("The last queries with your mask differ from the last rows of full causal attention "
+                           f"({difference(last, full[..., -q_len:, :], sizes)}).")
     passed("causal_mask(q_len, k_len) is aligned to the last key: the last q_len rows of full causal attention")
 
 
@@ -384,5 +455,6 @@ def check_which_outputs_change(fn: Callable[..., Any], seed: int = 0, dtype: tor
         else:
             hint = ("Row i says which changed inputs j reach output i. "
                     + _compare_grids(expected, got, "Output", "inputs", "change with", "changes with"))
-        raise CheckFailure(f"With {name}: {hint}")
+        found = _mask_difference(got, expected, {"seq": seq, "d_model": d_model})
+        raise CheckFailure(f"With {name} ({found}): {hint}")
     passed("your measurement matches the dependence read off autograd's Jacobian (no mask, causal, random)")

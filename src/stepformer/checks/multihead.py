@@ -1,8 +1,10 @@
 """Checks for chapter 03: splitting and merging heads, multi-head attention, its parameter count.
 
 The oracle is ``torch.nn.MultiheadAttention(batch_first=True)`` with seeded weights that are copied
-into the student's module. Every touch of the student's module (building it, loading the weights,
-switching train/eval, running it) goes through :func:`call`, with the small helpers below.
+into the student's module; for dropout it is the definition, with the student's ``self.dropout``
+swapped for a stand-in that drops a known half of the attention weights. Every touch of the student's
+module (building it, loading the weights, switching train/eval, running it) goes through :func:`call`,
+with the small helpers below.
 """
 
 import math
@@ -10,14 +12,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from beartype import beartype
 from einops import einsum, rearrange
+from jaxtyping import Bool, Float, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed
+from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, passed
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import load_state as _load
 from stepformer.checks._modules import parameter_shapes as _parameter_shapes
 from stepformer.checks._modules import set_training as _set_training
+from stepformer.checks.attention import _expect_kept, _first_line
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_head")
 PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
@@ -49,49 +54,69 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 # -- exercises 1 and 2: split and merge ----------------------------------------------------
 
+def _named(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{a}={n}" for a, n in sizes.items())
+
+
 @check
 def check_split_heads(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """(batch, seq, d_model) -> (batch, heads, seq, d_head), head h taking features h·d_head ... (h+1)·d_head - 1."""
+    """(batch, seq, d_model) -> (batch, heads, seq, d_head), head h taking features h·d_head ... (h+1)·d_head - 1;
+    batch=1 and heads=1 too."""
     s = _sizes(seed)
-    b, h, seq, d_head = s["batch"], s["heads"], s["q_len"], s["d_head"]
+    b, h, seq = s["batch"], s["heads"], s["q_len"]
     x = torch.randn(b, seq, s["d_model"], generator=torch.Generator().manual_seed(seed), dtype=dtype)
-    got = expect_tensor(call(fn, x, h), "split_heads(x, heads)", (b, h, seq, d_head), "batch heads seq d_head", dtype)
-    expected = x.view(b, seq, h, d_head).transpose(1, 2)  # PyTorch's own layout of the heads
-    if not torch.equal(got, expected):
-        if torch.equal(got, x.view(b, seq, d_head, h).permute(0, 3, 1, 2)):
+    # One sentence and one head (d_head = d_model) last: no axis of size 1 may go.
+    for x_, h_ in ((x, h), (x[:1], h), (x, 1)):
+        b_, d_ = x_.shape[0], x_.shape[-1] // h_
+        sizes = {"batch": b_, "heads": h_, "seq": seq, "d_head": d_}
+        got = _expect_kept(call(fn, x_, h_), "split_heads(x, heads)", (b_, h_, seq, d_),
+                           "batch heads seq d_head", dtype)
+        expected = x_.view(b_, seq, h_, d_).transpose(1, 2)  # PyTorch's own layout of the heads
+        if torch.equal(got, expected):
+            continue
+        found = difference(got, expected, sizes)
+        if torch.equal(got, x_.view(b_, seq, d_, h_).permute(0, 3, 1, 2)):
             raise CheckFailure(
                 "You read d_model as (d_head heads): head h then gets every heads-th feature. Head h must get "
-                "the contiguous block h*d_head ... (h+1)*d_head - 1, so write '(heads d_head)' in the pattern."
+                "the contiguous block h*d_head ... (h+1)*d_head - 1, so write '(heads d_head)' in the pattern "
+                f"({found})."
             )
         raise CheckFailure(
-            "Your split moves the numbers around differently from x.view(batch, seq, heads, d_head).transpose(1, 2): "
-            "use rearrange(x, 'batch seq (heads d_head) -> batch heads seq d_head', heads=heads)."
+            "Your split moves the numbers around differently from x.view(batch, seq, heads, d_head).transpose(1, 2) "
+            f"({found}): use rearrange(x, 'batch seq (heads d_head) -> batch heads seq d_head', heads=heads)."
         )
-    passed(f"split_heads: (batch, seq, d_model) -> (batch, heads, seq, d_head) in the (heads d_head) order "
-           f"({_dtype_name(dtype)})")
+    passed(f"split_heads: (batch, seq, d_model) -> (batch, heads, seq, d_head) in the (heads d_head) order, "
+           f"batch=1 and heads=1 too ({_dtype_name(dtype)})")
 
 
 @check
 def check_merge_heads(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """(batch, heads, seq, d_head) -> (batch, seq, d_model), the exact inverse of split_heads."""
+    """(batch, heads, seq, d_head) -> (batch, seq, d_model), the exact inverse of split_heads; batch=1 and heads=1
+    too."""
     s = _sizes(seed)
-    b, h, seq, d_head, d_model = s["batch"], s["heads"], s["q_len"], s["d_head"], s["d_model"]
+    b, h, seq, d_head = s["batch"], s["heads"], s["q_len"], s["d_head"]
     x = torch.randn(b, h, seq, d_head, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
-    got = expect_tensor(call(fn, x), "merge_heads(x)", (b, seq, d_model), "batch seq d_model", dtype)
-    expected = x.transpose(1, 2).reshape(b, seq, d_model)
-    if not torch.equal(got, expected):
-        if torch.equal(got, x.permute(0, 2, 3, 1).reshape(b, seq, d_model)):
+    for x_ in (x, x[:1], x[:, :1]):
+        b_, h_ = x_.shape[:2]
+        d_ = h_ * d_head
+        sizes = {"batch": b_, "heads": h_, "seq": seq, "d_head": d_head}
+        got = _expect_kept(call(fn, x_), "merge_heads(x)", (b_, seq, d_), "batch seq d_model", dtype)
+        expected = x_.transpose(1, 2).reshape(b_, seq, d_)
+        if torch.equal(got, expected):
+            continue
+        found = difference(got, expected, sizes)
+        if torch.equal(got, x_.permute(0, 2, 3, 1).reshape(b_, seq, d_)):
             raise CheckFailure(
                 "You merged the heads as (d_head heads), which interleaves them: feature j then comes from head "
                 "j % heads. Write '(heads d_head)' as in split_heads, so that merge_heads undoes split_heads and "
-                "W_O finds head h's features at h*d_head ... (h+1)*d_head - 1."
+                f"W_O finds head h's features at h*d_head ... (h+1)*d_head - 1 ({found})."
             )
         raise CheckFailure(
-            "Your merge differs from x.transpose(1, 2).reshape(batch, seq, heads * d_head): use "
+            f"Your merge differs from x.transpose(1, 2).reshape(batch, seq, heads * d_head) ({found}): use "
             "rearrange(x, 'batch heads seq d_head -> batch seq (heads d_head)')."
         )
-    passed(f"merge_heads: (batch, heads, seq, d_head) -> (batch, seq, d_model), the inverse of split_heads "
-           f"({_dtype_name(dtype)})")
+    passed(f"merge_heads: (batch, heads, seq, d_head) -> (batch, seq, d_model), the inverse of split_heads, "
+           f"batch=1 and heads=1 too ({_dtype_name(dtype)})")
 
 
 # -- helpers that touch the student's module, always through call() -------------------------
@@ -119,42 +144,48 @@ def _expect_parameters(module: Any, d_model: int, bias: bool) -> None:
         raise CheckFailure(f"Unexpected parameters {extra}: only w_q, w_k, w_v and w_o are learned.{hint}")
 
 
-def _oracle(s: dict[str, int], dtype: torch.dtype, seed: int) -> tuple[nn.MultiheadAttention, dict[str, Tensor]]:
+def _oracle(s: dict[str, int], dtype: torch.dtype, seed: int,
+            bias: bool = True) -> tuple[nn.MultiheadAttention, dict[str, Tensor]]:
     """PyTorch's module with seeded weights (biases too, so a missing bias shows), and its weights by our names."""
     d_model = s["d_model"]
     g = torch.Generator().manual_seed(seed + 11)
     with torch.random.fork_rng(devices=[]):  # PyTorch's initialisation would move the student's RNG
-        oracle = nn.MultiheadAttention(d_model, s["heads"], batch_first=True, dtype=dtype).eval()
+        oracle = nn.MultiheadAttention(d_model, s["heads"], bias=bias, batch_first=True, dtype=dtype).eval()
     with torch.no_grad():
         for param in (oracle.in_proj_weight, oracle.out_proj.weight):
             param.copy_(torch.randn(param.shape, generator=g, dtype=dtype) / math.sqrt(d_model))
-        for param in (oracle.in_proj_bias, oracle.out_proj.bias):
-            param.copy_(torch.randn(param.shape, generator=g, dtype=dtype) * 0.5)
+        if bias:
+            for param in (oracle.in_proj_bias, oracle.out_proj.bias):
+                param.copy_(torch.randn(param.shape, generator=g, dtype=dtype) * 0.5)
     # PyTorch packs the input projections as (q, k, v) along the output axis.
     weights = rearrange(oracle.in_proj_weight.detach(), "(qkv d_out) d_in -> qkv d_out d_in", qkv=3)
-    biases = rearrange(oracle.in_proj_bias.detach(), "(qkv d_out) -> qkv d_out", qkv=3)
-    state = {}
-    for i, name in enumerate(PROJECTIONS[:3]):
-        state[f"{name}.weight"], state[f"{name}.bias"] = weights[i].clone(), biases[i].clone()
+    state = {f"{name}.weight": weights[i].clone() for i, name in enumerate(PROJECTIONS[:3])}
     state["w_o.weight"] = oracle.out_proj.weight.detach().clone()
-    state["w_o.bias"] = oracle.out_proj.bias.detach().clone()
+    if bias:
+        biases = rearrange(oracle.in_proj_bias.detach(), "(qkv d_out) -> qkv d_out", qkv=3)
+        state |= {f"{name}.bias": biases[i].clone() for i, name in enumerate(PROJECTIONS[:3])}
+        state["w_o.bias"] = oracle.out_proj.bias.detach().clone()
     return oracle, state
 
 
-def _build(cls: Any, s: dict[str, int], dtype: torch.dtype, seed: int, **kwargs: Any) -> tuple[Any, Any, dict]:
-    module = call(cls, s["d_model"], s["heads"], **kwargs)
-    _expect_parameters(module, s["d_model"], bias=True)
-    oracle, state = _oracle(s, dtype, seed)
+def _build(cls: Any, s: dict[str, int], dtype: torch.dtype, seed: int, bias: bool = True,
+           **kwargs: Any) -> tuple[Any, Any, dict]:
+    module = call(cls, s["d_model"], s["heads"], **({} if bias else {"bias": False}), **kwargs)
+    _expect_parameters(module, s["d_model"], bias=bias)
+    oracle, state = _oracle(s, dtype, seed, bias)
     call(_load, module, state)
     return module, oracle, state
 
 
 def _reference(state: dict[str, Tensor], heads: int, query: Tensor, key: Tensor, value: Tensor,
                mask: Tensor | None, *, split: str = "heads d_head", merge: str = "heads d_head", w_o: bool = True,
-               scale: float | None = None, roles: tuple[str, str, str] = ("w_q", "w_k", "w_v")) -> Tensor:
-    """Multi-head attention written out, with switches for the usual mistakes (to name them)."""
+               scale: float | None = None, roles: tuple[str, str, str] = ("w_q", "w_k", "w_v"),
+               drop: Tensor | None = None) -> Tensor:
+    """Multi-head attention written out, with switches for the usual mistakes (to name them); ``drop``
+    multiplies the attention weights (dropout with a known mask)."""
     def project(name: str, x: Tensor) -> Tensor:
-        return x @ state[f"{name}.weight"].T + state[f"{name}.bias"]
+        bias = state.get(f"{name}.bias")
+        return x @ state[f"{name}.weight"].T + (0.0 if bias is None else bias)
 
     q, k, v = (rearrange(project(role, x), f"batch seq ({split}) -> batch heads seq d_head", heads=heads)
                for role, x in zip(roles, (query, key, value), strict=True))
@@ -163,9 +194,18 @@ def _reference(state: dict[str, Tensor], heads: int, query: Tensor, key: Tensor,
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf)
     weights = torch.softmax(scores, dim=-1)
+    if drop is not None:
+        weights = weights * drop
     out = einsum(weights, v, "batch heads q_len k_len, batch heads k_len d_head -> batch heads q_len d_head")
     concat = rearrange(out, f"batch heads seq d_head -> batch seq ({merge})")
     return project("w_o", concat) if w_o else concat
+
+
+def _sizes_of(query: Tensor, key: Tensor, heads: int) -> dict[str, int]:
+    """The sizes of one forward pass, for messages."""
+    b, q_len, d_model = query.shape
+    return {"batch": b, "heads": heads, "q_len": q_len, "k_len": key.shape[1], "d_head": d_model // heads,
+            "d_model": d_model}
 
 
 def _diagnose(state: dict[str, Tensor], s: dict[str, int], query: Tensor, key: Tensor, value: Tensor,
@@ -174,7 +214,7 @@ def _diagnose(state: dict[str, Tensor], s: dict[str, int], query: Tensor, key: T
     if torch.isnan(output).any():
         return "Your output contains NaN: does every head get the mask, and is the softmax over k_len?"
     heads, d_model = s["heads"], s["d_model"]
-    variants = {
+    variants: dict[str, Any] = {
         "You merged the heads as (d_head heads), which interleaves them; W_O expects head h's features at "
         "h*d_head ... (h+1)*d_head - 1: merge as (heads d_head), the order of split_heads.": dict(merge="d_head heads"),
         "You split and merged d_model as (d_head heads): each head then gets every heads-th feature instead of a "
@@ -192,39 +232,63 @@ def _diagnose(state: dict[str, Tensor], s: dict[str, int], query: Tensor, key: T
             roles=("w_k", "w_k", "w_v")),
     }
     if not torch.equal(key, value):
-        variants["You took the values from `key`: project the `value` argument with w_v."] = "key as value"
+        variants["You took the values from `key`: project the `value` argument with w_v."] = dict(value=key)
     if mask is not None:
-        variants["Your output ignores the mask: pass it on to scaled_dot_product_attention."] = "no mask"
+        variants["Your output ignores the mask: pass it on to scaled_dot_product_attention."] = dict(mask=None)
+    if mask is not None and mask.dim() == 4 and mask.shape[1:3] != (1, 1):
+        # A (batch, heads, q_len, k_len) or (batch, 1, q_len, k_len) mask read as if it were a padding mask.
+        variants["Your module reads one row of the mask, mask[:, 0, 0, :], for every head and query: a 4-D mask may "
+                 "differ per head and per query (a decoder's causal & padding mask does). Pass the mask on whole to "
+                 "scaled_dot_product_attention; broadcasting does the rest."] = dict(mask=mask[:, :1, :1, :])
+        if mask.shape[1] != 1:
+            variants["Your module gives every head the first head's mask, mask[:, :1]: a (batch, heads, q_len, "
+                     "k_len) mask holds one mask per head. Pass it on whole."] = dict(mask=mask[:, :1])
     for hint, mistake in variants.items():
-        if mistake == "key as value":
-            expected = _reference(state, heads, query, key, key, mask)
-        elif mistake == "no mask":
-            expected = _reference(state, heads, query, key, value, None)
-        else:
-            expected = _reference(state, heads, query, key, value, mask, **mistake)
+        inputs = {"query": query, "key": key, "value": value, "mask": mask}
+        inputs |= {k: v for k, v in mistake.items() if k in inputs}
+        switches = {k: v for k, v in mistake.items() if k not in inputs}
+        expected = _reference(state, heads, inputs["query"], inputs["key"], inputs["value"], inputs["mask"],
+                              **switches)
         if close(output, expected, output.dtype):
             return hint
     return ("Compare, on one small example, your q, k and v after split_heads with those of "
             "torch.nn.MultiheadAttention (its in_proj_weight packs W_Q, W_K, W_V in this order).")
 
 
+def _run(module: Any, what: str, *args: Tensor) -> Any:
+    """Run the student's module; a crash on a small case (batch=1, heads=1, bias=False) says which case."""
+    try:
+        return call(module, *args)
+    except CheckFailure as failure:
+        if ") raised " not in str(failure):
+            raise
+        hint = ""
+        if "bias=False" in what:
+            hint = (" With bias=False each nn.Linear's .bias is None: apply the layers (self.w_o(x)) rather than "
+                    "writing x @ weight.T + bias out by hand.")
+        elif "=1" in what:
+            hint = (" An axis of size 1 must be kept: is there a squeeze() without an axis, or a shape taken from the "
+                    "data that assumes more than one head or sentence?")
+        raise CheckFailure(f"For {what}: {_first_line(failure)}{hint}") from None
+
+
 def _compare(module: Any, oracle: nn.MultiheadAttention, state: dict[str, Tensor], s: dict[str, int],
              dtype: torch.dtype, what: str, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> None:
     args = (query, key, value) if mask is None else (query, key, value, mask)
+    sizes = _sizes_of(query, key, s["heads"])
     b, q_len, d_model = query.shape
-    output = expect_tensor(call(module, *args), "the output", (b, q_len, d_model), "batch q_len d_model", dtype)
+    output = _expect_kept(_run(module, what, *args), "the output", (b, q_len, d_model), "batch q_len d_model", dtype)
     kwargs: dict[str, Tensor] = {}
-    if mask is not None and mask.dim() == 4:
-        kwargs["key_padding_mask"] = ~mask[:, 0, 0, :]  # PyTorch's True means "ignore this key"
-    elif mask is not None:
-        kwargs["attn_mask"] = ~mask
+    if mask is not None:
+        # PyTorch's True means "ignore this key"; its 3-D mask holds one (q_len, k_len) mask per batch and head.
+        full = mask.expand(b, s["heads"], q_len, key.shape[1])
+        kwargs["attn_mask"] = ~rearrange(full, "batch heads q_len k_len -> (batch heads) q_len k_len")
     with torch.no_grad():
         expected = oracle(query, key, value, need_weights=False, **kwargs)[0]
     if not close(output, expected, dtype):
         raise CheckFailure(
             f"For {what}, your output differs from torch.nn.MultiheadAttention's with the same weights "
-            f"(largest difference {(output - expected).abs().max().item():.3g}). "
-            f"{_diagnose(state, s, query, key, value, mask, output)}"
+            f"({difference(output, expected, sizes)}). {_diagnose(state, s, query, key, value, mask, output)}"
         )
 
 
@@ -240,6 +304,14 @@ def _padding_mask(s: dict[str, int], k_len: int, seed: int) -> Tensor:
     lengths[0] = k_len
     lengths[-1] = max(1, k_len - 2)
     return rearrange(torch.arange(k_len), "k_len -> 1 1 1 k_len") < rearrange(lengths, "batch -> batch 1 1 1")
+
+
+def _random_mask(shape: tuple[int, ...], seed: int) -> Tensor:
+    """A random boolean mask with at least one key per row (PyTorch's attention gives NaN for a row without)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    mask = torch.rand(shape, generator=g) < 0.5
+    mask[..., 0] |= ~mask.any(-1)
+    return mask
 
 
 # -- exercise 3: the module ------------------------------------------------------------------
@@ -262,49 +334,148 @@ def check_mha_init(cls: Callable[..., Any], seed: int = 0) -> None:
            "ValueError when heads does not divide d_model")
 
 
-@check(forbid=BUILT_IN_MHA)
-def check_mha_self_attention(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Self-attention equal to torch.nn.MultiheadAttention: no mask, a padding mask, a causal mask; dropout."""
-    s = _sizes(seed)
-    module, oracle, state = _build(cls, s, dtype, seed)
-    (x,) = _inputs(s, dtype, seed, s["q_len"])
-    seq = s["q_len"]
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    for what, mask in (("self-attention without a mask", None),
-                       ("self-attention with a padding mask (batch, 1, 1, k_len)", _padding_mask(s, seq, seed)),
-                       ("self-attention with a causal mask (q_len, k_len)", causal)):
-        _compare(module, oracle, state, s, dtype, what, x, x, x, mask)
-    # Dropout: nothing in eval mode; in training with p = 1 every attention weight is dropped,
-    # so only w_o's bias is left.
+class _FixedDropout(nn.Module):
+    """Stands in for the student's ``self.dropout``: multiplies by a fixed mask of 0 and 2 (p = 0.5), so that the
+    check knows which weights were dropped, and notes the shape of what it was given and whether its rows summed
+    to 1 (attention weights do)."""
+
+    p = 0.5
+
+    def __init__(self, keep: Bool[Tensor, "batch heads q_len k_len"]) -> None:
+        super().__init__()
+        self.keep = keep
+        self.seen: list[list[int]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = bool(torch.allclose(x.sum(-1), torch.ones((), dtype=x.dtype), atol=1e-5))
+        self.seen.append([*x.shape, int(rows)])
+        return x * (2 * self.keep).to(x.dtype) if x.shape == self.keep.shape else x
+
+
+@jaxtyped(typechecker=beartype)
+def _with_fixed_dropout(module: nn.Module, keep: Bool[Tensor, "batch heads seq seq"],
+                        x: Float[Tensor, "batch seq d_model"]) -> dict[str, Any]:
+    """Self-attention in training mode with ``module.dropout`` swapped for a :class:`_FixedDropout`."""
+    original = getattr(module, "dropout", None)
+    if not isinstance(original, nn.Module):
+        return {"missing": True}
+    stand_in = _FixedDropout(keep)
+    module.dropout = stand_in
+    module.train()
+    try:
+        output = module(x, x, x)
+    finally:
+        module.dropout = original
+    return {"output": output.detach(), "seen": stand_in.seen}
+
+
+def _check_dropout(cls: Any, oracle: nn.MultiheadAttention, state: dict[str, Tensor], s: dict[str, int],
+                   dtype: torch.dtype, seed: int, x: Tensor) -> None:
+    """Dropout does nothing in eval mode, drops every weight with p = 1, and acts on the attention weights."""
+    sizes = _sizes_of(x, x, s["heads"])
     dropping, _, _ = _build(cls, s, dtype, seed, dropout=1.0)
     _compare(dropping, oracle, state, s, dtype, "dropout=1.0 in eval() mode", x, x, x, None)
     call(_set_training, dropping, True)
     got = call(dropping, x, x, x)
-    if not close(got, state["w_o.bias"].expand_as(got), dtype):
+    bias_only = state["w_o.bias"].expand_as(got)
+    if not close(got, bias_only, dtype):
         if close(got, oracle(x, x, x, need_weights=False)[0].detach(), dtype):
             hint = "your module ignores dropout: apply self.dropout to the attention weights."
         else:
             hint = "apply self.dropout (nn.Dropout(dropout)) to the attention weights before the weighted sum."
         raise CheckFailure(
             "With dropout=1.0 in training mode every attention weight is dropped, so the output should be "
-            f"w_o's bias alone; {hint}"
+            f"w_o's bias alone ({difference(got, bias_only, sizes)}); {hint}"
         )
-    passed(f"self-attention equal to torch.nn.MultiheadAttention without a mask, with padding and causal masks; "
-           f"dropout only in training ({_dtype_name(dtype)})")
+    # p = 1 cannot tell the weights from the values or the heads' outputs (all give w_o's bias): a known mask can.
+    b, h, seq = s["batch"], s["heads"], x.shape[1]
+    keep = torch.rand(b, h, seq, seq, generator=torch.Generator().manual_seed(seed + 13)) < 0.5
+    result = call(_with_fixed_dropout, dropping, keep, x)
+    if type(result) is not dict:
+        raise CheckFailure(f"Could not run your module with a stand-in for self.dropout: got {kind(result)}.")
+    if result.get("missing"):
+        raise CheckFailure("Your module has no nn.Dropout in the attribute `dropout`: store nn.Dropout(dropout) as "
+                           "self.dropout, as the exercise asks, and apply it to the attention weights.")
+    expected = _reference(state, h, x, x, x, None, drop=2 * keep.to(dtype))
+    output = _expect_kept(result["output"], "the output", tuple(x.shape), "batch q_len d_model", dtype)
+    if close(output, expected, dtype):
+        return
+    weights_shape = [b, h, seq, seq]
+    seen = result["seen"]
+    if not seen:
+        where = ("Your forward never calls self.dropout (F.dropout(..., self.dropout.p) does not count): apply "
+                 "self.dropout to the attention weights.")
+    elif all(shape[:-1] != weights_shape for shape in seen):
+        shapes = " and ".join(str(tuple(shape[:-1])) for shape in seen)
+        where = (f"self.dropout was applied to a tensor of shape {shapes}, not to the attention weights (batch={b}, "
+                 f"heads={h}, q_len={seq}, k_len={seq}): dropping values or the heads' outputs is another model. "
+                 "Apply it to the weights, before the weighted sum of the values.")
+    elif not any(shape[-1] for shape in seen if shape[:-1] == weights_shape):
+        where = ("self.dropout was applied to scores whose rows do not sum to 1: apply it after the softmax, to the "
+                 "attention weights.")
+    else:
+        where = "Apply self.dropout once, to the attention weights, and take the weighted sum with the dropped weights."
+    raise CheckFailure(
+        "With a stand-in for self.dropout that drops a known half of the attention weights (and doubles the rest), "
+        "your output differs from multi-head attention with those weights dropped "
+        f"({difference(output, expected, sizes)}). {where}"
+    )
+
+
+@check(forbid=BUILT_IN_MHA)
+def check_mha_self_attention(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Self-attention equal to torch.nn.MultiheadAttention: no mask, padding, causal, per-head and causal & padding
+    masks; batch=1, heads=1, bias=False; dropout on the attention weights."""
+    s = _sizes(seed)
+    module, oracle, state = _build(cls, s, dtype, seed)
+    (x,) = _inputs(s, dtype, seed, s["q_len"])
+    b, h, seq = s["batch"], s["heads"], s["q_len"]
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    padding = _padding_mask(s, seq, seed)
+    for what, x_, mask in (("self-attention without a mask", x, None),
+                           ("self-attention with a padding mask (batch, 1, 1, k_len)", x, padding),
+                           ("self-attention with a causal mask (q_len, k_len)", x, causal),
+                           ("self-attention with a per-head mask (batch, heads, q_len, k_len)", x,
+                            _random_mask((b, h, seq, seq), seed)),
+                           ("self-attention with a causal & padding mask (batch, 1, q_len, k_len)", x,
+                            causal & padding),
+                           ("self-attention with batch=1 and a padding mask", x[:1], padding[:1])):
+        _compare(module, oracle, state, s, dtype, what, x_, x_, x_, mask)
+    # One head (d_head = d_model) and no biases: an axis of size 1 kept, the biases not assumed.
+    one = dict(s, heads=1, d_head=s["d_model"])
+    single, single_oracle, single_state = _build(cls, one, dtype, seed)
+    _compare(single, single_oracle, single_state, one, dtype, "self-attention with heads=1 and a padding mask",
+             x, x, x, padding)
+    unbiased, unbiased_oracle, unbiased_state = _build(cls, s, dtype, seed, bias=False)
+    _compare(unbiased, unbiased_oracle, unbiased_state, s, dtype, "self-attention with bias=False and a causal mask",
+             x, x, x, causal)
+    _check_dropout(cls, oracle, state, s, dtype, seed, x)
+    passed(f"self-attention equal to torch.nn.MultiheadAttention without a mask and with padding, causal, per-head "
+           f"and causal & padding masks, batch=1, heads=1 and bias=False; dropout on the attention weights, only in "
+           f"training ({_dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_MHA)
 def check_mha_cross_attention(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Cross-attention (q_len != k_len, key != value) equal to torch.nn.MultiheadAttention, with a padding mask."""
+    """Cross-attention (q_len != k_len, key != value) equal to torch.nn.MultiheadAttention, with a padding and a
+    (q_len, k_len) mask; batch=1 and heads=1 too."""
     s = _sizes(seed)
     module, oracle, state = _build(cls, s, dtype, seed)
     query, key, value = _inputs(s, dtype, seed + 1, s["q_len"], s["k_len"], s["k_len"])
     padding = _padding_mask(s, s["k_len"], seed)
-    for what, mask in (("cross-attention without a mask", None),
-                       ("cross-attention with a padding mask (batch, 1, 1, k_len)", padding)):
-        _compare(module, oracle, state, s, dtype, what, query, key, value, mask)
-    passed(f"cross-attention (q_len={s['q_len']}, k_len={s['k_len']}) equal to torch.nn.MultiheadAttention "
-           f"({_dtype_name(dtype)})")
+    for what, q_, k_, v_, mask in (
+        ("cross-attention without a mask", query, key, value, None),
+        ("cross-attention with a padding mask (batch, 1, 1, k_len)", query, key, value, padding),
+        ("cross-attention with a (q_len, k_len) mask", query, key, value, _random_mask((s["q_len"], s["k_len"]), seed)),
+        ("cross-attention with batch=1 and a padding mask", query[:1], key[:1], value[:1], padding[:1]),
+    ):
+        _compare(module, oracle, state, s, dtype, what, q_, k_, v_, mask)
+    one = dict(s, heads=1, d_head=s["d_model"])
+    single, single_oracle, single_state = _build(cls, one, dtype, seed)
+    _compare(single, single_oracle, single_state, one, dtype, "cross-attention with heads=1 and a padding mask",
+             query, key, value, padding)
+    passed(f"cross-attention (q_len={s['q_len']}, k_len={s['k_len']}) equal to torch.nn.MultiheadAttention, with "
+           f"padding and (q_len, k_len) masks, batch=1 and heads=1 ({_dtype_name(dtype)})")
 
 
 # -- exercise 4: predict, then measure -----------------------------------------------------

@@ -10,11 +10,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from beartype import beartype
+from jaxtyping import Float, jaxtyped
 from torch import Tensor, nn
 
 from stepformer.checks._core import CheckFailure, call, check, difference, expect_tensor, kind, passed, show
 from stepformer.checks._modules import parameters_of as _parameters
 from stepformer.checks._modules import set_training as _set_training
+from stepformer.checks.attention import _first_line
 
 AXES = ("batch", "seq", "d_model")
 # What exercises 1-3 ask students to write themselves (and to use in their Residual).
@@ -33,6 +36,7 @@ BUILT_IN_NORMS = {
 NORM_FUNCTIONS = {name: label for name, label in BUILT_IN_NORMS.items() if not name.startswith("torch.nn.")
                   or name.startswith("torch.nn.functional.")}
 LAYER_NORM_EPS, RMS_NORM_EPS = 1e-5, 1e-6
+FUNCTIONAL = {"LayerNorm": "layer_norm", "RMSNorm": "rms_norm"}
 
 
 def _sizes(seed: int) -> dict[str, int]:
@@ -46,10 +50,12 @@ def _sizes(seed: int) -> dict[str, int]:
 
 
 def _tolerance(dtype: torch.dtype, offset: float = 0.0) -> float:
-    # Two correct float32 layer norms of x + 100 differ by ~3e-5: the rounding of x itself.
+    # The rounding of x + offset itself reaches the output. Measured over 60 seeds: correct float32 layer norms
+    # of x + 100 differ from F.layer_norm by up to 1.1e-4, the variance taken as E[x²] - E[x]² by 1.6e-3 or
+    # more; in float64 at x + 1e6, 1.2e-9 against 3e-4.
     if dtype == torch.float64:
-        return 1e-10
-    return 1e-5 * (1.0 + abs(offset))
+        return 1e-10 + 1e-14 * abs(offset)
+    return 1e-5 + 2e-6 * abs(offset)
 
 
 def _near(actual: Tensor, expected: Tensor, tolerance: float) -> bool:
@@ -115,10 +121,36 @@ CASES = (
 )
 
 
+# Only float64 can hold x + 1e6 finely enough; there E[x²] - E[x]² loses about 4 of its 16 digits.
+HUGE_MEAN = ("inputs with a huge mean (x + 1e6)", 1.0, 1e6)
+# eps values far from the defaults, on inputs whose variance (1e-6) is far below them: the result is eps's.
+CUSTOM_EPS = {"LayerNorm": 1e-2, "RMSNorm": 1e-3}
+
+
 def _input(seed: int, dtype: torch.dtype, scale: float = 1.0, offset: float = 0.0) -> Tensor:
     s = _sizes(seed)
     g = torch.Generator().manual_seed(seed)
     return torch.randn(s["batch"], s["seq"], s["d_model"], generator=g, dtype=dtype) * scale + offset
+
+
+def _leading_axes(seed: int, dtype: torch.dtype) -> list[tuple[str, Float[Tensor, "*batch d_model"]]]:
+    """Inputs with other leading axes than (batch, seq): the norms act on the last axis, whatever comes before."""
+    s = _sizes(seed)
+    x = _input(seed, dtype)
+    extra = next(n for n in (3, 4, 6, 7, 2) if n not in (s["batch"], s["seq"]))
+    g = torch.Generator().manual_seed(seed + 4)
+    four = torch.randn(extra, s["batch"], s["seq"], s["d_model"], generator=g, dtype=dtype)
+    return [("a 2-D input (seq, d_model)", x[0]), ("a 4-D input (heads, batch, seq, d_model)", four),
+            ("batch=1", x[:1])]
+
+
+def _axes(x: Tensor) -> tuple[str, ...]:
+    """The names of x's axes: the last is d_model, the ones before are the leading axes of the samples above."""
+    return (("heads", "batch", "seq")[3 - (x.dim() - 1):] if x.dim() > 1 else ()) + ("d_model",)
+
+
+def _sizes_of(x: Tensor) -> dict[str, int]:
+    return dict(zip(_axes(x), x.shape, strict=True))
 
 
 def _affine(seed: int, d_model: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -128,11 +160,19 @@ def _affine(seed: int, d_model: int, dtype: torch.dtype) -> tuple[Tensor, Tensor
     return weight, bias
 
 
-def _layer_norm_variants(x: Tensor, weight: Tensor, bias: Tensor) -> dict[str, Tensor]:
+@jaxtyped(typechecker=beartype)
+def _over_axes(x: Float[Tensor, "*batch d_model"],
+               normalise: Callable[[int], Tensor]) -> dict[str, Float[Tensor, "*batch d_model"]]:
+    """One variant per leading axis: the statistics taken over that axis instead of d_model."""
+    names = _axes(x)[:-1]
+    return {f"You normalised over the {name} axis: {{norm}} normalises each position over d_model (the last axis).":
+            normalise(dim) for dim, name in enumerate(names) if x.shape[dim] > 1}
+
+
+def _layer_norm_variants(x: Tensor, weight: Tensor, bias: Tensor, eps: float = LAYER_NORM_EPS) -> dict[str, Tensor]:
     """What a LayerNorm gives under each usual mistake (in float64), keyed by the hint."""
     x = x.double()
     weight, bias = weight.double(), bias.double()
-    eps = LAYER_NORM_EPS
 
     def over(dim: int) -> Tensor:
         var, mean = torch.var_mean(x, dim=dim, keepdim=True, correction=0)
@@ -140,7 +180,7 @@ def _layer_norm_variants(x: Tensor, weight: Tensor, bias: Tensor) -> dict[str, T
 
     var, mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
     centred = x - mean
-    return {
+    variants = {
         "You used the unbiased variance (dividing by d_model - 1, torch.var's default): LayerNorm divides "
         "by d_model (unbiased=False / correction=0).":
             centred / torch.sqrt(x.var(-1, keepdim=True, correction=1) + eps) * weight + bias,
@@ -148,10 +188,13 @@ def _layer_norm_variants(x: Tensor, weight: Tensor, bias: Tensor) -> dict[str, T
             centred / (torch.sqrt(var) + eps) * weight + bias,
         "You left out epsilon: divide by sqrt(variance + eps) (eps defaults to 1e-5).":
             centred / torch.sqrt(var) * weight + bias,
-        "You normalised over the batch axis: LayerNorm normalises each position over d_model (the last axis).":
-            over(0),
-        "You normalised over the seq axis: LayerNorm normalises each position over d_model (the last axis).":
-            over(1),
+    }
+    if eps != LAYER_NORM_EPS:
+        variants[f"You ignored the eps argument: LayerNorm(d_model, eps={eps}) must use eps={eps}, not the default "
+                 f"{LAYER_NORM_EPS}. Store it (self.eps = eps) and use it in forward."] = (
+            centred / torch.sqrt(var + LAYER_NORM_EPS) * weight + bias)
+    variants |= {hint.format(norm="LayerNorm"): value for hint, value in _over_axes(x, over).items()}
+    return variants | {
         "You did not subtract the mean: that is RMSNorm; LayerNorm centres first.":
             x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps) * weight + bias,
         "You added the bias before multiplying by the weight: it is normalised · weight + bias.":
@@ -161,31 +204,33 @@ def _layer_norm_variants(x: Tensor, weight: Tensor, bias: Tensor) -> dict[str, T
     }
 
 
-def _rms_norm_variants(x: Tensor, weight: Tensor) -> dict[str, Tensor]:
-    x, weight, eps = x.double(), weight.double(), RMS_NORM_EPS
+def _rms_norm_variants(x: Tensor, weight: Tensor, eps: float = RMS_NORM_EPS) -> dict[str, Tensor]:
+    x, weight = x.double(), weight.double()
     mean_square = (x**2).mean(-1, keepdim=True)
 
     def over(dim: int) -> Tensor:
         return x / torch.sqrt((x**2).mean(dim, keepdim=True) + eps) * weight
 
     var, mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
-    return {
+    variants = {
         "You subtracted the mean: RMSNorm divides x itself by its root mean square, without centring.":
             (x - mean) / torch.sqrt(var + eps) * weight,
         "Your epsilon is outside the square root: divide by sqrt(mean(x²) + eps), not sqrt(mean(x²)) + eps.":
             x / (torch.sqrt(mean_square) + eps) * weight,
         "You left out epsilon: divide by sqrt(mean(x²) + eps) (eps defaults to 1e-6).":
             x / torch.sqrt(mean_square) * weight,
-        "Your epsilon is 1e-5: RMSNorm's default here is 1e-6, as in the signature.":
-            x / torch.sqrt(mean_square + 1e-5) * weight,
-        "You divided by the mean square, not by its square root.":
-            x / (mean_square + eps) * weight,
-        "You normalised over the batch axis: RMSNorm normalises each position over d_model (the last axis).":
-            over(0),
-        "You normalised over the seq axis: RMSNorm normalises each position over d_model (the last axis).":
-            over(1),
-        "You left out the learned weight: multiply by self.weight.": x / torch.sqrt(mean_square + eps),
     }
+    if eps == RMS_NORM_EPS:
+        variants["Your epsilon is 1e-5: RMSNorm's default here is 1e-6, as in the signature."] = (
+            x / torch.sqrt(mean_square + 1e-5) * weight)
+    else:
+        variants[f"You ignored the eps argument: RMSNorm(d_model, eps={eps}) must use eps={eps}, not the default "
+                 f"{RMS_NORM_EPS}. Store it (self.eps = eps) and use it in forward."] = (
+            x / torch.sqrt(mean_square + RMS_NORM_EPS) * weight)
+    variants["You divided by the mean square, not by its square root."] = x / (mean_square + eps) * weight
+    variants |= {hint.format(norm="RMSNorm"): value for hint, value in _over_axes(x, over).items()}
+    variants["You left out the learned weight: multiply by self.weight."] = x / torch.sqrt(mean_square + eps)
+    return variants
 
 
 def _diagnose(got: Tensor, variants: dict[str, Tensor], tolerance: float, fallback: str) -> str:
@@ -236,25 +281,62 @@ def _load_random(cls: Any, seed: int, dtype: torch.dtype, with_bias: bool) -> tu
     return module, weight, bias
 
 
+def _norm_output(module: Any, x: Tensor, name: str, label: str) -> Tensor:
+    """The student's norm applied to x; a crash on an input with other leading axes says so."""
+    try:
+        got = call(module, x)
+    except CheckFailure as failure:
+        if ") raised " not in str(failure) or x.dim() == 3:
+            raise
+        raise CheckFailure(
+            f"On {label} your {name} raised: {_first_line(failure)} A norm acts on the last axis whatever "
+            "the leading axes are (*batch: none, one, or several): take the statistics over dim=-1 (or with "
+            "einops' '... d_model -> ... 1'), never over a fixed axis number or a pattern with named leading axes."
+        ) from None
+    return expect_tensor(got, f"{name}'s output on {label}", tuple(x.shape), " ".join(_axes(x)), x.dtype)
+
+
+def _compare_norm(name: str, label: str, got: Tensor, expected: Tensor, variants: dict[str, Tensor],
+                  tolerance: float, fallback: str, x: Tensor) -> None:
+    if _near(got, expected, tolerance):
+        return
+    hint = _diagnose(got, variants, tolerance, fallback)
+    raise CheckFailure(f"With {label}, your {name} differs from torch.nn.functional.{FUNCTIONAL[name]} "
+                       f"({difference(got, expected, _sizes_of(x))}). {hint}")
+
+
 @check(forbid=BUILT_IN_NORMS)
 def check_layer_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Equal to torch.nn.functional.layer_norm with the same weights, on random, tiny, offset and large inputs."""
+    """Equal to torch.nn.functional.layer_norm with the same weights, on random, tiny, offset and large inputs,
+    with any leading axes and with another eps."""
     module, weight, bias = _load_random(cls, seed, dtype, with_bias=True)
-    s = _sizes(seed)
-    for label, scale, offset in CASES:
-        x = _input(seed, dtype, scale, offset)
-        got = expect_tensor(call(module, x), "LayerNorm's output", tuple(x.shape), "batch seq d_model", dtype)
-        expected = F.layer_norm(x, (s["d_model"],), weight, bias, eps=LAYER_NORM_EPS)
-        if not _near(got, expected, _tolerance(dtype, offset)):
-            hint = _diagnose(got, _layer_norm_variants(x, weight, bias), _tolerance(dtype, offset),
-                             "Compare with (x - mean) / sqrt(variance + eps) · weight + bias, over d_model.")
-            if offset and hint.startswith("Compare"):
+    d_model = _sizes(seed)["d_model"]
+    fallback = "Compare with (x - mean) / sqrt(variance + eps) · weight + bias, over d_model."
+    cases = [*CASES, HUGE_MEAN] if dtype == torch.float64 else CASES
+    samples = [(label, _input(seed, dtype, scale, offset), offset) for label, scale, offset in cases]
+    samples += [(label, x, 0.0) for label, x in _leading_axes(seed, dtype)]
+    for label, x, offset in samples:
+        got = _norm_output(module, x, "LayerNorm", label)
+        expected = F.layer_norm(x, (d_model,), weight, bias, eps=LAYER_NORM_EPS)
+        tolerance = _tolerance(dtype, offset)
+        if not _near(got, expected, tolerance):
+            hint = _diagnose(got, _layer_norm_variants(x, weight, bias), tolerance, fallback)
+            if offset and hint == fallback:
                 hint = ("Only inputs with a large mean go wrong: compute the variance from the centred values, "
                         "mean((x - mean)²), not as mean(x²) - mean²: the subtraction of two large numbers "
                         "loses the digits that matter.")
-            raise CheckFailure(f"With {label}, your LayerNorm differs from torch.nn.functional.layer_norm. {hint}")
-    passed(f"equal to torch.nn.functional.layer_norm, offset and large inputs included "
-           f"({str(dtype).removeprefix('torch.')})")
+            raise CheckFailure(f"With {label}, your LayerNorm differs from torch.nn.functional.layer_norm "
+                               f"({difference(got, expected, _sizes_of(x))}). {hint}")
+    eps = CUSTOM_EPS["LayerNorm"]
+    custom = call(cls, d_model, eps=eps)
+    call(_load, custom, {"weight": weight, "bias": bias})
+    label = f"eps={eps} on inputs of tiny variance (x · 1e-3)"
+    x = _input(seed, dtype, 1e-3)
+    _compare_norm("LayerNorm", label, _norm_output(custom, x, "LayerNorm", label),
+                  F.layer_norm(x, (d_model,), weight, bias, eps=eps), _layer_norm_variants(x, weight, bias, eps),
+                  _tolerance(dtype), fallback, x)
+    passed(f"equal to torch.nn.functional.layer_norm, offset and large inputs, any leading axes and another eps "
+           f"included ({str(dtype).removeprefix('torch.')})")
 
 
 @check(forbid=BUILT_IN_NORMS)
@@ -306,19 +388,27 @@ def _compare_gradients(module: Any, oracle: nn.Module, seed: int, name: str, wan
 
 @check(forbid=BUILT_IN_NORMS)
 def check_rms_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """RMSNorm has one parameter `weight` (ones) and equals torch.nn.functional.rms_norm, on four kinds of input."""
+    """RMSNorm has one parameter `weight` (ones) and equals torch.nn.functional.rms_norm, on four kinds of input,
+    with any leading axes and with another eps."""
     d_model = _sizes(seed)["d_model"]
     _check_parameters(cls, d_model, {"weight": 1.0}, "RMSNorm", nn.RMSNorm(d_model, eps=RMS_NORM_EPS))
     module, weight, _ = _load_random(cls, seed, dtype, with_bias=False)
-    for label, scale, offset in CASES:
-        x = _input(seed, dtype, scale, offset)
-        got = expect_tensor(call(module, x), "RMSNorm's output", tuple(x.shape), "batch seq d_model", dtype)
-        expected = F.rms_norm(x, (d_model,), weight, eps=RMS_NORM_EPS)
-        if not _near(got, expected, _tolerance(dtype)):
-            hint = _diagnose(got, _rms_norm_variants(x, weight), _tolerance(dtype),
-                             "Compare with x / sqrt(mean(x²) + eps) · weight, the mean taken over d_model.")
-            raise CheckFailure(f"With {label}, your RMSNorm differs from torch.nn.functional.rms_norm. {hint}")
-    passed(f"equal to torch.nn.functional.rms_norm with a `weight` only ({str(dtype).removeprefix('torch.')})")
+    fallback = "Compare with x / sqrt(mean(x²) + eps) · weight, the mean taken over d_model."
+    samples = [(label, _input(seed, dtype, scale, offset)) for label, scale, offset in CASES]
+    for label, x in [*samples, *_leading_axes(seed, dtype)]:
+        got = _norm_output(module, x, "RMSNorm", label)
+        _compare_norm("RMSNorm", label, got, F.rms_norm(x, (d_model,), weight, eps=RMS_NORM_EPS),
+                      _rms_norm_variants(x, weight), _tolerance(dtype), fallback, x)
+    eps = CUSTOM_EPS["RMSNorm"]
+    custom = call(cls, d_model, eps=eps)
+    call(_load, custom, {"weight": weight})
+    label = f"eps={eps} on inputs of tiny variance (x · 1e-3)"
+    x = _input(seed, dtype, 1e-3)
+    _compare_norm("RMSNorm", label, _norm_output(custom, x, "RMSNorm", label),
+                  F.rms_norm(x, (d_model,), weight, eps=eps), _rms_norm_variants(x, weight, eps), _tolerance(dtype),
+                  fallback, x)
+    passed(f"equal to torch.nn.functional.rms_norm with a `weight` only, any leading axes and another eps included "
+           f"({str(dtype).removeprefix('torch.')})")
 
 
 @check(forbid=BUILT_IN_NORMS)
@@ -398,7 +488,8 @@ def check_residual(cls: Any, norm_first: bool = False, seed: int = 0) -> None:
                              "x + sublayer(norm(x))."]
             hints = [h for h, v in variants.items() if _near(got, v, 1e-8)]
             raise CheckFailure(
-                f"Your Residual's {name} output differs from the expected one. "
+                f"Your Residual's {name} output differs from the expected one "
+                f"({difference(got, expected, _sizes(seed))}). "
                 + (hints[0] if hints else "Compare with the formula in the docstring, step by step.")
             )
     passed(f"{'pre' if norm_first else 'post'}-norm: "
@@ -407,41 +498,51 @@ def check_residual(cls: Any, norm_first: bool = False, seed: int = 0) -> None:
 
 @check(forbid=NORM_FUNCTIONS)
 def check_residual_dropout(cls: Any, seed: int = 0) -> None:
-    """Dropout hits the sublayer's output only, in training mode only."""
-    module, sublayer = _residual(cls, seed, norm_first=True, dropout=0.5)
-    # With the norm made the identity, pre- and post-norm both read x + dropout(sublayer(x)):
-    # what is measured here is where the dropout goes, whatever the order.
-    _put_norm(module, _Identity())
-    x = _input(seed, torch.float64)
-    with torch.no_grad():
-        clean = sublayer(x)
-    call(_set_training, module, False)
-    got = expect_tensor(call(module, x), "Residual's output", tuple(x.shape), "batch seq d_model", torch.float64)
-    if not _near(got, x + clean, 1e-10):
-        raise CheckFailure(
-            "In eval mode (module.eval()) dropout must do nothing, but your output is not x + sublayer(x) with the "
-            "norm taken out. Use nn.Dropout (it switches off in eval mode) rather than a hand-made mask."
-        )
-    call(_set_training, module, True)
-    got = expect_tensor(call(module, x), "Residual's output", tuple(x.shape), "batch seq d_model", torch.float64)
-    delta = got - x
-    dropped = delta.abs() <= 1e-12
-    kept = (delta - 2 * clean).abs() <= 1e-10  # nn.Dropout(0.5) scales what it keeps by 1 / (1 - 0.5)
-    if _near(got, x + clean, 1e-10):
-        raise CheckFailure(
-            "With dropout=0.5 in training mode your output has no dropout at all: store nn.Dropout(dropout) as "
-            "self.dropout and apply it to the sublayer's output."
-        )
-    if not (dropped | kept).all():
-        raise CheckFailure(
-            "Dropout seems to hit more than the sublayer's output: each entry of output - x should be either 0 "
-            "(dropped) or 2 · sublayer(x) (kept, scaled by 1/(1-p)). Apply self.dropout to the sublayer's output "
-            "only, never to x or to the residual sum."
-        )
-    share = dropped.double().mean().item()
-    if not 0.2 <= share <= 0.8:
-        raise CheckFailure(f"With dropout=0.5, {share:.0%} of the sublayer's outputs were dropped: use the p given.")
-    passed(f"dropout hits the sublayer's output only ({share:.0%} dropped at p=0.5), and only in training mode")
+    """Dropout hits the sublayer's output only, in training mode only, in post-norm and pre-norm alike."""
+    sizes = _sizes(seed)
+    shares = []
+    for norm_first in (False, True):
+        name = "pre-norm (norm_first=True)" if norm_first else "post-norm (norm_first=False)"
+        module, sublayer = _residual(cls, seed, norm_first=norm_first, dropout=0.5)
+        # With the norm made the identity, pre- and post-norm both read x + dropout(sublayer(x)):
+        # what is measured here is where the dropout goes, whatever the order.
+        _put_norm(module, _Identity())
+        x = _input(seed, torch.float64)
+        with torch.no_grad():
+            clean = sublayer(x)
+        call(_set_training, module, False)
+        got = expect_tensor(call(module, x), "Residual's output", tuple(x.shape), "batch seq d_model", torch.float64)
+        if not _near(got, x + clean, 1e-10):
+            raise CheckFailure(
+                f"In eval mode (module.eval()) dropout must do nothing, but your {name} output is not x + sublayer(x) "
+                f"with the norm taken out ({difference(got, x + clean, sizes)}). Use nn.Dropout (it switches off in "
+                "eval mode) rather than a hand-made mask."
+            )
+        call(_set_training, module, True)
+        got = expect_tensor(call(module, x), "Residual's output", tuple(x.shape), "batch seq d_model", torch.float64)
+        delta = got - x
+        dropped = delta.abs() <= 1e-12
+        kept = (delta - 2 * clean).abs() <= 1e-10  # nn.Dropout(0.5) scales what it keeps by 1 / (1 - 0.5)
+        if _near(got, x + clean, 1e-10):
+            raise CheckFailure(
+                f"With dropout=0.5 in training mode your {name} output has no dropout at all (the norm taken out, "
+                f"it is x + sublayer(x); {difference(got, x + clean, sizes)}): store nn.Dropout(dropout) as "
+                "self.dropout and apply it to the sublayer's output, in both branches of `if self.norm_first`."
+            )
+        if not (dropped | kept).all():
+            worst = torch.minimum(delta.abs(), (delta - 2 * clean).abs())
+            raise CheckFailure(
+                f"Dropout seems to hit more than the sublayer's output in {name}: each entry of output - x should be "
+                "either 0 (dropped) or 2 · sublayer(x) (kept, scaled by 1/(1-p)); "
+                f"{difference(worst, torch.zeros_like(worst), sizes)} from the nearer of the two. Apply self.dropout "
+                "to the sublayer's output only, never to x or to the residual sum."
+            )
+        shares.append(dropped.double().mean().item())
+        if not 0.2 <= shares[-1] <= 0.8:
+            raise CheckFailure(f"With dropout=0.5, {shares[-1]:.0%} of the sublayer's outputs were dropped in {name} "
+                               f"(sizes {', '.join(f'{a}={n}' for a, n in sizes.items())}): use the p given.")
+    passed(f"dropout hits the sublayer's output only ({shares[0]:.0%} and {shares[1]:.0%} dropped at p=0.5, post- "
+           "and pre-norm), and only in training mode")
 
 
 # -- exercise 4: measure gradient norms per layer ----------------------------------------------
@@ -511,9 +612,10 @@ def check_gradient_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
                         "with respect to each block's parameters.")
             if attempt == "second" and "twice" not in hint:
                 hint = "Your first call was right but the second differs: does it depend on old .grad values? " + hint
+            found = difference(got, expected, {"layer": depth, **_sizes(seed)})
             raise CheckFailure(
                 f"On a {depth}-block {'pre' if norm_first else 'post'}-norm stack ({attempt} call), your gradient "
-                f"norms {show(got)} differ from {show(expected)}. {hint}"
+                f"norms {show(got)} differ from {show(expected)} ({found}). {hint}"
             )
         ratios[norm_first] = (got[0] / got[-1]).item()
     passed(f"first/last gradient norm over {depth} blocks: post-norm {ratios[False]:.2f}, pre-norm {ratios[True]:.2f}")

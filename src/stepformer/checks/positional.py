@@ -8,12 +8,29 @@ import torch
 from einops import einsum, rearrange
 from torch import Tensor
 
-from stepformer.checks._core import CheckFailure, call, check, describe, expect_tensor, kind, passed, show
+from stepformer.checks._core import (
+    CheckFailure,
+    call,
+    check,
+    describe,
+    difference,
+    expect_tensor,
+    kind,
+    passed,
+    show,
+)
 
 AXES = ("batch", "heads", "seq")
-# Float32 angles pos · θ are off by ~1e-7 · pos radians however θ is computed, and a float32 θ may
-# meet float64 inputs; every mistake that the checks name changes some entry by far more than this.
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-5}
+# Float32 angles pos · θ are off by ~1e-7 · pos radians however θ is computed; every mistake that the
+# checks name changes some entry by far more than this. In float64, with positions up to ~60, a correct
+# rotation is off by ~1e-14: 1e-10 leaves room and still refuses angles computed in float32 (~1e-6).
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
+# The properties and the offset measurement are about rotations, not precision: angles computed in float32
+# keep them to ~1e-6, and only the values check (its float64 run) asks for float64 accuracy.
+PROPERTY_TOLERANCE = 1e-5
+FLOAT32_ANGLES = ("Your float64 result is only as accurate as float32 (a correct float64 one is off by ~1e-14): "
+                  "compute θ and the angles pos · θ in the input's dtype when it is float64 (torch.arange(..., "
+                  "dtype=torch.float64); .float() rounds them to float32).")
 
 
 def _sizes(seed: int) -> dict[str, int]:
@@ -27,9 +44,14 @@ def _sizes(seed: int) -> dict[str, int]:
     return sizes
 
 
-def _near(actual: Tensor, expected: Tensor) -> bool:
-    tolerance = TOLERANCE[expected.dtype]
+def _near(actual: Tensor, expected: Tensor, tolerance: float | None = None) -> bool:
+    tolerance = TOLERANCE[expected.dtype] if tolerance is None else tolerance
     return actual.shape == expected.shape and bool(torch.allclose(actual, expected, rtol=tolerance, atol=tolerance))
+
+
+def _float32_accurate(actual: Tensor, expected: Tensor) -> bool:
+    """A float64 result that misses float64's tolerance but meets float32's: angles computed in float32."""
+    return expected.dtype == torch.float64 and _near(actual, expected, TOLERANCE[torch.float32])
 
 
 # -- exercise 1: the sinusoidal encoding ---------------------------------------------------
@@ -92,13 +114,14 @@ def check_sinusoidal_values(fn: Callable[..., Any], seed: int = 0) -> None:
         expected = _paper_encoding(seq_len, d_model)
         if torch.allclose(got, expected, rtol=0, atol=ENCODING_TOLERANCE):
             continue
+        found = difference(got, expected, {"seq_len": seq_len, "d_model": d_model})
         for hint, variant in _ENCODING_MISTAKES.items():
             if torch.allclose(got, _paper_encoding(seq_len, d_model, **variant), rtol=0, atol=ENCODING_TOLERANCE):
-                raise CheckFailure(f"For seq_len={seq_len}, d_model={d_model}: {hint}")
+                raise CheckFailure(f"For seq_len={seq_len}, d_model={d_model} ({found}): {hint}")
         row, channel = divmod(int((got - expected).abs().argmax()), d_model)
         raise CheckFailure(
-            f"For seq_len={seq_len}, d_model={d_model} your encoding differs from the paper's formula, most at "
-            f"pos={row}, channel={channel}: got {got[row, channel].item():.5f}, expected "
+            f"For seq_len={seq_len}, d_model={d_model} your encoding differs from the paper's formula ({found}), "
+            f"most at pos={row}, channel={channel}: got {got[row, channel].item():.5f}, expected "
             f"{expected[row, channel].item():.5f}. Compare a few entries by hand with sin(pos / 10000^(2i/d_model))."
         )
     passed("equal to the paper's formula (sin in channel 2i, cos in channel 2i + 1)")
@@ -177,7 +200,9 @@ def _rotated(rope: Any, x: Tensor, positions: Tensor) -> Tensor:
 
 
 def _diagnose_rope(x: Tensor, positions: Tensor, base: float, got: Tensor) -> str:
-    if _near(got, x):
+    if _float32_accurate(got, _rope_oracle(x, positions, base)):
+        return FLOAT32_ANGLES
+    if _near(got, x, TOLERANCE[torch.float32]):
         return "Your output equals the input: nothing was rotated."
     norms_in, norms_out = x.double().norm(dim=-1), got.double().norm(dim=-1)
     variants = {
@@ -187,12 +212,14 @@ def _diagnose_rope(x: Tensor, positions: Tensor, base: float, got: Tensor) -> st
         "Your angles are wrong: θ_i = base^(-2i/d_head), where i numbers the pair (you used i instead of 2i).":
             dict(exponent=1),
     }
+    # Named by float32's tolerance: a mistake made with float32 angles on float64 inputs is still that mistake.
+    loose = TOLERANCE[torch.float32]
     for hint, variant in variants.items():
-        if _near(got, _rope_oracle(x, positions, base, **variant)):
+        if _near(got, _rope_oracle(x, positions, base, **variant), loose):
             return hint
-    if _near(got, _rope_oracle(x, torch.arange(len(positions)), base)):
+    if _near(got, _rope_oracle(x, torch.arange(len(positions)), base), loose):
         return "You rotated row s by s·θ: use the angle positions[s]·θ, the token's position."
-    if base != 10000.0 and _near(got, _rope_oracle(x, positions, 10000.0)):
+    if base != 10000.0 and _near(got, _rope_oracle(x, positions, 10000.0), loose):
         return f"You ignored base={base}: θ_i = base^(-2i/d_head) with the base given to __init__."
     if not torch.allclose(norms_in, norms_out, rtol=1e-4, atol=1e-6):
         return ("Your output's lengths differ from the input's, so this is not a rotation: check the signs of "
@@ -204,15 +231,19 @@ def _diagnose_rope(x: Tensor, positions: Tensor, base: float, got: Tensor) -> st
 def check_rope_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """Equal to RoPE computed as complex multiplication, any leading axes, scattered positions, another base."""
     s, x, positions = _rope_inputs(seed, dtype)
-    for base, sample in ((10000.0, x), (10000.0, x[0, 0]), (500.0, x)):
+    for base, sample in ((10000.0, x), (10000.0, x[0, 0]), (10000.0, x[:1]), (500.0, x)):
         rope = call(cls, s["d_head"]) if base == 10000.0 else call(cls, s["d_head"], base=base)
         got = _rotated(rope, sample, positions)
-        if not _near(got, _rope_oracle(sample, positions, base)):
+        expected = _rope_oracle(sample, positions, base)
+        if not _near(got, expected):
+            sizes = dict(zip(("batch", "heads", "seq", "d_head")[4 - sample.dim():], sample.shape, strict=True))
             raise CheckFailure(
                 f"RotaryEmbedding({s['d_head']}, base={base}) on x {describe(sample)} at positions "
-                f"{positions.tolist()}: {_diagnose_rope(sample, positions, base, got)}"
+                f"{positions.tolist()} ({difference(got, expected, sizes)}): "
+                f"{_diagnose_rope(sample, positions, base, got)}"
             )
-    passed(f"equal to RoPE as complex multiplication ({str(dtype).removeprefix('torch.')})")
+    passed(f"equal to RoPE as complex multiplication, batch=1 and no leading axes too "
+           f"({str(dtype).removeprefix('torch.')})")
 
 
 def _parameter_count(module: Any) -> int:
@@ -231,24 +262,28 @@ def check_rope_properties(cls: Callable[..., Any], seed: int = 0) -> None:
     if count != 0:
         raise CheckFailure(f"RotaryEmbedding has {count} learned parameters; it should have none: "
                            "θ_i is fixed, so keep it a plain tensor (or a buffer), not an nn.Parameter.")
+    sizes = {a: s[a] for a in ("batch", "heads", "seq", "d_head")}
     at_zero = _rotated(rope, q, torch.zeros_like(pos_q))
-    if not _near(at_zero, q):
-        raise CheckFailure("At position 0 the angle is 0, so the vector must come back unchanged; yours changed.")
+    if not _near(at_zero, q, PROPERTY_TOLERANCE):
+        raise CheckFailure("At position 0 the angle is 0, so the vector must come back unchanged; yours changed "
+                           f"({difference(at_zero, q, sizes)}).")
     rotated = _rotated(rope, q, pos_q)
     lengths_in, lengths_out = q.norm(dim=-1), rotated.norm(dim=-1)
-    if not _near(lengths_out, lengths_in):
-        raise CheckFailure("A rotation keeps every vector's length, yours changed it: check the signs of "
-                           "(x₀ cos − x₁ sin, x₀ sin + x₁ cos).")
+    if not _near(lengths_out, lengths_in, PROPERTY_TOLERANCE):
+        hint = (FLOAT32_ANGLES if _float32_accurate(lengths_out, lengths_in) else
+                "check the signs of (x₀ cos − x₁ sin, x₀ sin + x₁ cos).")
+        raise CheckFailure("A rotation keeps every vector's length, yours changed it (lengths: "
+                           f"{difference(lengths_out, lengths_in, sizes)}): {hint}")
     pattern = "batch heads q_len d_head, batch heads k_len d_head -> batch heads q_len k_len"
     scores = einsum(rotated, _rotated(rope, k, pos_k), pattern)
     for shift in (5, 17):
         shifted = einsum(_rotated(rope, q, pos_q + shift), _rotated(rope, k, pos_k + shift), pattern)
-        if not _near(shifted, scores):
-            worst = (shifted - scores).abs().max().item()
+        if not _near(shifted, scores, PROPERTY_TOLERANCE):
+            hint = (FLOAT32_ANGLES if _float32_accurate(shifted, scores) else
+                    "Rotate q and k the same way, by a proper rotation.")
             raise CheckFailure(
-                f"Shifting both the queries and the keys by {shift} positions changed their scores (by up to "
-                f"{worst:.3g}); with RoPE they depend only on the offset m − n. Rotate q and k the same way, "
-                "by a proper rotation."
+                f"Shifting both the queries and the keys by {shift} positions changed their scores "
+                f"({difference(shifted, scores, sizes)}); with RoPE they depend only on the offset m − n. {hint}"
             )
     _check_rope_arguments(cls, rope, s, q, pos_q)
     passed("q_m·k_n depends only on m − n; lengths are kept; position 0 is the identity; no learned parameters; "
@@ -305,25 +340,34 @@ def check_offset_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
     mean = expect_tensor(result[0], "mean", (n_offsets,), "offset", torch.float64)
     spread = expect_tensor(result[1], "spread", (n_offsets,), "offset", torch.float64)
     expected = _offset_oracle(q, k, seq_len)
-    if not torch.allclose(mean, expected, rtol=1e-5, atol=1e-5):
+    sizes = {"d_head": d_head, "seq_len": seq_len, "offset": n_offsets}
+    if not _near(mean, expected, PROPERTY_TOLERANCE):
+        found = difference(mean, expected, sizes)
+        if _float32_accurate(mean, expected):
+            raise CheckFailure(f"Your mean scores by offset are close to RoPE's but not to float64 precision "
+                               f"({found}). In your RotaryEmbedding (exercise 2): {FLOAT32_ANGLES}")
         if torch.allclose(mean, expected.flip(0), rtol=1e-5, atol=1e-5):
-            raise CheckFailure("Your scores by offset come out mirrored: either your offsets run the wrong way "
-                               "(entry 0 is m − n = −(seq_len − 1), the key seq_len − 1 positions after the query) "
-                               "or your RotaryEmbedding rotates by −pos·θ (run exercise 2's checks).")
+            raise CheckFailure(f"Your scores by offset come out mirrored ({found}): either your offsets run the "
+                               "wrong way (entry 0 is m − n = −(seq_len − 1), the key seq_len − 1 positions after "
+                               "the query) or your RotaryEmbedding rotates by −pos·θ (run exercise 2's checks).")
         if torch.allclose(mean, _offset_oracle(q, k, seq_len, halves=True), rtol=1e-5, atol=1e-5):
-            raise CheckFailure("Your measurement matches RoPE with half-split pairs: fix RotaryEmbedding "
+            raise CheckFailure(f"Your measurement matches RoPE with half-split pairs ({found}): fix RotaryEmbedding "
                                "(exercise 2) to pair channels (0, 1), (2, 3), ... and this passes too.")
         if (spread > 1e-5).any():
             raise CheckFailure(
-                f"At a fixed offset your scores still vary (spread up to {spread.max().item():.3g}): does your "
-                "RotaryEmbedding pass exercise 2's checks? Rotate q and k with it at positions 0 ... seq_len − 1."
+                f"At a fixed offset your scores still vary (spread up to {spread.max().item():.3g}; mean: {found}): "
+                "does your RotaryEmbedding pass exercise 2's checks? Rotate q and k with it at positions "
+                "0 ... seq_len − 1."
             )
         raise CheckFailure(
-            f"Your mean scores by offset differ from RoPE's: at offset 0 the score is q·k = {(q @ k).item():.4f} "
-            f"(both vectors turned by the same angle), you measured {mean[seq_len - 1].item():.4f}. "
+            f"Your mean scores by offset differ from RoPE's ({found}): at offset 0 the score is q·k = "
+            f"{(q @ k).item():.4f} (both vectors turned by the same angle), you measured "
+            f"{mean[seq_len - 1].item():.4f}. "
             f"Mean for offsets −2 ... 2: {show(mean[seq_len - 3: seq_len + 2])}."
         )
-    if not (spread.abs() < 1e-5).all():
+    if not (spread.abs() < PROPERTY_TOLERANCE).all():
+        zeros = torch.zeros_like(spread)
         raise CheckFailure(f"Your means are right, but your spread is not max − min of each diagonal "
-                           f"(should be ~0, got up to {spread.abs().max().item():.3g}).")
-    passed(f"over {n_offsets} offsets the score depends only on m − n (spread < 1e-5); at m = n it is q·k")
+                           f"(should be ~0: {difference(spread, zeros, sizes)}).")
+    passed(f"over {n_offsets} offsets the score depends only on m − n (spread < {PROPERTY_TOLERANCE:g}); at m = n it is "
+           "q·k")
