@@ -18,6 +18,7 @@ import stepformer.norms
 import stepformer.transformer
 from stepformer.checks._core import RECORD_ENV, CheckFailure, replaying
 from stepformer.checks.decoder import (
+    BOS,
     EOS,
     PAD,
     ToyModel,
@@ -487,7 +488,9 @@ def layer_mistake(mistake):
                 def cross(h):  # noqa: F811
                     m = self.norm2(memory)
                     return self.cross_attn(h, m, m, src_mask)
-            if mistake != "no cross-attention":
+            if self.cross_attn is not None and mistake != "no cross-attention":
+                if memory is None:
+                    raise ValueError("this layer needs the encoder's memory")
                 x = add_and_norm(x, cross, self.norm2, self.dropout2, self.norm_first)
             return add_and_norm(x, self.ffn, self.norm3, self.dropout3, self.norm_first)
 
@@ -655,3 +658,117 @@ def test_target_mask_check_names_a_single_mask_refused_by_the_signature():
         check_target_mask(padding_only)
     with pytest.raises(CheckFailure, match="causal mask alone"):
         check_target_mask(causal_only)
+
+
+# Options the checks once left unexercised (the check audit's gaps 2, 3, 5, 6, 19, 20, 32): each mistake below
+# passed the earlier checks.
+
+def option_mistake(mistake):
+    """The library's layer, written out, with one mistake in an option the earlier checks never used."""
+    class Mistaken(student.DecoderLayer):
+        def __init__(self, d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu",
+                     cross_attention=True):
+            super().__init__(d_model, heads, d_ff, dropout, norm_first,
+                             "relu" if mistake == "hard-coded relu" else activation,
+                             cross_attention or mistake == "always cross-attention")
+
+        def forward(self, x, memory, src_mask=None, tgt_mask=None, cache=None):
+            add_and_norm = student.add_and_norm
+            if mistake == "memory always needed" and memory is None:
+                raise ValueError("the decoder needs the encoder's memory")
+            if mistake == "mask always given":
+                tgt_mask = tgt_mask.bool()
+            if cache is None:
+                extra = ({}, {})
+            elif mistake == "swapped caches":
+                extra = ({"cache": cache.cross_attn}, {"cache": cache.self_attn})
+            elif mistake == "whole cache":
+                extra = ({"cache": cache}, {"cache": cache})
+            elif mistake == "no cross cache":
+                extra = ({"cache": cache.self_attn}, {})
+            else:
+                extra = ({"cache": cache.self_attn}, {"cache": cache.cross_attn})
+            x = add_and_norm(x, lambda h: self.self_attn(h, h, h, tgt_mask, **extra[0]), self.norm1, self.dropout1,
+                             self.norm_first)
+            if self.cross_attn is not None:
+                if memory is None and mistake != "no memory check":
+                    raise ValueError("this layer has cross-attention and needs the encoder's memory")
+                x = add_and_norm(x, lambda h: self.cross_attn(h, memory, memory, src_mask, **extra[1]), self.norm2,
+                                 nn.Identity() if mistake == "no dropout2" else self.dropout2, self.norm_first)
+            return add_and_norm(x, self.ffn, self.norm3, nn.Identity() if mistake == "no dropout3" else self.dropout3,
+                                self.norm_first)
+
+    return Mistaken
+
+
+def test_option_mistake_free_layer_passes():
+    check_decoder_layer_init(option_mistake(""))
+    check_decoder_layer_post_norm(option_mistake(""))
+    check_decoder_layer_pre_norm(option_mistake(""), seed=3, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(("check", "mistake", "message"), [
+    (check_decoder_layer_post_norm, "no dropout2", "skips dropout2"),
+    (check_decoder_layer_pre_norm, "no dropout3", "skips dropout3"),
+    (check_decoder_layer_post_norm, "hard-coded relu", "built with activation='gelu'"),
+    (check_decoder_layer_init, "always cross-attention", "cross_attention=False .* self.cross_attn should be None"),
+    (check_decoder_layer_init, "no memory check", "memory=None should raise a ValueError"),
+    (check_decoder_layer_pre_norm, "memory always needed", "Without cross-attention the layer needs no memory"),
+    (check_decoder_layer_post_norm, "mask always given", r"tgt_len=1\) and tgt_mask=None: .*raised AttributeError"),
+    (check_decoder_layer_post_norm, "swapped caches", "got the cross-attention cache and the other way round"),
+    (check_decoder_layer_pre_norm, "whole cache", "not the LayerCache itself"),
+    (check_decoder_layer_post_norm, "no cross cache", "cross_attn got none as its cache"),
+])
+def test_layer_checks_name_mistakes_in_the_options(check, mistake, message):
+    with pytest.raises(CheckFailure, match=message):
+        check(option_mistake(mistake))
+
+
+def test_layer_check_failures_give_the_sizes_and_the_largest_difference():
+    with pytest.raises(CheckFailure) as failure:
+        check_decoder_layer_post_norm(layer_mistake("no target mask"))
+    assert "largest difference" in str(failure.value) and "on sizes batch=3, tgt_len=5, src_len=7" in str(failure.value)
+
+
+def test_the_cache_path_is_checked_only_where_the_layer_uses_a_cache(capsys):
+    check_decoder_layer_post_norm(student.DecoderLayer)
+    check_decoder_layer_post_norm(layer_mistake(""))  # the chapter 08 notebook lets students leave it out
+    shown = capsys.readouterr().out.splitlines()
+    assert "decoding with a LayerCache equals the causal pass" in shown[0]
+    assert "your layer uses no cache" in shown[1]
+
+
+def _greedy_with(mistake):
+    def wrong(model, src, max_new_tokens, bos_id, eos_id, next_logits):
+        if mistake == "hard-coded ids":
+            bos_id, eos_id = BOS, EOS
+        if mistake == "model's next_logits":
+            next_logits = model.next_logits
+        if mistake == "no ValueError" and max_new_tokens < 1:
+            return torch.full((src.shape[0], 1), bos_id), torch.zeros(src.shape[0], 0, model.vocab)
+        tokens, logits = student.greedy(model, src, max_new_tokens, bos_id, eos_id, next_logits)
+        if mistake == "squeezed":
+            return tokens, logits.squeeze()
+        return tokens, logits * 2 if mistake == "doubled logits" else logits
+    return wrong
+
+
+@pytest.mark.parametrize(("mistake", "message"), [
+    ("hard-coded ids", r"tokens start with bos_id \(3\)"),
+    ("model's next_logits", "calls model.next_logits: use the next_logits argument"),
+    ("no ValueError", r"max_new_tokens=0, ...\) should raise a ValueError"),
+    ("squeezed", r"logits should have shape \(batch=1, "),
+    ("doubled logits", r"logits differ \(largest difference"),
+])
+def test_greedy_check_catches_ids_and_functions_not_taken_from_the_arguments(mistake, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_greedy(_greedy_with(mistake))
+
+
+def test_measurement_check_catches_an_ignored_tol():
+    def ignores_tol(model, src, tgt, position, token, tol=1e-6):
+        return student.logits_that_change(model, src, tgt, position, token)
+
+    with pytest.raises(CheckFailure, match="ignores tol") as failure:
+        check_logits_that_change(ignores_tol)
+    assert "on sizes batch=" in str(failure.value)

@@ -547,3 +547,90 @@ def test_replay_of_a_module_check_needs_no_module(monkeypatch, tmp_path):
         check_encoder_layer_post_norm(object(), seed=2)  # the object is never touched
     with replaying(tmp_path / "wrong"), pytest.raises(CheckFailure, match="ignores the padding mask"):
         check_encoder_layer_post_norm(object(), seed=2)
+
+
+# Options the checks once left unexercised (the check audit's gaps 3, 4, 19, 23, 24, 31): each mistake below passed
+# the earlier checks.
+
+class HardCodedReLU(student.EncoderLayer):
+    """Builds its FFN with ReLU whatever `activation` says."""
+
+    def __init__(self, d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
+        super().__init__(d_model, heads, d_ff, dropout, norm_first, "relu")
+
+
+class TwoDimensionalMaskAsPadding(student.EncoderLayer):
+    """Reads any 2-D mask as a (batch, seq) padding mask."""
+
+    def forward(self, x, mask=None):
+        if mask is not None and mask.dim() == 2:
+            mask = mask[:, None, None, :]
+        return super().forward(x, mask)
+
+
+@pytest.mark.parametrize("check", [check_encoder_layer_post_norm, check_encoder_layer_pre_norm])
+def test_layer_checks_catch_an_activation_that_is_not_passed_on(check):
+    with pytest.raises(CheckFailure, match="activation='gelu'") as failure:
+        check(HardCodedReLU)
+    assert "largest difference" in str(failure.value) and "on sizes batch=" in str(failure.value)
+
+
+def test_layer_checks_catch_a_causal_mask_read_as_padding():
+    with pytest.raises(CheckFailure, match=r"causal mask \(seq, seq\)"):
+        check_encoder_layer_post_norm(TwoDimensionalMaskAsPadding)
+
+
+def _encoder_with(mistake):
+    class Mistaken(student.Encoder):
+        def __init__(self, d_model, heads, d_ff, layers, dropout=0.1, norm_first=False, activation="relu",
+                     final_norm=True):
+            if mistake == "activation not passed on":
+                activation = "relu"
+            if mistake == "dropout not passed on":
+                dropout = 0.1
+            if mistake == "post-norm always has a final norm":
+                final_norm = final_norm or not norm_first
+            super().__init__(d_model, heads, d_ff, layers, dropout, norm_first, activation, final_norm)
+
+    return Mistaken
+
+
+@pytest.mark.parametrize(("mistake", "message"), [
+    ("activation not passed on", "pass activation on to every EncoderLayer"),
+    ("dropout not passed on", r"dropout1 has p=0.1: pass dropout on to every EncoderLayer"),
+    ("post-norm always has a final norm", r"Encoder\(final_norm=False\) has unexpected parameters"),
+])
+def test_encoder_check_catches_options_that_are_not_passed_on(mistake, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_encoder(_encoder_with(mistake))
+
+
+def test_embedding_check_catches_dropout_left_out_of_the_learned_branch():
+    class NoDropoutForLearned(student.Embedding):
+        def forward(self, tokens, start=0):
+            out = super().forward(tokens, start)
+            if self.positional == "learned":  # the learned branch returns before the dropout
+                return self.tokens(tokens) * math.sqrt(self.d_model) + self.positions(
+                    torch.arange(start, start + tokens.shape[1]))
+            return out
+
+    with pytest.raises(CheckFailure, match="positional='learned' and dropout=1.0 in training mode"):
+        check_embedding_learned(NoDropoutForLearned)
+
+
+def test_embedding_check_catches_a_squeeze_that_drops_a_batch_of_one():
+    class Squeezed(student.Embedding):
+        def forward(self, tokens, start=0):
+            return super().forward(tokens, start).squeeze()
+
+    with pytest.raises(CheckFailure, match=r"should have shape \(batch=1, "):
+        check_embedding_sinusoidal(Squeezed)
+
+
+def test_failure_messages_give_the_sizes_and_the_largest_difference():
+    for check, cls in ((check_encoder_layer_post_norm, layer_mistake("no mask")),
+                       (check_encoder_layer_dropout, layer_mistake("dropout on residual")),
+                       (check_encoder, _encoder_with("activation not passed on"))):
+        with pytest.raises(CheckFailure) as failure:
+            check(cls)
+        assert "largest difference" in str(failure.value) and "on sizes batch=" in str(failure.value), failure.value

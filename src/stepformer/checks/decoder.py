@@ -8,18 +8,30 @@ written out here, on a small seeded model whose sentences end at different steps
 student object goes through :func:`call`.
 """
 
+import contextlib
+import copy
+import inspect
 import math
+import types
+import typing
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from beartype import beartype
 from einops import einsum, rearrange
+from jaxtyping import Bool, Float, Int, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed
-from stepformer.checks.encoder import _expect_parameters, _layer_norm, _load, _quiet, _randomise
+from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed
+from stepformer.checks._modules import error_of as _error_of
+from stepformer.checks._modules import set_training as _set_training
+from stepformer.checks.encoder import _expect_parameters, _layer_norm, _layout, _load, _quiet, _randomise
+from stepformer.checks.encoder import _layer_state as _encoder_layer_state
+from stepformer.checks.encoder import _run_torch as _run_encoder_layer
+from stepformer.checks.encoder import _torch_layer as _torch_encoder_layer
 
 AXES = ("batch", "tgt_len", "src_len", "heads", "d_head", "d_ff")
 # What this chapter asks students to write themselves. (Not MultiHeadAttention, FeedForward, LayerNorm or
@@ -117,8 +129,10 @@ def _return_shape_hint(message: str, s: dict[str, int]) -> str:
 def check_target_mask(fn: Callable[..., Any], seed: int = 0) -> None:
     """Causal and padding together: (batch, 1, tgt_len, tgt_len), True where query i may read key j <= i, not a pad."""
     s = _sizes(seed)
-    for pad_id in (0, 3):
-        tokens = _tokens(s, pad_id, seed + pad_id)
+    # The last case is one sentence: a batch of one catches a .squeeze() that drops the batch axis.
+    for pad_id, batch in ((0, s["batch"]), (3, s["batch"]), (0, 1)):
+        tokens = _tokens(s, pad_id, seed + pad_id)[:batch]
+        sizes = {"batch": batch, "tgt_len": s["tgt_len"], "pad_id": pad_id}
         try:
             got = call(fn, tokens, pad_id)
         except CheckFailure as failure:
@@ -136,18 +150,20 @@ def check_target_mask(fn: Callable[..., Any], seed: int = 0) -> None:
         if spread is not None and not torch.equal(spread, expected):
             hint = next((h for h, v in variants.items() if torch.equal(spread, v)), None)
             if hint is not None:
-                raise CheckFailure(f"With pad_id={pad_id}, your mask differs from the expected one. {hint}")
+                raise CheckFailure(f"Your mask differs from the expected one "
+                                   f"({difference(spread.int(), expected.int(), sizes)}). {hint}")
         if tuple(got.shape) != tuple(expected.shape):
             raise CheckFailure(
-                f"target_mask should have shape (batch, 1, tgt_len, tgt_len) = {tuple(expected.shape)}, got "
-                f"{tuple(got.shape)}. The padding mask is (batch, 1, 1, tgt_len) and the causal mask (tgt_len, "
-                "tgt_len): combined with &, they broadcast to (batch, 1, tgt_len, tgt_len).")
+                f"target_mask should have shape (batch, 1, tgt_len, tgt_len): {difference(got, expected, sizes)}. "
+                "The padding mask is (batch, 1, 1, tgt_len) and the causal mask (tgt_len, tgt_len): combined with &, "
+                "they broadcast to (batch, 1, tgt_len, tgt_len).")
         if torch.equal(got, expected):
             continue
         hint = next((h for h, v in variants.items() if torch.equal(got, v)),
                     "Entry [b, 0, i, j] is True exactly when j <= i and tokens[b, j] != pad_id.")
-        raise CheckFailure(f"With pad_id={pad_id}, your mask differs from the expected one. {hint}")
-    passed("target_mask: causal and padding together, (batch, 1, tgt_len, tgt_len)")
+        raise CheckFailure(f"Your mask differs from the expected one ({difference(got.int(), expected.int(), sizes)})."
+                           f" {hint}")
+    passed("target_mask: causal and padding together, (batch, 1, tgt_len, tgt_len), pad_id 0 and 3, batch=1")
 
 
 # -- exercise 2: the decoder layer -------------------------------------------------------------
@@ -168,15 +184,17 @@ def _attention(state: dict[str, Tensor], prefix: str, heads: int, query: Tensor,
     return project("w_o", rearrange(out, "batch heads q_len d_head -> batch q_len (heads d_head)"))
 
 
-def _ffn(state: dict[str, Tensor], x: Tensor) -> Tensor:
-    hidden = torch.relu(x @ state["ffn.linear1.weight"].T + state["ffn.linear1.bias"])
+def _ffn(state: dict[str, Tensor], x: Tensor, activation: str = "relu") -> Tensor:
+    pre = x @ state["ffn.linear1.weight"].T + state["ffn.linear1.bias"]
+    hidden = F.gelu(pre) if activation == "gelu" else torch.relu(pre)  # exact GELU, as PyTorch's "gelu"
     return hidden @ state["ffn.linear2.weight"].T + state["ffn.linear2.bias"]
 
 
 def _reference_layer(state: dict[str, Tensor], heads: int, x: Tensor, memory: Tensor, src_mask: Tensor | None,
-                     tgt_mask: Tensor | None, norm_first: bool, mistake: str = "") -> Tensor:
+                     tgt_mask: Tensor | None, norm_first: bool, mistake: str = "", activation: str = "relu") -> Tensor:
     """One decoder layer from the weights in ``state``, or a named mistake of it."""
     norm_first = not norm_first if mistake == "swapped placement" else norm_first
+    activation = "relu" if mistake == "relu for gelu" else activation
     tgt_mask = None if mistake == "no target mask" else tgt_mask
     src_mask = None if mistake == "no source mask" else src_mask
 
@@ -204,19 +222,19 @@ def _reference_layer(state: dict[str, Tensor], heads: int, x: Tensor, memory: Te
         h = self_attention(x)
         if mistake != "no cross-attention":
             h = sublayer(h, cross, "norm2")
-    return sublayer(h, lambda t: _ffn(state, t), "norm3")
+    return sublayer(h, lambda t: _ffn(state, t, activation), "norm3")
 
 
 def _mistaken(state: dict[str, Tensor], heads: int, x: Tensor, memory: Tensor, src_mask: Tensor | None,
-              tgt_mask: Tensor, norm_first: bool, mistake: str) -> Tensor:
+              tgt_mask: Tensor | None, norm_first: bool, mistake: str, activation: str = "relu") -> Tensor:
     """The mistaken layer's output, or NaN where that mistake cannot even run on these inputs."""
     try:
-        return _reference_layer(state, heads, x, memory, src_mask, tgt_mask, norm_first, mistake)
+        return _reference_layer(state, heads, x, memory, src_mask, tgt_mask, norm_first, mistake, activation)
     except RuntimeError:  # e.g. the source's mask on keys read from the target: the shapes do not fit
         return torch.full_like(x, math.nan)
 
 
-def _layer_mistakes(norm_first: bool, masked_source: bool) -> dict[str, str]:
+def _layer_mistakes(norm_first: bool, masked_source: bool, activation: str = "relu") -> dict[str, str]:
     hints = {
         "cross reads the decoder": (
             "Your cross-attention reads its keys and values from the decoder, not from the encoder's memory: it is "
@@ -240,13 +258,18 @@ def _layer_mistakes(norm_first: bool, masked_source: bool) -> dict[str, str]:
         hints["no source mask"] = (
             "Your cross-attention ignores src_mask, so the target reads the source's padding: pass src_mask to "
             "self.cross_attn(h, memory, memory, src_mask).")
+    if activation == "gelu":
+        hints["relu for gelu"] = (
+            "Your layer computes ReLU although it was built with activation='gelu': pass activation on to "
+            "FeedForward(d_model, d_ff, activation, dropout) instead of leaving it at its default.")
     return hints
 
 
-def _torch_layer(s: dict[str, int], norm_first: bool, dtype: torch.dtype, seed: int) -> nn.TransformerDecoderLayer:
+def _torch_layer(s: dict[str, int], norm_first: bool, dtype: torch.dtype, seed: int,
+                 activation: str = "relu") -> nn.TransformerDecoderLayer:
     with torch.random.fork_rng(devices=[]):  # PyTorch's initialisation would move the student's RNG
-        layer = nn.TransformerDecoderLayer(s["d_model"], s["heads"], s["d_ff"], dropout=0.0, batch_first=True,
-                                           norm_first=norm_first, dtype=dtype)
+        layer = nn.TransformerDecoderLayer(s["d_model"], s["heads"], s["d_ff"], dropout=0.0, activation=activation,
+                                           batch_first=True, norm_first=norm_first, dtype=dtype)
     _randomise(layer, torch.Generator().manual_seed(seed + 13))
     return layer.eval()
 
@@ -299,20 +322,37 @@ def _inputs(s: dict[str, int], dtype: torch.dtype, seed: int) -> tuple[Tensor, T
 
 
 def _run_torch(layer: nn.TransformerDecoderLayer, x: Tensor, memory: Tensor, src_mask: Tensor | None,
-               tgt_mask: Tensor) -> Tensor:
-    # PyTorch's masks mean the opposite of ours (True = "ignore"); its tgt_mask has no batch axis, so the
-    # target's padding goes in as tgt_key_padding_mask, and the causal part as tgt_mask.
-    tgt_len = x.shape[1]
-    causal = ~torch.ones(tgt_len, tgt_len, dtype=torch.bool).tril()
-    tgt_padding = ~tgt_mask[:, 0, -1, :]  # the last query may read every real key
+               tgt_mask: Tensor | None) -> Tensor:
+    # PyTorch's masks mean the opposite of ours (True = "ignore"); its tgt_mask has no batch axis, so our
+    # (batch, 1, tgt_len, tgt_len) causal and padding mask goes in as its causal part (tgt_mask) and the
+    # target's padding (tgt_key_padding_mask); a (tgt_len, tgt_len) mask is its tgt_mask as it is.
     src_padding = None if src_mask is None else ~src_mask[:, 0, 0, :]
+    causal = tgt_padding = None
+    if tgt_mask is not None and tgt_mask.dim() == 2:
+        causal = ~tgt_mask
+    elif tgt_mask is not None:
+        tgt_len = x.shape[1]
+        causal = ~torch.ones(tgt_len, tgt_len, dtype=torch.bool).tril()
+        tgt_padding = ~tgt_mask[:, 0, -1, :]  # the last query may read every real key
     return _quiet(layer, x, memory, tgt_mask=causal, tgt_key_padding_mask=tgt_padding,
                   memory_key_padding_mask=src_padding)
 
 
+def _layer_sizes(s: dict[str, int], x: Tensor, memory: Tensor | None) -> dict[str, int]:
+    """The sizes a failure message names: those of these inputs (one sentence, one position) and of the layer."""
+    src_len = {} if memory is None else {"src_len": memory.shape[1]}
+    return {"batch": x.shape[0], "tgt_len": x.shape[1], **src_len, "d_model": s["d_model"], "heads": s["heads"],
+            "d_ff": s["d_ff"]}
+
+
+def _is_none(module: nn.Module, name: str) -> bool:
+    return getattr(module, name, None) is None
+
+
 @check(forbid=BUILT_IN_DECODER)
 def check_decoder_layer_init(cls: Callable[..., Any], seed: int = 0) -> None:
-    """self_attn, cross_attn, ffn, three separate LayerNorms norm1-norm3, and dropout1-dropout3."""
+    """self_attn, cross_attn, ffn, norm1-norm3, dropout1-dropout3; no cross_attn without cross-attention; ValueError
+    for a missing memory."""
     s = _sizes(seed)
     module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.25)
     layout = _expect_parameters(module, _layer_shapes(s), "Your DecoderLayer", LAYER_HINT)
@@ -331,10 +371,285 @@ def check_decoder_layer_init(cls: Callable[..., Any], seed: int = 0) -> None:
             raise CheckFailure(f"With dropout=0.25, {name} should drop with p=0.25 too (as in PyTorch): pass dropout "
                                "to both MultiHeadAttention(..., dropout=dropout) and to FeedForward(d_model, d_ff, "
                                "activation, dropout).")
-    passed("DecoderLayer: self_attn, cross_attn, ffn, separate norm1-norm3, dropout1-dropout3")
+    x = torch.randn(2, 3, s["d_model"], generator=torch.Generator().manual_seed(seed))
+    error = call(_error_of, module, x, None, None, None)
+    if error != "ValueError":
+        raise CheckFailure("A layer with cross-attention called with memory=None should raise a ValueError (it has "
+                           f"nothing to attend to); it raised {'no error' if error is None else f'a {error}'}. Check "
+                           "`memory is None` before the cross-attention sublayer.")
+    decoder_only = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.25, cross_attention=False)
+    cross = sorted(name for name in call(_layout, decoder_only)["shapes"] if name.startswith("cross_attn."))
+    if cross or not call(_is_none, decoder_only, "cross_attn"):
+        found = f" it has parameters {cross[:2]} ..." if cross else ""
+        raise CheckFailure(f"With cross_attention=False (a decoder-only block) self.cross_attn should be None;{found} "
+                           "create the cross-attention only when cross_attention is True.")
+    passed("DecoderLayer: self_attn, cross_attn, ffn, separate norm1-norm3, dropout1-dropout3; cross_attn None "
+           "without cross-attention; ValueError for memory=None")
 
 
-def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_first: bool) -> None:
+def _compare(module: Any, oracle: nn.Module, state: dict[str, Tensor], s: dict[str, int], norm_first: bool,
+             dtype: torch.dtype, x: Tensor, memory: Tensor, src_mask: Tensor | None, tgt_mask: Tensor | None,
+             what: str, activation: str = "relu") -> None:
+    name = "pre-norm" if norm_first else "post-norm"
+    try:
+        got = call(module, x, memory, src_mask, tgt_mask)
+    except CheckFailure as failure:  # say which case broke it (one position without a mask, say)
+        raise CheckFailure(f"For a {name} layer {what}: {failure}") from failure
+    got = expect_tensor(got, "the decoder layer's output", tuple(x.shape), "batch tgt_len d_model", x.dtype)
+    expected = _run_torch(oracle, x, memory, src_mask, tgt_mask)
+    if close(got, expected, dtype):
+        return
+    if torch.isnan(got).any():
+        hint = "Your output contains NaN: did a mask reach the softmax inverted (True means 'may attend')?"
+    else:
+        hint = next((h for mistake, h in _layer_mistakes(norm_first, src_mask is not None, activation).items()
+                     if close(got, _mistaken(state, s["heads"], x, memory, src_mask, tgt_mask, norm_first, mistake,
+                                             activation), dtype)),
+                    "Compare each sublayer with torch.nn.TransformerDecoderLayer's on a small example: masked "
+                    "self-attention, cross-attention to memory, then the FFN, each wrapped by add_and_norm.")
+    raise CheckFailure(
+        f"For a {name} layer {what}, your output differs from torch.nn.TransformerDecoderLayer's with the same "
+        f"weights ({difference(got, expected, _layer_sizes(s, x, memory))}). {hint}")
+
+
+@jaxtyped(typechecker=beartype)
+def _dropped(state: dict[str, Tensor], x: Float[Tensor, "batch tgt_len d_model"], norm_first: bool,
+             undropped: tuple[int, ...] = ()) -> Float[Tensor, "batch tgt_len d_model"]:
+    """The layer's output in training with p = 1 when only the sublayers in ``undropped`` skip their dropout1-3.
+
+    Dropping every attention weight leaves an attention's output w_o's bias alone, dropping every hidden unit
+    leaves the FFN's output linear2's bias alone; dropout1-3 then make them zero.
+    """
+    biases = (state["self_attn.w_o.bias"], state["cross_attn.w_o.bias"], state["ffn.linear2.bias"])
+    h = x
+    for i, (bias, norm) in enumerate(zip(biases, ("norm1", "norm2", "norm3"), strict=True), start=1):
+        f = bias if i in undropped else torch.zeros_like(bias)
+        h = h + f if norm_first else _layer_norm(state, norm, h + f)
+    return h
+
+
+DROPOUT_MISTAKES = {
+    (1, 2, 3): "your layer ignores dropout1, dropout2 and dropout3: apply each to its sublayer's output, before "
+               "the residual add.",
+    (1,): "your self-attention sublayer skips dropout1: apply it to the sublayer's output, before the residual add.",
+    (2,): "your cross-attention sublayer skips dropout2: apply it to the sublayer's output, before the residual add.",
+    (3,): "your feed-forward sublayer skips dropout3: apply it to the sublayer's output, before the residual add.",
+}
+
+
+def _check_dropout_and_activation(cls: Callable[..., Any], s: dict[str, int], norm_first: bool, dtype: torch.dtype,
+                                  seed: int, x: Tensor, memory: Tensor, src_mask: Tensor, tgt_mask: Tensor) -> None:
+    """Built with activation='gelu' and dropout=1.0: PyTorch's GELU layer in eval(); in training every sublayer's
+    output is dropped, which leaves x (pre-norm) or norm3(norm2(norm1(x))) (post-norm)."""
+    name = "pre-norm" if norm_first else "post-norm"
+    module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=1.0, norm_first=norm_first, activation="gelu")
+    _expect_parameters(module, _layer_shapes(s), "Your DecoderLayer", LAYER_HINT)
+    oracle = _torch_layer(s, norm_first, dtype, seed + 1, activation="gelu")
+    state = _layer_state(oracle)
+    call(_load, module, state)
+    _compare(module, oracle, state, s, norm_first, dtype, x, memory, src_mask, tgt_mask,
+             "built with activation='gelu' and dropout=1.0, in eval() mode (where dropout does nothing)", "gelu")
+    call(_set_training, module, True)
+    got = expect_tensor(call(module, x, memory, src_mask, tgt_mask), "the output in training", tuple(x.shape),
+                        "batch tgt_len d_model", dtype)
+    expected = _dropped(state, x, norm_first)
+    if not close(got, expected, dtype):
+        hint = next((h for undropped, h in DROPOUT_MISTAKES.items()
+                     if close(got, _dropped(state, x, norm_first, undropped), dtype)),
+                    "dropout1, dropout2 and dropout3 act on each sublayer's output, before the residual add, never on "
+                    "the residual stream x.")
+        form = "x itself" if norm_first else "norm3(norm2(norm1(x)))"
+        raise CheckFailure(f"With dropout=1.0 in training mode, a {name} layer drops all three sublayers' outputs "
+                           f"and should return {form} ({difference(got, expected, _layer_sizes(s, x, memory))}); "
+                           f"{hint}")
+
+
+def _check_decoder_only(cls: Callable[..., Any], s: dict[str, int], norm_first: bool, dtype: torch.dtype, seed: int,
+                        x: Tensor) -> None:
+    """cross_attention=False is a decoder-only (GPT) block: PyTorch's encoder layer under a causal mask, whose
+    norm2 is our norm3."""
+    name = "pre-norm" if norm_first else "post-norm"
+    what = f"a {name} layer built with cross_attention=False (a decoder-only block), memory=None and a causal mask"
+    module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.0, norm_first=norm_first, cross_attention=False)
+    oracle = _torch_encoder_layer(s, norm_first, dtype, seed + 2)
+    state = {key.replace("norm2.", "norm3."): value for key, value in _encoder_layer_state(oracle).items()}
+    if "norm2.weight" in call(_layout, module)["shapes"]:  # unused here: its own values, so that using it shows
+        g = torch.Generator().manual_seed(seed + 19)
+        state["norm2.weight"] = 1 + 0.3 * torch.randn(s["d_model"], generator=g, dtype=dtype)
+        state["norm2.bias"] = 0.3 * torch.randn(s["d_model"], generator=g, dtype=dtype)
+    call(_load, module, state)
+    causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+    try:
+        got = call(module, x, None, None, causal)
+    except CheckFailure as failure:
+        raise CheckFailure(f"For {what}: {failure}\nWithout cross-attention the layer needs no memory: skip the "
+                           "middle sublayer when self.cross_attn is None.") from failure
+    got = expect_tensor(got, "the decoder-only block's output", tuple(x.shape), "batch tgt_len d_model", dtype)
+    expected = _run_encoder_layer(oracle, x, causal)
+    if close(got, expected, dtype):
+        return
+    if "norm2.weight" in state and close(got, _norm2_for_ffn(state, s, x, causal, norm_first), dtype):
+        hint = ("Your feed-forward sublayer is normalised by norm2, which belongs to the missing cross-attention: the "
+                "FFN always has norm3.")
+    else:
+        hint = "Masked self-attention (with tgt_mask) and the FFN, each in add_and_norm with norm1 and norm3."
+    raise CheckFailure(f"For {what}, your output differs from torch.nn.TransformerEncoderLayer's under the same "
+                       f"causal mask ({difference(got, expected, _layer_sizes(s, x, None))}). {hint}")
+
+
+@jaxtyped(typechecker=beartype)
+def _norm2_for_ffn(state: dict[str, Tensor], s: dict[str, int], x: Float[Tensor, "batch tgt_len d_model"],
+                   mask: Bool[Tensor, "tgt_len tgt_len"], norm_first: bool) -> Float[Tensor, "batch tgt_len d_model"]:
+    """Self-attention, then the FFN normalised by norm2: the decoder-only block that borrows the idle norm."""
+    def sublayer(h: Tensor, f: Callable[[Tensor], Tensor], norm: str) -> Tensor:
+        return h + f(_layer_norm(state, norm, h)) if norm_first else _layer_norm(state, norm, h + f(h))
+
+    h = sublayer(x, lambda t: _attention(state, "self_attn", s["heads"], t, t, mask), "norm1")
+    return sublayer(h, lambda t: _ffn(state, t), "norm2")
+
+
+# -- the cache path (chapter 09): the check's own cache-aware attention in the student's layer ------------
+
+class _StepCache:
+    """The check's own KV-cache: a growing one (self-attention) or a fixed one (cross-attention)."""
+
+    def __init__(self, fixed: bool) -> None:
+        self.fixed = fixed
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+
+class _CacheAttention(nn.Module):
+    """Multi-head attention with the oracle's weights that reads and writes a :class:`_StepCache`, as chapter 09's
+    attention does, and notes which cache each call got (``names`` maps a cache's id to its name)."""
+
+    def __init__(self, state: dict[str, Tensor], prefix: str, heads: int, names: dict[int, str],
+                 log: list[str]) -> None:
+        super().__init__()
+        self.weights = {key.removeprefix(prefix + "."): value for key, value in state.items()
+                        if key.startswith(prefix + ".")}
+        self.prefix, self.heads, self.names, self.log = prefix, heads, names, log
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
+                cache: Any = None) -> Tensor:
+        self.log.append(f"{self.prefix}:{'none' if cache is None else self.names.get(id(cache), 'other')}")
+
+        def project(name: str, t: Tensor) -> Tensor:
+            y = t @ self.weights[f"{name}.weight"].T + self.weights[f"{name}.bias"]
+            return rearrange(y, "batch seq (heads d_head) -> batch heads seq d_head", heads=self.heads)
+
+        q, k, v = project("w_q", query), project("w_k", key), project("w_v", value)
+        if isinstance(cache, _StepCache) and cache.fixed:
+            if cache.keys is None:
+                cache.keys, cache.values = k, v
+            k, v = cache.keys, cache.values
+        elif isinstance(cache, _StepCache):
+            cache.keys = k if cache.keys is None else torch.cat([cache.keys, k], dim=-2)
+            cache.values = v if cache.values is None else torch.cat([cache.values, v], dim=-2)
+            k, v = cache.keys, cache.values
+        scores = einsum(q, k, "batch heads q_len d_head, batch heads k_len d_head -> batch heads q_len k_len")
+        scores = scores / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -math.inf)
+        out = einsum(scores.softmax(-1), v,
+                     "batch heads q_len k_len, batch heads k_len d_head -> batch heads q_len d_head")
+        out = rearrange(out, "batch heads q_len d_head -> batch q_len (heads d_head)")
+        return out @ self.weights["w_o.weight"].T + self.weights["w_o.bias"]
+
+
+def _layer_cache(module: nn.Module, self_cache: _StepCache, cross_cache: _StepCache) -> Any:
+    """A LayerCache of the class the student's forward is annotated with (chapter 09's, taken from the notebook),
+    holding the check's own caches; a plain stand-in where the annotation names none."""
+    try:
+        annotation = inspect.signature(type(module).forward, eval_str=True).parameters["cache"].annotation
+    except Exception:  # no such parameter, or an annotation that does not evaluate: the stand-in
+        annotation = None
+    for candidate in typing.get_args(annotation) or (annotation,):
+        if isinstance(candidate, type) and candidate is not type(None):
+            with contextlib.suppress(Exception):
+                # Both fields given: no default factory runs, so nothing of the course's library is called.
+                return candidate(self_attn=self_cache, cross_attn=cross_cache)
+    return types.SimpleNamespace(self_attn=self_cache, cross_attn=cross_cache)
+
+
+def _decode_step_by_step(module: nn.Module, state: dict[str, Tensor], heads: int, x: Tensor, memory: Tensor,
+                         src_mask: Tensor) -> dict[str, Any]:
+    """Swap the check's cache-aware attention into the student's layer and feed it one target position at a time,
+    ``tgt_mask=None`` (a single new position may read everything before it)."""
+    log: list[str] = []
+    self_cache, cross_cache = _StepCache(fixed=False), _StepCache(fixed=True)
+    names = {id(self_cache): "self", id(cross_cache): "cross"}
+    module.self_attn = _CacheAttention(state, "self_attn", heads, names, log)
+    module.cross_attn = _CacheAttention(state, "cross_attn", heads, names, log)
+    cache = _layer_cache(module, self_cache, cross_cache)
+    try:
+        steps = [module(x[:, t:t + 1], memory, src_mask, tgt_mask=None, cache=cache) for t in range(x.shape[1])]
+    except Exception as error:  # a cache in the wrong place can break a step: the log says which was wrong
+        return {"steps": [], "log": log, "error": f"{type(error).__name__}: {error}"}
+    return {"steps": [step if type(step) is Tensor else kind(step) for step in steps], "log": log, "error": ""}
+
+
+class _Weights(dict):
+    """The oracle's weights handed to a helper run through call(): a short repr, should a message show it."""
+
+    def __repr__(self) -> str:
+        return "<the check's weights>"
+
+
+CACHE_ROUTES = {
+    "self": "pass cache.self_attn to self-attention",
+    "cross": "pass cache.cross_attn to cross-attention",
+}
+
+
+def _check_cache_path(module: Any, oracle: nn.Module, state: dict[str, Tensor], s: dict[str, int], norm_first: bool,
+                      dtype: torch.dtype, x: Tensor, memory: Tensor, src_mask: Tensor) -> bool:
+    """Decoding one target position at a time with a LayerCache must give the rows of one causal pass (the
+    defining property of a KV-cache). False when the layer never hands a cache to its attention."""
+    result = call(_decode_step_by_step, module, _Weights(state), s["heads"], x, memory, src_mask)
+    routes = {entry.split(":")[1] for entry in result["log"]}
+    if routes == {"none"} and not result["error"]:
+        return False  # the chapter 09 branch is not written: the notebook allows that here
+    got_by = {prefix: {e.split(":")[1] for e in result["log"] if e.startswith(prefix)}
+              for prefix in ("self_attn", "cross_attn")}
+    name = "pre-norm" if norm_first else "post-norm"
+    what = f"Decoding a {name} layer one target position at a time with a LayerCache"
+    if "other" in routes:
+        raise CheckFailure(f"{what}, your attention modules got an object other than the two caches: "
+                           "pass cache.self_attn to self-attention and cache.cross_attn to cross-attention, not the "
+                           "LayerCache itself.")
+    if got_by["self_attn"] == {"cross"} and got_by["cross_attn"] == {"self"}:
+        raise CheckFailure(f"{what}, your self-attention got the cross-attention cache and the other way round: "
+                           "self-attention reads the growing cache.self_attn, cross-attention the fixed "
+                           "cache.cross_attn.")
+    for prefix, expected_route in (("self_attn", "self"), ("cross_attn", "cross")):
+        if got_by[prefix] != {expected_route}:
+            got = ", ".join(sorted(got_by[prefix]))
+            raise CheckFailure(f"{what}, your {prefix} got {got} as its cache at some steps: "
+                               f"{CACHE_ROUTES[expected_route]} at every step (and only that).")
+    if result["error"]:
+        raise CheckFailure(f"{what}, your layer raised {result['error']}")
+    steps = result["steps"]
+    bad = next((step for step in steps if type(step) is not Tensor), None)
+    if bad is not None:
+        raise CheckFailure(f"{what}, your layer returned {bad} instead of a tensor.")
+    got = expect_tensor(torch.cat(steps, dim=1), "the outputs decoded one position at a time", tuple(x.shape),
+                        "batch tgt_len d_model", dtype)
+    causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+    expected = _run_torch(oracle, x, memory, src_mask, causal)
+    if not close(got, expected, dtype):
+        raise CheckFailure(
+            f"{what} gives other outputs than torch.nn.TransformerDecoderLayer's one pass under a causal mask "
+            f"({difference(got, expected, _layer_sizes(s, x, memory))}). With a cache, x holds only the new position "
+            "and tgt_mask is None: hand the caches to the attention and let it read the cached positions.")
+    return True
+
+
+def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_first: bool) -> str:
+    """Every case of one norm placement; returns what the passed() line may say about the cache path."""
     s = _sizes(seed)
     module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.0, norm_first=norm_first)
     _expect_parameters(module, _layer_shapes(s), "Your DecoderLayer", LAYER_HINT)
@@ -342,47 +657,48 @@ def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_fi
     state = _layer_state(oracle)
     call(_load, module, state)
     x, memory, src_mask, tgt_mask = _inputs(s, dtype, seed)
-    name = "pre-norm" if norm_first else "post-norm"
+    causal = torch.ones(s["tgt_len"], s["tgt_len"], dtype=torch.bool).tril()
     # Without the source mask first: a layer whose cross-attention reads the decoder then runs (the
     # source's padding mask has the source's length) and its mistake can be named.
-    for m, what in ((None, "the target mask only"), (src_mask, "the target mask and the source's padding mask")):
-        got = call(module, x, memory, m, tgt_mask)
-        got = expect_tensor(got, "the decoder layer's output", tuple(x.shape), "batch tgt_len d_model", dtype)
-        expected = _run_torch(oracle, x, memory, m, tgt_mask)
-        if close(got, expected, dtype):
-            continue
-        if torch.isnan(got).any():
-            hint = "Your output contains NaN: did a mask reach the softmax inverted (True means 'may attend')?"
-        else:
-            hint = next((h for mistake, h in _layer_mistakes(norm_first, m is not None).items()
-                         if close(got, _mistaken(state, s["heads"], x, memory, m, tgt_mask, norm_first, mistake),
-                                  dtype)),
-                        "Compare each sublayer with torch.nn.TransformerDecoderLayer's on a small example: masked "
-                        "self-attention, cross-attention to memory, then the FFN, each wrapped by add_and_norm.")
-        raise CheckFailure(
-            f"For a {name} layer with {what}, your output differs from torch.nn.TransformerDecoderLayer's with the "
-            f"same weights (largest difference {(got - expected).abs().max().item():.3g}). {hint}")
+    cases = [
+        (x, memory, None, tgt_mask, "with the target mask only"),
+        (x, memory, src_mask, tgt_mask, "with the target mask and the source's padding mask"),
+        (x, memory, src_mask, causal, "with a (tgt_len, tgt_len) causal target mask and the source's padding mask"),
+        (x[:1], memory[:1], src_mask[:1], tgt_mask[:1], "on one sentence pair (batch=1), with both masks"),
+        (x[:, :1], memory, src_mask, None, "for a single target position (tgt_len=1) and tgt_mask=None"),
+    ]
+    for x_case, memory_case, src_case, tgt_case, what in cases:
+        _compare(module, oracle, state, s, norm_first, dtype, x_case, memory_case, src_case, tgt_case, what)
+    _check_dropout_and_activation(cls, s, norm_first, dtype, seed, x, memory, src_mask, tgt_mask)
+    _check_decoder_only(cls, s, norm_first, dtype, seed, x)
+    if _check_cache_path(module, oracle, state, s, norm_first, dtype, x, memory, src_mask):
+        return "; decoding with a LayerCache equals the causal pass"
+    return "; your layer uses no cache (chapter 09's path), so that was not checked"
 
 
 @check(forbid=BUILT_IN_DECODER)
 def check_decoder_layer_post_norm(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """Equal to torch.nn.TransformerDecoderLayer(norm_first=False) with copied weights, causal and padding masks."""
-    _check_layer(cls, seed, dtype, norm_first=False)
-    passed(f"post-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks "
-           f"({_dtype_name(dtype)})")
+    cache = _check_layer(cls, seed, dtype, norm_first=False)
+    passed(f"post-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks, for one "
+           f"sentence and one position, with activation='gelu', dropout only in training, and as a decoder-only block"
+           f"{cache} ({_dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_DECODER)
 def check_decoder_layer_pre_norm(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """Equal to torch.nn.TransformerDecoderLayer(norm_first=True) with copied weights, causal and padding masks."""
-    _check_layer(cls, seed, dtype, norm_first=True)
-    passed(f"pre-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks "
-           f"({_dtype_name(dtype)})")
+    cache = _check_layer(cls, seed, dtype, norm_first=True)
+    passed(f"pre-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks, for one "
+           f"sentence and one position, with activation='gelu', dropout only in training, and as a decoder-only block"
+           f"{cache} ({_dtype_name(dtype)})")
 
 
 # -- exercise 3: greedy generation for a batch -------------------------------------------------
 
 PAD, BOS, EOS = 0, 1, 2
+# Other ids for one case, so that ids written into the loop instead of read from its arguments show.
+OTHER_IDS = {"pad_id": 5, "bos_id": 3, "eos_id": 4}
 
 
 class ToyModel(nn.Module):
@@ -390,14 +706,14 @@ class ToyModel(nn.Module):
 
     ``encode`` gives one-hot rows of the real source tokens; :meth:`next_logits` mixes the source's
     bag of tokens with the last target token (seeded tables), never proposes padding, and proposes
-    EOS exactly at step ``src[b, 0] - 2`` (1 = the first new token): a first token of 3 ends at once,
-    a large one never. After its EOS a sentence would go on with other tokens, if it were asked.
+    ``eos_id`` exactly at step ``src[b, 0] - 2`` (1 = the first new token): a first token of 3 ends at
+    once, a large one never. After its EOS a sentence would go on with other tokens, if it were asked.
     """
 
-    def __init__(self, vocab: int, seed: int) -> None:
+    def __init__(self, vocab: int, seed: int, pad_id: int = PAD, eos_id: int = EOS) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed + 29)
-        self.pad_id, self.vocab = PAD, vocab
+        self.pad_id, self.eos_id, self.vocab = pad_id, eos_id, vocab
         self.source = nn.Parameter(torch.randn(vocab, vocab, generator=g), requires_grad=False)
         self.bigram = nn.Parameter(torch.randn(vocab, vocab, generator=g), requires_grad=False)
 
@@ -409,73 +725,103 @@ class ToyModel(nn.Module):
         bag = memory.sum(dim=1)
         logits = bag @ self.source + F.one_hot(tokens[:, -1], self.vocab).to(bag.dtype) @ self.bigram
         stop = memory[:, 0].argmax(dim=-1) - 2  # the step at which each sentence ends
-        logits[:, PAD] = -1e4
-        logits[:, EOS] = torch.where(stop == tokens.shape[1], 1e4, -1e4)
+        logits[:, self.pad_id] = -1e4
+        logits[:, self.eos_id] = torch.where(stop == tokens.shape[1], 1e4, -1e4)
         return logits
 
 
-def _reference_greedy(model: ToyModel, src: Tensor, max_new_tokens: int) -> tuple[Tensor, Tensor]:
+class _Shifted:
+    """``next_logits`` that differs from ``model.next_logits`` by a fixed seeded bias (pad and EOS untouched):
+    a loop that calls ``model.next_logits`` instead of its argument gives other tokens."""
+
+    def __init__(self, model: ToyModel, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed + 43)
+        self.model, self.bias = model, 3 * torch.randn(model.vocab, generator=g)
+        self.bias[[model.pad_id, model.eos_id]] = 0.0
+
+    def __call__(self, tokens: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        return self.model.next_logits(tokens, memory, src_mask) + self.bias.to(memory.dtype)
+
+
+def _reference_greedy(model: ToyModel, src: Tensor, max_new_tokens: int, bos_id: int = BOS,
+                      next_logits: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """The greedy loop written out: one sentence at a time, each stopping at its own EOS."""
-    src_mask = (src != PAD)[:, None, None, :]
+    next_logits = model.next_logits if next_logits is None else next_logits
+    pad, eos = model.pad_id, model.eos_id
+    src_mask = (src != pad)[:, None, None, :]
     memory = model.encode(src, src_mask)
-    rows, logits_rows = [], []
+    rows = []
     steps = 0
     for b in range(src.shape[0]):
-        tokens, row_logits, done = [BOS], [], False
+        tokens, done = [bos_id], False
         for _ in range(max_new_tokens):
-            logits = model.next_logits(torch.tensor([tokens]), memory[b:b + 1], src_mask[b:b + 1])[0]
-            row_logits.append(logits)
-            token = PAD if done else int(logits.argmax())
-            done = done or token == EOS
+            logits = next_logits(torch.tensor([tokens]), memory[b:b + 1], src_mask[b:b + 1])[0]
+            token = pad if done else int(logits.argmax())
+            done = done or token == eos
             tokens.append(token)
             if done:
                 break
         rows.append(tokens)
-        logits_rows.append(row_logits)
         steps = max(steps, len(tokens) - 1)
-    # The batch runs until its longest sentence is done: finished sentences get PAD and are still fed.
-    tokens = torch.full((src.shape[0], steps + 1), PAD)
-    all_logits = []
+    # The batch runs until its longest sentence is done: finished sentences get pad_id and are still fed.
+    tokens = torch.full((src.shape[0], steps + 1), pad)
     for b, row in enumerate(rows):
         tokens[b, :len(row)] = torch.tensor(row)
-    for step in range(steps):
-        all_logits.append(model.next_logits(tokens[:, :step + 1], memory, src_mask))
+    all_logits = [next_logits(tokens[:, :step + 1], memory, src_mask) for step in range(steps)]
     return tokens, torch.stack(all_logits, dim=1)
 
 
-def _sources(stops: list[int], src_len: int, seed: int) -> Tensor:
+def _sources(stops: list[int], src_len: int, seed: int, pad_id: int = PAD) -> Tensor:
     """Source sentences whose first token makes sentence b end at step stops[b] (0 = never), with padding."""
     g = torch.Generator().manual_seed(seed + 31)
     src = torch.randint(3, 9, (len(stops), src_len), generator=g)
+    src[src == pad_id] = 9  # no padding inside a sentence
     src[:, 0] = torch.tensor([stop + 2 if stop else 15 for stop in stops])
     for b, n in enumerate(_lengths(len(stops), src_len, g).tolist()):
-        src[b, n:] = PAD
+        src[b, n:] = pad_id
     return src
 
 
-def _greedy_variants(model: ToyModel, src: Tensor, max_new_tokens: int, tokens: Tensor) -> dict[str, Tensor]:
+def _greedy_variants(model: ToyModel, src: Tensor, max_new_tokens: int, tokens: Tensor, bos_id: int,
+                     next_logits: Callable[[Tensor, Tensor, Tensor], Tensor]) -> dict[str, Tensor]:
     """Token tensors that the usual mistakes give."""
-    first_stop = int((tokens == EOS).int().argmax(dim=1)[(tokens == EOS).any(dim=1)].min())
-    no_padding = _unpadded(model, src, max_new_tokens)
-    return {
-        "Your loop stops every sentence at the first EOS of the batch: each sentence stops at its own EOS (keep a "
-        "boolean `finished` per sentence), and the loop ends only when all are finished.": tokens[:, :first_stop + 1],
+    eos, pad = model.eos_id, model.pad_id
+    ends = (tokens == eos).any(dim=1)
+    variants = {}
+    if ends.any():
+        first_stop = int((tokens == eos).int().argmax(dim=1)[ends].min())
+        variants["Your loop stops every sentence at the first EOS of the batch: each sentence stops at its own EOS "
+                 "(keep a boolean `finished` per sentence), and the loop ends only when all are finished."] = \
+            tokens[:, :first_stop + 1]
+    variants |= {
         "After a sentence's EOS, your loop keeps writing its argmax tokens: a finished sentence gets pad_id in every "
-        "later place (masked_fill the next token where finished).": no_padding,
+        "later place (masked_fill the next token where finished).": _unpadded(model, src, max_new_tokens, bos_id,
+                                                                              next_logits),
         "Your loop always runs max_new_tokens steps: stop as soon as every sentence has produced its EOS.":
-            torch.cat([tokens, torch.full((src.shape[0], max_new_tokens + 1 - tokens.shape[1]), PAD)], dim=1),
+            torch.cat([tokens, torch.full((src.shape[0], max_new_tokens + 1 - tokens.shape[1]), pad)], dim=1),
     }
+    if next_logits is not model.next_logits:
+        variants["Your loop calls model.next_logits: use the next_logits argument, which may be another function "
+                 "(chapter 09 passes a cached one)."] = _reference_greedy(model, src, max_new_tokens, bos_id)[0]
+    if pad != PAD:
+        zero = copy.copy(model)
+        zero.pad_id = PAD
+        variants[f"Your loop uses pad_id {PAD}: take model.pad_id ({pad} here), for the source's padding mask and for "
+                 "the places after a sentence's EOS."] = _reference_greedy(zero, src, max_new_tokens, bos_id,
+                                                                          next_logits)[0]
+    return variants
 
 
-def _unpadded(model: ToyModel, src: Tensor, max_new_tokens: int) -> Tensor:
-    src_mask = (src != PAD)[:, None, None, :]
+def _unpadded(model: ToyModel, src: Tensor, max_new_tokens: int, bos_id: int,
+              next_logits: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    src_mask = (src != model.pad_id)[:, None, None, :]
     memory = model.encode(src, src_mask)
-    tokens = torch.full((src.shape[0], 1), BOS)
+    tokens = torch.full((src.shape[0], 1), bos_id)
     finished = torch.zeros(src.shape[0], dtype=torch.bool)
     for _ in range(max_new_tokens):
-        token = model.next_logits(tokens, memory, src_mask).argmax(dim=-1)
+        token = next_logits(tokens, memory, src_mask).argmax(dim=-1)
         tokens = torch.cat([tokens, token[:, None]], dim=1)
-        finished |= token == EOS
+        finished |= token == model.eos_id
         if finished.all():
             break
     return tokens
@@ -486,36 +832,53 @@ def check_greedy(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = tor
     """Greedy decoding for a batch: each sentence stops at its own EOS, pad_id after it, the loop ends when all have."""
     g = torch.Generator().manual_seed(seed + 37)
     src_len, vocab = 6 + seed % 3, 16
-    model = ToyModel(vocab, seed).to(dtype)
-    cases = [([2, 5, 1, 3], 7, "every sentence ends, at different steps"),
-             ([4, 0, 2], 6, "one sentence never ends")]
-    for stops, max_new_tokens, what in cases:
+    # (stops, max_new_tokens, ids, what): the ids differ in the third case and next_logits is not
+    # model.next_logits there; the last is a batch of one sentence.
+    cases = [([2, 5, 1, 3], 7, {}, "every sentence ends, at different steps"),
+             ([4, 0, 2], 6, {}, "one sentence never ends"),
+             ([4, 1, 0, 2], 6, OTHER_IDS, "pad_id=5, bos_id=3, eos_id=4 and a next_logits other than "
+                                          "model.next_logits"),
+             ([3], 5, {}, "one sentence (batch=1)")]
+    for stops, max_new_tokens, ids, what in cases:
+        pad_id, bos_id, eos_id = ids.get("pad_id", PAD), ids.get("bos_id", BOS), ids.get("eos_id", EOS)
+        model = ToyModel(vocab, seed, pad_id, eos_id).to(dtype)
+        next_logits = _Shifted(model, seed) if ids else model.next_logits
         order = torch.randperm(len(stops), generator=g).tolist()
-        src = _sources([stops[i] for i in order], src_len, seed)
-        result = call(fn, model, src, max_new_tokens, BOS, EOS, model.next_logits)
-        expected_tokens, expected_logits = _reference_greedy(model, src, max_new_tokens)
+        src = _sources([stops[i] for i in order], src_len, seed, pad_id)
+        result = call(fn, model, src, max_new_tokens, bos_id, eos_id, next_logits)
+        expected_tokens, expected_logits = _reference_greedy(model, src, max_new_tokens, bos_id, next_logits)
+        sizes = {"batch": src.shape[0], "src_len": src_len, "max_new_tokens": max_new_tokens, "vocab": vocab}
+        where = f"With {what} ({', '.join(f'{k}={v}' for k, v in sizes.items())})"
         if type(result) is not tuple or len(result) != 2:
             raise CheckFailure(f"greedy should return a tuple (tokens, logits), got {kind(result)}.")
         tokens, logits = result
         if type(tokens) is not Tensor or tokens.dtype != torch.long or tokens.dim() != 2:
             shown = kind(tokens) if type(tokens) is not Tensor else f"shape {tuple(tokens.shape)}, {tokens.dtype}"
-            raise CheckFailure(f"tokens should be a (batch, length) tensor of torch.long token ids, got {shown}.")
-        if tokens.shape[1] >= 1 and not bool((tokens[:, 0] == BOS).all()):
-            raise CheckFailure("Every sentence's tokens start with bos_id: the first place is the start token, "
-                               "the generated ones follow.")
+            raise CheckFailure(f"{where}: tokens should be a (batch, length) tensor of torch.long token ids, got "
+                               f"{shown}.")
+        if tokens.shape[1] >= 1 and not bool((tokens[:, 0] == bos_id).all()):
+            raise CheckFailure(f"{where}: every sentence's tokens start with bos_id ({bos_id}): the first place is "
+                               "the start token, the generated ones follow.")
         if not torch.equal(tokens, expected_tokens):
-            hint = next((h for h, v in _greedy_variants(model, src, max_new_tokens, expected_tokens).items()
-                         if tokens.shape == v.shape and torch.equal(tokens, v)),
+            variants = _greedy_variants(model, src, max_new_tokens, expected_tokens, bos_id, next_logits)
+            hint = next((h for h, v in variants.items() if tokens.shape == v.shape and torch.equal(tokens, v)),
                         "Each step: logits = next_logits(tokens, memory, src_mask), the argmax is the next token "
                         "(pad_id where the sentence is finished), appended to tokens.")
-            raise CheckFailure(f"With {what} (max_new_tokens={max_new_tokens}), your tokens\n{tokens.tolist()}\n"
-                               f"differ from the expected\n{expected_tokens.tolist()}.\n{hint}")
+            raise CheckFailure(f"{where}, your tokens\n{tokens.tolist()}\ndiffer from the expected\n"
+                               f"{expected_tokens.tolist()}.\n{hint}")
         logits = expect_tensor(logits, "logits", tuple(expected_logits.shape), "batch steps vocab", dtype)
         if not close(logits, expected_logits, dtype):
-            raise CheckFailure(f"With {what}, your tokens are right but your logits differ: return "
-                               "torch.stack of each step's next_logits output along dim=1, (batch, steps, vocab).")
-    passed(f"greedy: each sentence stops at its own EOS, pad_id after it, the loop ends when all have "
-           f"({_dtype_name(dtype)})")
+            raise CheckFailure(f"{where}, your tokens are right but your logits differ "
+                               f"({difference(logits, expected_logits)}): return torch.stack of each step's "
+                               "next_logits output along dim=1, (batch, steps, vocab).")
+    model = ToyModel(vocab, seed).to(dtype)
+    src = _sources([2, 1], src_len, seed)
+    error = call(_error_of, fn, model, src, 0, BOS, EOS, model.next_logits)
+    if error != "ValueError":
+        raise CheckFailure("greedy(..., max_new_tokens=0, ...) should raise a ValueError (there must be at least "
+                           f"one step); it raised {'no error' if error is None else f'a {error}'}.")
+    passed(f"greedy: each sentence stops at its own EOS, pad_id after it, the loop ends when all have; the ids and "
+           f"next_logits come from the arguments; batch=1; ValueError for max_new_tokens < 1 ({_dtype_name(dtype)})")
 
 
 # -- exercise 4: predict, then measure ---------------------------------------------------------
@@ -549,16 +912,30 @@ class TinySeq2Seq(nn.Module):
             return self.generator(self.transformer(x, y, tgt_mask=mask))
 
 
-def _measure(fn: Callable[..., Any], model: nn.Module, src: Tensor, tgt: Tensor, position: int,
-             token: int) -> tuple[Any, Tensor]:
+def _measure(fn: Callable[..., Any], model: nn.Module, src: Tensor, tgt: Tensor, position: int, token: int,
+             tol: float | None = None) -> tuple[Any, Tensor]:
     """The student's answer, and the targets as they are after the call (to see whether it changed them)."""
-    return fn(model, src, tgt, position, token), tgt.clone()
+    options = {} if tol is None else {"tol": tol}
+    return fn(model, src, tgt, position, token, **options), tgt.clone()
 
 
-def _changes(model: nn.Module, src: Tensor, tgt: Tensor, position: int, token: int) -> Tensor:
+@jaxtyped(typechecker=beartype)
+def _largest_changes(model: nn.Module, src: Int[Tensor, "batch src_len"], tgt: Int[Tensor, "batch tgt_len"],
+                     position: int, token: int) -> Float[Tensor, "batch tgt_len"]:
+    """(batch, tgt_len): how far the logits of each sentence and position move at most."""
     changed = tgt.clone()
     changed[:, position] = token
-    return (model(src, changed) - model(src, tgt)).abs().amax(dim=-1) > 1e-6
+    return (model(src, changed) - model(src, tgt)).abs().amax(dim=-1)
+
+
+@jaxtyped(typechecker=beartype)
+def _between(changes: Float[Tensor, "batch tgt_len"]) -> float:
+    """A tol that splits the positions that move into two groups: halfway (in log) between two middle values."""
+    moved = changes[changes > 1e-6].unique().sort().values
+    if len(moved) < 2:
+        return 2 * moved.max().item() if len(moved) else 1.0
+    i = len(moved) // 2
+    return math.sqrt(moved[i - 1].item() * moved[i].item())
 
 
 @check
@@ -569,15 +946,22 @@ def check_logits_that_change(fn: Callable[..., Any], seed: int = 0, dtype: torch
     vocab = 9
     src = torch.randint(1, vocab, (s["batch"], s["src_len"]), generator=g)
     tgt = torch.randint(1, vocab, (s["batch"], s["tgt_len"]), generator=g)
-    for causal, position in ((True, s["tgt_len"] // 2), (True, 0), (False, s["tgt_len"] - 2)):
-        model = TinySeq2Seq(vocab, s["d_model"], s["heads"], causal, seed, dtype)
+    sizes = {"batch": s["batch"], "src_len": s["src_len"], "tgt_len": s["tgt_len"], "vocab": vocab}
+    models = {causal: TinySeq2Seq(vocab, s["d_model"], s["heads"], causal, seed, dtype) for causal in (True, False)}
+    # The last case passes a tol between the changes measured, so that only some positions count as changed.
+    changes = _largest_changes(models[True], src, tgt, s["tgt_len"] // 2, int((tgt[0, s["tgt_len"] // 2] + 1) % vocab))
+    for causal, position, tol in ((True, s["tgt_len"] // 2, None), (True, 0, None), (False, s["tgt_len"] - 2, None),
+                                  (True, s["tgt_len"] // 2, _between(changes))):
+        model = models[causal]
         token = int((tgt[0, position] + 1) % vocab)
-        result = call(_measure, fn, model, src, tgt.clone(), position, token)  # a copy: ours must stay as it is
+        # A copy of tgt: ours must stay as it is.
+        result = call(_measure, fn, model, src, tgt.clone(), position, token, tol)
         got, after = result if type(result) is tuple and len(result) == 2 else (result, tgt)
         if not torch.equal(after, tgt):
             raise CheckFailure("Your function changed the caller's tgt in place: change a copy (tgt.clone()), or the "
                                "second run compares the changed targets with themselves.")
-        expected = _changes(model, src, tgt, position, token)
+        measured = _largest_changes(model, src, tgt, position, token)
+        expected = measured > (1e-6 if tol is None else tol)
         if type(got) is not Tensor or got.dtype != torch.bool:
             raise CheckFailure(f"logits_that_change should return a boolean torch.Tensor, got {kind(got)}"
                                f"{f' of dtype {got.dtype}' if type(got) is Tensor else ''}.")
@@ -588,7 +972,12 @@ def check_logits_that_change(fn: Callable[..., Any], seed: int = 0, dtype: torch
             continue
         steps = torch.arange(s["tgt_len"]).expand_as(expected)
         what = "a causal model" if causal else "a model whose decoder has no causal mask"
-        if torch.equal(got, steps >= position) or torch.equal(got, steps > position):
+        if tol is not None:
+            what += f" with tol={tol:.3g}"
+        if tol is not None and torch.equal(got, measured > 1e-6):
+            hint = ("Your answer ignores tol: an entry is True only where the largest change of a logit exceeds the "
+                    "tol passed in (its default is 1e-6).")
+        elif torch.equal(got, steps >= position) or torch.equal(got, steps > position):
             hint = ("Your answer is the causal pattern, not a measurement: on a model without the causal mask every "
                     "position reads the changed token. Run the model twice and compare the logits.")
         elif torch.equal(got, torch.ones_like(got)):
@@ -598,5 +987,7 @@ def check_logits_that_change(fn: Callable[..., Any], seed: int = 0, dtype: torch
             hint = ("Entry [b, i] is True when any logit of sentence b at position i differs by more than tol "
                     "between model(src, tgt) and model(src, changed).")
         raise CheckFailure(f"On {what}, changing the target token at position {position}, your answer\n"
-                           f"{got.int().tolist()}\ndiffers from the measured\n{expected.int().tolist()}.\n{hint}")
-    passed(f"logits_that_change: measured on a causal model and on one without the mask ({_dtype_name(dtype)})")
+                           f"{got.int().tolist()}\ndiffers from the measured\n{expected.int().tolist()}\n"
+                           f"({difference(got.int(), expected.int(), sizes)}).\n{hint}")
+    passed(f"logits_that_change: measured on a causal model and on one without the mask, with the default tol and "
+           f"another ({_dtype_name(dtype)})")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, expect_tensor, kind, passed
+from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import load_state as _load
 from stepformer.checks._modules import set_training as _set_training
@@ -120,17 +120,19 @@ def _attention(state: dict[str, Tensor], prefix: str, heads: int, x: Tensor, mas
     return project("w_o", rearrange(out, "batch heads seq d_head -> batch seq (heads d_head)"))
 
 
-def _ffn(state: dict[str, Tensor], prefix: str, x: Tensor) -> Tensor:
-    hidden = torch.relu(x @ state[f"{prefix}.linear1.weight"].T + state[f"{prefix}.linear1.bias"])
+def _ffn(state: dict[str, Tensor], prefix: str, x: Tensor, activation: str = "relu") -> Tensor:
+    pre = x @ state[f"{prefix}.linear1.weight"].T + state[f"{prefix}.linear1.bias"]
+    hidden = F.gelu(pre) if activation == "gelu" else torch.relu(pre)  # exact GELU, as PyTorch's "gelu"
     return hidden @ state[f"{prefix}.linear2.weight"].T + state[f"{prefix}.linear2.bias"]
 
 
 def _reference_layer(state: dict[str, Tensor], prefix: str, heads: int, x: Tensor, mask: Tensor | None,
-                     norm_first: bool, mistake: str = "") -> Tensor:
+                     norm_first: bool, mistake: str = "", activation: str = "relu") -> Tensor:
     """One encoder layer from the weights in ``state`` (names under ``prefix``), or a named mistake of it."""
     norm1, norm2 = f"{prefix}norm1", f"{prefix}norm2" if mistake != "norm1 twice" else f"{prefix}norm1"
     mask = None if mistake == "no mask" else mask
     norm_first = not norm_first if mistake == "swapped placement" else norm_first
+    activation = "relu" if mistake == "relu for gelu" else activation
 
     def sublayer(h: Tensor, f: Callable[[Tensor], Tensor], norm: str) -> Tensor:
         if mistake == "no residual":
@@ -147,10 +149,14 @@ def _reference_layer(state: dict[str, Tensor], prefix: str, heads: int, x: Tenso
     h = sublayer(x, lambda t: _attention(state, f"{prefix}self_attn", heads, t, mask), norm1)
     if mistake == "ffn reads x":
         h = x
-    return sublayer(h, lambda t: _ffn(state, f"{prefix}ffn", t), norm2)
+    return sublayer(h, lambda t: _ffn(state, f"{prefix}ffn", t, activation), norm2)
 
 
-def _layer_mistakes(norm_first: bool, masked: bool) -> dict[str, str]:
+def _mask_name(mask: Tensor | None) -> str:
+    return "the causal mask (seq, seq)" if mask is not None and mask.dim() == 2 else "the padding mask"
+
+
+def _layer_mistakes(norm_first: bool, mask: Tensor | None, activation: str = "relu") -> dict[str, str]:
     hints = {
         "swapped placement": (
             "Your layer computes the other norm placement: with norm_first=False (post-norm) each sublayer is "
@@ -173,18 +179,22 @@ def _layer_mistakes(norm_first: bool, masked: bool) -> dict[str, str]:
         hints["normed residual"] = (
             "You normalised the residual stream itself (x = norm(x); x = x + f(x)): in pre-norm only the sublayer's "
             "input is normalised, x + dropout(f(norm(x))), and x flows on untouched.")
-    if masked:
-        hints["no mask"] = ("Your output ignores the padding mask: pass mask on to self.self_attn(x, x, x, mask) in "
-                            "every layer, or the real positions read the padding.")
+    if mask is not None:
+        hints["no mask"] = (f"Your output ignores {_mask_name(mask)}: pass mask on to self.self_attn(x, x, x, mask) "
+                            "in every layer, or the real positions read the padding (or the future).")
+    if activation == "gelu":
+        hints["relu for gelu"] = (
+            "Your layer computes ReLU although it was built with activation='gelu': pass activation on to "
+            "FeedForward(d_model, d_ff, activation, dropout) instead of leaving it at its default.")
     return hints
 
 
 def _diagnose_layer(state: dict[str, Tensor], heads: int, x: Tensor, mask: Tensor | None, norm_first: bool,
-                    output: Tensor, fallback: str) -> str:
+                    output: Tensor, fallback: str, activation: str = "relu") -> str:
     if torch.isnan(output).any():
         return "Your output contains NaN: is a fully padded row masked, or did the mask reach the softmax inverted?"
-    for mistake, hint in _layer_mistakes(norm_first, mask is not None).items():
-        if close(output, _reference_layer(state, "", heads, x, mask, norm_first, mistake), output.dtype):
+    for mistake, hint in _layer_mistakes(norm_first, mask, activation).items():
+        if close(output, _reference_layer(state, "", heads, x, mask, norm_first, mistake, activation), output.dtype):
             return hint
     return fallback
 
@@ -204,10 +214,11 @@ def _randomise(module: nn.Module, g: torch.Generator) -> None:
                 p.copy_(noise / math.sqrt(p.shape[1]))
 
 
-def _torch_layer(s: dict[str, int], norm_first: bool, dtype: torch.dtype, seed: int) -> nn.TransformerEncoderLayer:
+def _torch_layer(s: dict[str, int], norm_first: bool, dtype: torch.dtype, seed: int,
+                 activation: str = "relu") -> nn.TransformerEncoderLayer:
     with torch.random.fork_rng(devices=[]):  # PyTorch's initialisation would move the student's RNG
-        layer = nn.TransformerEncoderLayer(s["d_model"], s["heads"], s["d_ff"], dropout=0.0, batch_first=True,
-                                           norm_first=norm_first, dtype=dtype)
+        layer = nn.TransformerEncoderLayer(s["d_model"], s["heads"], s["d_ff"], dropout=0.0, activation=activation,
+                                           batch_first=True, norm_first=norm_first, dtype=dtype)
     _randomise(layer, torch.Generator().manual_seed(seed + 11))
     return layer.eval()
 
@@ -253,8 +264,16 @@ def _inputs(s: dict[str, int], dtype: torch.dtype, seed: int) -> tuple[Tensor, T
 
 
 def _run_torch(module: nn.Module, x: Tensor, mask: Tensor | None) -> Tensor:
-    # PyTorch's padding mask means the opposite of ours: True = "ignore this key".
+    # PyTorch's masks mean the opposite of ours: True = "ignore this key". A (seq, seq) mask is its
+    # attention mask (the second argument of both the layer and the stack), a padding mask its key padding mask.
+    if mask is not None and mask.dim() == 2:
+        return _quiet(module, x, ~mask)
     return _quiet(module, x, src_key_padding_mask=None if mask is None else ~mask[:, 0, 0, :])
+
+
+def _layer_sizes(s: dict[str, int], x: Tensor) -> dict[str, int]:
+    """The sizes a failure message names: those of this input (a batch of one, say) and of the layer."""
+    return {"batch": x.shape[0], "seq": x.shape[1], "d_model": s["d_model"], "heads": s["heads"], "d_ff": s["d_ff"]}
 
 
 # -- exercise 1: the embedding ---------------------------------------------------------------
@@ -292,18 +311,20 @@ def _check_embedding_output(module: Any, table: Tensor, positions: Tensor, s: di
                             seed: int, what: str) -> None:
     g = torch.Generator().manual_seed(seed + 5)
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)
-    for start in (0, s["start"]):
-        args = (tokens,) if start == 0 else (tokens, start)
-        got = expect_tensor(call(module, *args), f"the embedding of {what}", (s["batch"], s["seq"], s["d_model"]),
+    # The last case is one sentence: a batch of one catches a .squeeze() that drops the batch axis.
+    for batch, start in ((s["batch"], 0), (s["batch"], s["start"]), (1, 0)):
+        args = (tokens[:batch],) if start == 0 else (tokens[:batch], start)
+        got = expect_tensor(call(module, *args), f"the embedding of {what}", (batch, s["seq"], s["d_model"]),
                             "batch seq d_model", dtype)
-        variants = _embedding_variants(table, positions, tokens, start, s["d_model"])
+        variants = _embedding_variants(table, positions, tokens[:batch], start, s["d_model"])
         if close(got, variants[""], dtype):
             continue
         hint = next((h for h, v in list(variants.items())[1:] if close(got, v, dtype)),
                     "Compute self.tokens(tokens) * sqrt(d_model), then add the positions' rows.")
         where = "" if start == 0 else f" with start={start}"
+        sizes = {"batch": batch, "seq": s["seq"], "d_model": s["d_model"], "vocab": s["vocab"], "start": start}
         raise CheckFailure(f"The embedding of {what}{where} differs from tokens · sqrt(d_model) + positions "
-                           f"(largest difference {(got - variants['']).abs().max().item():.3g}). {hint}")
+                           f"({difference(got, variants[''], sizes)}). {hint}")
 
 
 def _embedding_module(cls: Any, s: dict[str, int], dtype: torch.dtype, seed: int, positional: str,
@@ -356,19 +377,29 @@ def check_embedding_learned(cls: Callable[..., Any], seed: int = 0, dtype: torch
         got = "no error" if error is None else f"a {error}"
         raise CheckFailure(f"Embedding(..., positional='absolute') should raise a ValueError (only 'sinusoidal', "
                            f"'learned' and 'rope' exist); it raised {got}.")
-    dropping = call(cls, s["vocab"], s["d_model"], "sinusoidal", max_len, 1.0)
-    call(_load, dropping, {"tokens.weight": table})
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=torch.Generator().manual_seed(seed))
-    kept = call(dropping, tokens)
-    call(_set_training, dropping, True)
-    dropped = call(dropping, tokens)
-    expected = table[tokens] * math.sqrt(s["d_model"]) + _sinusoidal(s["seq"], s["d_model"]).to(dtype)
-    if not close(kept, expected, dtype):
-        raise CheckFailure("With dropout=1.0 in eval() mode the embedding must be unchanged: dropout acts only "
-                           "while training (use self.dropout = nn.Dropout(dropout)).")
-    if not close(dropped, torch.zeros_like(expected), dtype):
-        raise CheckFailure("With dropout=1.0 in training mode every entry is dropped, so the embedding should be all "
-                           "zeros: apply self.dropout to the sum of the token vectors and the positions.")
+    sizes = {"batch": s["batch"], "seq": s["seq"], "d_model": s["d_model"], "vocab": s["vocab"]}
+    rows = {"sinusoidal": _sinusoidal(s["seq"], s["d_model"]).to(dtype), "learned": learned[: s["seq"]],
+            "rope": torch.zeros(s["seq"], s["d_model"], dtype=dtype)}
+    for positional, positions in rows.items():  # each kind of position has its own branch in forward
+        dropping = call(cls, s["vocab"], s["d_model"], positional, max_len, 1.0)
+        weights = {"tokens.weight": table}
+        if positional == "learned":
+            weights["positions.embedding.weight"] = learned
+        call(_load, dropping, weights)
+        kept = call(dropping, tokens)
+        call(_set_training, dropping, True)
+        dropped = call(dropping, tokens)
+        expected = table[tokens] * math.sqrt(s["d_model"]) + positions
+        what = f"With positional={positional!r} and dropout=1.0"
+        if not close(kept, expected, dtype):
+            raise CheckFailure(f"{what} in eval() mode the embedding must be unchanged "
+                               f"({difference(kept, expected, sizes)}): dropout acts only while training (use "
+                               "self.dropout = nn.Dropout(dropout)).")
+        if not close(dropped, torch.zeros_like(expected), dtype):
+            raise CheckFailure(f"{what} in training mode every entry is dropped, so the embedding should be all "
+                               f"zeros ({difference(dropped, torch.zeros_like(expected), sizes)}): apply self.dropout "
+                               "to the sum of the token vectors and the positions, whatever the kind of positions.")
     passed(f"Embedding: learned positions from start, nothing added for rope, dropout only in training "
            f"({_dtype_name(dtype)})")
 
@@ -435,35 +466,46 @@ def check_add_and_norm(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype
         if not close(got, expected, dtype):
             hint = next((h for h, v in variants.items() if close(got, v, dtype)),
                         "Post-norm: norm(x + dropout(f(x))); pre-norm: x + dropout(f(norm(x))).")
-            raise CheckFailure(f"{what} differs from the expected sublayer "
-                               f"(largest difference {(got - expected).abs().max().item():.3g}). {hint}")
+            sizes = {"batch": x.shape[0], "seq": x.shape[1], "d_model": x.shape[2]}
+            raise CheckFailure(f"{what} differs from the expected sublayer ({difference(got, expected, sizes)}). "
+                               f"{hint}")
     passed(f"add_and_norm: post-norm norm(x + dropout(f(x))), pre-norm x + dropout(f(norm(x))) ({_dtype_name(dtype)})")
 
 
 # -- exercise 3: the encoder layer -----------------------------------------------------------
 
 def _build_layer(cls: Any, s: dict[str, int], norm_first: bool, dtype: torch.dtype, seed: int,
-                 dropout: float = 0.0) -> tuple[Any, nn.TransformerEncoderLayer, dict[str, Tensor]]:
-    module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=dropout, norm_first=norm_first)
+                 dropout: float = 0.0, activation: str = "relu") -> tuple[Any, nn.TransformerEncoderLayer,
+                                                                         dict[str, Tensor]]:
+    options = {"activation": activation} if activation != "relu" else {}
+    module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=dropout, norm_first=norm_first, **options)
     _expect_parameters(module, _layer_shapes(s), "Your EncoderLayer", LAYER_HINT)
-    oracle = _torch_layer(s, norm_first, dtype, seed)
+    oracle = _torch_layer(s, norm_first, dtype, seed, activation)
     state = _layer_state(oracle)
     call(_load, module, state)
     return module, oracle, state
 
 
 def _compare_layer(module: Any, oracle: nn.Module, state: dict[str, Tensor], s: dict[str, int], norm_first: bool,
-                   dtype: torch.dtype, x: Tensor, mask: Tensor | None, what: str) -> None:
+                   dtype: torch.dtype, x: Tensor, mask: Tensor | None, what: str, activation: str = "relu") -> None:
     args = (x,) if mask is None else (x, mask)
-    output = expect_tensor(call(module, *args), "the output", tuple(x.shape), "batch seq d_model", dtype)
+    try:
+        output = call(module, *args)
+    except CheckFailure as failure:  # say which case broke it
+        # A layer that reads every mask as a padding mask (mask[:, 0, 0, :], say) breaks on a 2-D one.
+        hint = ("\nA mask may be a (batch, 1, 1, seq) padding mask or a (seq, seq) causal mask: pass it on to the "
+                "attention as it is, where both broadcast against the scores (batch, heads, seq, seq)."
+                if mask is not None and mask.dim() == 2 else "")
+        raise CheckFailure(f"For {what}: {failure}{hint}") from failure
+    output = expect_tensor(output, "the output", tuple(x.shape), "batch seq d_model", dtype)
     expected = _run_torch(oracle, x, mask)
     if not close(output, expected, dtype):
         fallback = ("Compare each sublayer on one small example with torch.nn.TransformerEncoderLayer's: "
                     "self-attention first, then the feed-forward network, each wrapped by add_and_norm.")
         raise CheckFailure(
             f"For {what}, your output differs from torch.nn.TransformerEncoderLayer's with the same weights "
-            f"(largest difference {(output - expected).abs().max().item():.3g}). "
-            f"{_diagnose_layer(state, s['heads'], x, mask, norm_first, output, fallback)}"
+            f"({difference(output, expected, _layer_sizes(s, x))}). "
+            f"{_diagnose_layer(state, s['heads'], x, mask, norm_first, output, fallback, activation)}"
         )
 
 
@@ -492,26 +534,31 @@ def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_fi
     s = _sizes(seed)
     module, oracle, state = _build_layer(cls, s, norm_first, dtype, seed)
     x, mask = _inputs(s, dtype, seed)
+    causal = torch.ones(s["seq"], s["seq"], dtype=torch.bool).tril()
     name = "pre-norm" if norm_first else "post-norm"
-    _compare_layer(module, oracle, state, s, norm_first, dtype, x, None, f"a {name} layer without a mask")
+    for x_case, m, what in ((x, None, "without a mask"), (x, mask, "with a padding mask (batch, 1, 1, seq)"),
+                            (x, causal, "with a causal mask (seq, seq)"),
+                            (x[:1], mask[:1], "on a batch of one sentence (batch=1), with its padding mask")):
+        _compare_layer(module, oracle, state, s, norm_first, dtype, x_case, m, f"a {name} layer {what}")
+    module, oracle, state = _build_layer(cls, s, norm_first, dtype, seed + 1, activation="gelu")
     _compare_layer(module, oracle, state, s, norm_first, dtype, x, mask,
-                   f"a {name} layer with a padding mask (batch, 1, 1, seq)")
+                   f"a {name} layer built with activation='gelu', with a padding mask", activation="gelu")
 
 
 @check(forbid=BUILT_IN_ENCODER)
 def check_encoder_layer_post_norm(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """Equal to torch.nn.TransformerEncoderLayer(norm_first=False) with copied weights, with and without padding."""
     _check_layer(cls, seed, dtype, norm_first=False)
-    passed(f"post-norm EncoderLayer equal to torch.nn.TransformerEncoderLayer, with and without a padding mask "
-           f"({_dtype_name(dtype)})")
+    passed(f"post-norm EncoderLayer equal to torch.nn.TransformerEncoderLayer without a mask, with a padding mask, "
+           f"with a causal (seq, seq) mask, for one sentence, and with activation='gelu' ({_dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_ENCODER)
 def check_encoder_layer_pre_norm(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """Equal to torch.nn.TransformerEncoderLayer(norm_first=True) with copied weights, with and without padding."""
     _check_layer(cls, seed, dtype, norm_first=True)
-    passed(f"pre-norm EncoderLayer equal to torch.nn.TransformerEncoderLayer, with and without a padding mask "
-           f"({_dtype_name(dtype)})")
+    passed(f"pre-norm EncoderLayer equal to torch.nn.TransformerEncoderLayer without a mask, with a padding mask, "
+           f"with a causal (seq, seq) mask, for one sentence, and with activation='gelu' ({_dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_ENCODER)
@@ -526,7 +573,8 @@ def check_encoder_layer_dropout(cls: Callable[..., Any], seed: int = 0) -> None:
         _compare_layer(module, oracle, state, s, norm_first, dtype, x, mask,
                        f"a {name} layer built with dropout=1.0, in eval() mode (where dropout does nothing)")
         call(_set_training, module, True)
-        got = call(module, x, mask)
+        got = expect_tensor(call(module, x, mask), "the output in training", tuple(x.shape), "batch seq d_model",
+                            dtype)
         if norm_first:
             expected, form = x, "x itself"
         else:
@@ -546,15 +594,16 @@ def check_encoder_layer_dropout(cls: Callable[..., Any], seed: int = 0) -> None:
                 hint = ("dropout1 and dropout2 act on each sublayer's output, before the residual add, never on the "
                         "residual stream x.")
             raise CheckFailure(f"With dropout=1.0 in training mode, a {name} layer drops both sublayers' outputs "
-                               f"entirely and should return {form}; {hint}")
+                               f"entirely and should return {form} ({difference(got, expected, _layer_sizes(s, x))}); "
+                               f"{hint}")
     passed("EncoderLayer: dropout only in training, on each sublayer's output before the residual add")
 
 
 # -- exercise 4: the stack -------------------------------------------------------------------
 
 def _torch_encoder(s: dict[str, int], layers: int, norm_first: bool, final_norm: bool, dtype: torch.dtype,
-                   seed: int) -> nn.TransformerEncoder:
-    layer = _torch_layer(s, norm_first, dtype, seed)
+                   seed: int, activation: str = "relu") -> nn.TransformerEncoder:
+    layer = _torch_layer(s, norm_first, dtype, seed, activation)
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         norm = nn.LayerNorm(s["d_model"], dtype=dtype) if final_norm else None
@@ -575,10 +624,11 @@ def _encoder_state(encoder: nn.TransformerEncoder) -> dict[str, Tensor]:
 
 
 def _reference_stack(state: dict[str, Tensor], heads: int, layers: int, x: Tensor, mask: Tensor | None,
-                     norm_first: bool, final_norm: bool, mistake: str) -> Tensor:
+                     norm_first: bool, final_norm: bool, mistake: str, activation: str = "relu") -> Tensor:
     for i in range(layers):
         layer_mask = None if mistake == "no mask" or (mistake == "mask only first" and i) else mask
-        x = _reference_layer(state, f"layers.{i}.", heads, x, layer_mask, norm_first)
+        x = _reference_layer(state, f"layers.{i}.", heads, x, layer_mask, norm_first,
+                             activation="relu" if mistake == "relu for gelu" else activation)
         if mistake == "norm every layer" and final_norm:
             x = _layer_norm(state, "norm", x)
     if final_norm and mistake not in ("no final norm", "norm every layer"):
@@ -590,9 +640,43 @@ STACK_MISTAKES = {
     "no final norm": "Your stack leaves out the final LayerNorm: with final_norm=True, apply self.norm to the last "
                      "layer's output.",
     "norm every layer": "You apply the final norm after every layer: it comes once, after the last layer.",
-    "no mask": "Your stack ignores the padding mask: pass mask on to every layer.",
-    "mask only first": "Only your first layer gets the padding mask: every layer must read it, layer(x, mask).",
+    "no mask": "Your stack ignores {mask}: pass mask on to every layer.",
+    "mask only first": "Only your first layer gets {mask}: every layer must read it, layer(x, mask).",
+    "relu for gelu": "Your layers compute ReLU although the encoder was built with activation='gelu': pass activation "
+                     "on to every EncoderLayer(d_model, heads, d_ff, dropout, norm_first, activation).",
 }
+
+
+def _stack_shapes(s: dict[str, int], layers: int, final_norm: bool) -> dict[str, list[int]]:
+    shapes = {}
+    for i in range(layers):
+        shapes |= _layer_shapes(s, f"layers.{i}.")
+    if final_norm:
+        shapes |= {"norm.weight": [s["d_model"]], "norm.bias": [s["d_model"]]}
+    return shapes
+
+
+STACK_HINT = ("Store the layers in an nn.ModuleList named layers (each your EncoderLayer) and the final norm as "
+              "self.norm, a LayerNorm(d_model) when final_norm is True and nn.Identity() otherwise.")
+
+
+def _compare_stack(module: Any, state: dict[str, Tensor], oracle: nn.TransformerEncoder, s: dict[str, int],
+                   layers: int, norm_first: bool, final_norm: bool, dtype: torch.dtype, x: Tensor, mask: Tensor | None,
+                   what: str, activation: str = "relu") -> None:
+    got = call(module, x) if mask is None else call(module, x, mask)
+    got = expect_tensor(got, "the encoder's output", tuple(x.shape), "batch seq d_model", dtype)
+    expected = _run_torch(oracle, x, mask)
+    if close(got, expected, dtype):
+        return
+    mistakes = {m: h for m, h in STACK_MISTAKES.items() if m != "relu for gelu" or activation == "gelu"}
+    hint = next((h.format(mask=_mask_name(mask)) for mistake, h in mistakes.items()
+                 if close(got, _reference_stack(state, s["heads"], layers, x, mask, norm_first, final_norm, mistake,
+                                                activation), dtype)),
+                "Run x through each layer in order, layer(x, mask), then self.norm.")
+    where = f"{layers} {'pre' if norm_first else 'post'}-norm layers, final_norm={final_norm}, {what}"
+    sizes = _layer_sizes(s, x) | {"layers": layers}
+    raise CheckFailure(f"For {where}, your output differs from torch.nn.TransformerEncoder's with the same weights "
+                       f"({difference(got, expected, sizes)}). {hint}")
 
 
 @check(forbid=BUILT_IN_ENCODER)
@@ -601,36 +685,47 @@ def check_encoder(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = t
     s = _sizes(seed)
     layers = 2 + seed % 2
     x, mask = _inputs(s, dtype, seed + 1)
-    for norm_first, final_norm in ((False, True), (True, True), (True, False)):
+    causal = torch.ones(s["seq"], s["seq"], dtype=torch.bool).tril()
+    for norm_first, final_norm in ((False, True), (True, True), (True, False), (False, False)):
         module = call(cls, s["d_model"], s["heads"], s["d_ff"], layers, dropout=0.0, norm_first=norm_first,
                       final_norm=final_norm)
-        shapes = {}
-        for i in range(layers):
-            shapes |= _layer_shapes(s, f"layers.{i}.")
-        if final_norm:
-            shapes |= {"norm.weight": [s["d_model"]], "norm.bias": [s["d_model"]]}
-        hint = ("Store the layers in an nn.ModuleList named layers (each your EncoderLayer) and the final norm as "
-                "self.norm, a LayerNorm(d_model) when final_norm is True and nn.Identity() otherwise.")
-        _expect_parameters(module, shapes, f"Your Encoder(final_norm={final_norm})", hint)
+        _expect_parameters(module, _stack_shapes(s, layers, final_norm), f"Your Encoder(final_norm={final_norm})",
+                           STACK_HINT)
         oracle = _torch_encoder(s, layers, norm_first, final_norm, dtype, seed)
         state = _encoder_state(oracle)
         call(_load, module, state)
-        for m in (None, mask):
-            got = call(module, x) if m is None else call(module, x, m)
-            got = expect_tensor(got, "the encoder's output", tuple(x.shape), "batch seq d_model", dtype)
-            expected = _run_torch(oracle, x, m)
-            if close(got, expected, dtype):
-                continue
-            what = (f"{layers} {'pre' if norm_first else 'post'}-norm layers, final_norm={final_norm}, "
-                    f"{'with a padding mask' if m is not None else 'without a mask'}")
-            hint = next((h for mistake, h in STACK_MISTAKES.items()
-                         if close(got, _reference_stack(state, s["heads"], layers, x, m, norm_first, final_norm,
-                                                        mistake), dtype)),
-                        "Run x through each layer in order, layer(x, mask), then self.norm.")
-            raise CheckFailure(f"For {what}, your output differs from torch.nn.TransformerEncoder's with the same "
-                               f"weights (largest difference {(got - expected).abs().max().item():.3g}). {hint}")
+        cases = [(x, mask, "with a padding mask")]
+        if final_norm:
+            cases.append((x, None, "without a mask"))
+        if not norm_first and final_norm:  # the mask's other shape and a batch of one, once
+            cases.append((x[:1], causal, "on one sentence (batch=1) with a causal mask (seq, seq)"))
+        for x_case, m, what in cases:
+            _compare_stack(module, state, oracle, s, layers, norm_first, final_norm, dtype, x_case, m, what)
+    # Built with dropout=1.0 and activation="gelu": the stack must hand both on to every layer. In eval() it
+    # is PyTorch's GELU encoder; in training, pre-norm without a final norm, every sublayer's output is
+    # dropped and x comes back unchanged.
+    module = call(cls, s["d_model"], s["heads"], s["d_ff"], layers, dropout=1.0, norm_first=True,
+                  activation="gelu", final_norm=False)
+    layout = _expect_parameters(module, _stack_shapes(s, layers, False), "Your Encoder(final_norm=False)", STACK_HINT)
+    oracle = _torch_encoder(s, layers, True, False, dtype, seed + 1, activation="gelu")
+    state = _encoder_state(oracle)
+    call(_load, module, state)
+    _compare_stack(module, state, oracle, s, layers, True, False, dtype, x, mask,
+                   "built with activation='gelu' and dropout=1.0, in eval() mode, with a padding mask", "gelu")
+    call(_set_training, module, True)
+    got = expect_tensor(call(module, x, mask), "the encoder's output in training", tuple(x.shape), "batch seq d_model",
+                        dtype)
+    if not close(got, x, dtype):
+        wrong = sorted(name for name, p in layout["dropouts"].items()
+                       if name.startswith("layers.") and name.endswith(("dropout1", "dropout2")) and p != 1.0)
+        hint = (f"{wrong[0]} has p={layout['dropouts'][wrong[0]]}: pass dropout on to every EncoderLayer."
+                if wrong else "Each layer's dropout1 and dropout2 act on its sublayers' outputs only.")
+        raise CheckFailure(
+            f"With dropout=1.0 in training mode, a pre-norm Encoder without a final norm drops every sublayer's output "
+            f"and should return x itself ({difference(got, x, _layer_sizes(s, x) | {'layers': layers})}). {hint}")
     passed(f"Encoder equal to torch.nn.TransformerEncoder: post-norm and pre-norm, with and without the final norm, "
-           f"with padding ({_dtype_name(dtype)})")
+           f"with padding and causal masks, for one sentence; activation and dropout passed on to the layers "
+           f"({_dtype_name(dtype)})")
 
 
 # -- exercise 5: predict, then measure -------------------------------------------------------
@@ -689,6 +784,7 @@ def check_residual_norms(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
                 torch.linalg.vector_norm(h, dim=-1).mean() for h in lengths(None)]
         hint = next((h for h, v in variants.items() if close(got, torch.stack(v), dtype)),
                     "Entry i is torch.linalg.vector_norm(x, dim=-1).mean() after i layers (entry 0: before any).")
+        sizes = {"batch": s["batch"], "seq": s["seq"], "d_model": s["d_model"], "layers": len(layers)}
         raise CheckFailure(f"Your lengths {[round(v, 3) for v in got.tolist()]} differ from the expected "
-                           f"{[round(v, 3) for v in expected.tolist()]}. {hint}")
+                           f"{[round(v, 3) for v in expected.tolist()]} ({difference(got, expected, sizes)}). {hint}")
     passed(f"residual_norms: the mean length of a position's vector before and after each layer ({_dtype_name(dtype)})")
