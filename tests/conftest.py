@@ -34,14 +34,14 @@ def sandbox_required() -> None:
 
 # Rough seconds of each group on two idle cores, measured from earlier runs; only the order matters.
 WEIGHTS = {
-    "book": 500,
-    "book-class": 450,
+    "book": 650,
     "student-env": 120,
     "corpus": 450,
     "corpus-resume": 240,
     "grading": 120,
     "sandbox": 90,
     "postgres": 60,
+    "lab": 60,
 }
 CHAPTER_GRADING = 80  # each chapter's mistake fixtures: nbgrader's release plus ~6 notebooks
 NOTEBOOK_RUN = 30  # one solution notebook executed top to bottom
@@ -59,13 +59,15 @@ def _group(item: pytest.Item) -> str | None:
     if module == "test_book":
         return "book"
     if module == "test_book_class":
-        return "book-class"
+        return "book"  # the class edition's build reuses the open one's executed pages
     if module == "test_class_edition" and item.get_closest_marker("slow"):
         return "student-env"
     if module == "test_corpus":
         return "corpus-resume" if item.name.startswith("test_killed_run") else "corpus"
     if module == "test_chapter_mistakes" and hasattr(item, "callspec"):
         return f"mistakes-{item.callspec.params['chapter'].ASSIGNMENT}"
+    if module == "test_lab":
+        return "lab"
     return {"test_grading": "grading", "test_sandbox": "sandbox", "test_gradebook_postgres": "postgres"}.get(module)
 
 

@@ -58,8 +58,10 @@ class Build:
 def build_book(out: Path, edition: str = "open") -> Build:
     """Build the site of one edition (``open`` or ``class``) under ``out``."""
     # The build executes the chapters: the kernel must be this environment's Python.
+    # Both editions execute the same chapters: built one after the other (one xdist group), they share
+    # one cache of executed pages beside their folders, so the second build executes nothing.
     env = {**os.environ, "PATH": f"{JUPYTER_BOOK.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "STEPFORMER_EDITION": edition}
+           "STEPFORMER_EDITION": edition, "STEPFORMER_EXECUTION_CACHE": str(out.parent / "executed-pages")}
     proc = subprocess.run(
         [
             str(JUPYTER_BOOK),

@@ -70,6 +70,9 @@ def _check(app: Sphinx, config: Config) -> None:
     if config.stepformer_edition not in EDITIONS:
         raise ExtensionError(f"STEPFORMER_EDITION={config.stepformer_edition!r}: the editions are "
                              f"{', '.join(EDITIONS)}")
+    # One cache of executed pages for several builds (the tests build both editions, one after the other).
+    if cache := os.environ.get("STEPFORMER_EXECUTION_CACHE"):
+        config.nb_execution_cache_path = cache
     if config.stepformer_edition == "class":
         options = dict(config.html_theme_options)
         options["launch_buttons"] = {}
