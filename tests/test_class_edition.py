@@ -208,3 +208,18 @@ def test_every_exercises_checks_run_in_the_students_environment(student_python, 
         assert "✔" in outputs, notebook.name
         if any('given("' in c.source for c in nbformat.read(notebook, as_version=4).cells):
             assert "your own answer in" in outputs and "the course's copy" not in outputs, notebook.name
+
+
+def test_the_class_site_hides_tagged_cells_whatever_the_order_of_their_options():
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    try:
+        import stepformer_edition
+    finally:
+        sys.path.pop(0)
+    page = ("```{code-cell} ipython3\n:mystnb:\n  image:\n    alt: a plot\n:tags: [hide-in-class]\nsecret()\n```\n\n"
+            "```{code-cell} ipython3\nshown()\n```\n\n```{code-cell} ipython3\n:tags: [hide-input, hide-in-class]\n"
+            "also_secret()\n```\n")
+    out = stepformer_edition.hide_answer_cells(page)
+    assert out.count(stepformer_edition.HIDDEN_NOTE) == 2 and "hide-in-class" not in out
+    assert ":tags: [remove-input]\nsecret()" in out and ":tags: [hide-input, remove-input]\nalso_secret()" in out
+    assert "```{code-cell} ipython3\nshown()" in out

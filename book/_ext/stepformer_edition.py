@@ -86,9 +86,16 @@ def _package_url(config: Config) -> str:
     return f"{base}/_static/{_wheel_name()}" if base else f"_static/{_wheel_name()}"
 
 
-HIDDEN_CELL = re.compile(r"^```\{code-cell\}[^\n]*\n:tags: \[([^\]\n]*)\bhide-in-class\b([^\]\n]*)\]", re.MULTILINE)
+# A code cell's opening line and its option lines (":tags: [...]", ":mystnb: ...", in any order).
+HIDDEN_CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(?:[: ][^\n]*\n)*?:tags: \[[^\]\n]*\bhide-in-class\b[^\]\n]*\]",
+                         re.MULTILINE)
 HIDDEN_NOTE = (":::{note}\nThe code of the next cell is left out of the class edition: it shows much of an exercise's "
                "answer. Its output is kept.\n:::\n\n")
+
+
+def hide_answer_cells(page: str) -> str:
+    """A chapter's MyST text with each ``hide-in-class`` cell's code removed (its output kept), after a note."""
+    return HIDDEN_CELL.sub(lambda m: HIDDEN_NOTE + m.group(0).replace("hide-in-class", "remove-input"), page)
 
 
 def _class_source(app: Sphinx, docname: str, source: list[str]) -> None:
@@ -99,8 +106,7 @@ def _class_source(app: Sphinx, docname: str, source: list[str]) -> None:
         nb = nbformat.reads(source[0], as_version=4)
         source[0] = nbformat.writes(class_notebook(nb, _answers(), _package_url(app.config)))
     else:
-        source[0] = HIDDEN_CELL.sub(lambda m: HIDDEN_NOTE + m.group(0).replace("hide-in-class", "remove-input"),
-                                    source[0])
+        source[0] = hide_answer_cells(source[0])
 
 
 def _students_wheel(app: Sphinx, error: Exception | None) -> None:
