@@ -369,5 +369,5 @@ def check_offset_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
         zeros = torch.zeros_like(spread)
         raise CheckFailure(f"Your means are right, but your spread is not max − min of each diagonal "
                            f"(should be ~0: {difference(spread, zeros, sizes)}).")
-    passed(f"over {n_offsets} offsets the score depends only on m − n (spread < {PROPERTY_TOLERANCE:g}); at m = n it is "
-           "q·k")
+    passed(f"over {n_offsets} offsets the score depends only on m − n (spread < {PROPERTY_TOLERANCE:g}); "
+           "at m = n it is q·k")
