@@ -18,14 +18,12 @@ from stepformer.course.edition import (
     EditionError,
     build_student_dist,
     class_notebook,
-    graded_answers,
     write_class_course,
 )
 from stepformer.course.paths import assignments
-from tests.fixtures.answers import body_lines
+from tests.fixtures.answers import ANSWERS, body_lines
 
 ROOT = Path(__file__).resolve().parents[1]
-ANSWERS = graded_answers(ROOT)
 URL = "https://class.example.org/_static/stepformer_checks-0.1.0-py3-none-any.whl"
 
 

@@ -596,6 +596,18 @@ def difference(actual: Tensor, expected: Tensor, sizes: dict[str, int] | None = 
     return f"largest difference {value:.3g} at index {list(index)}{where}"
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one thread for the block: tiny models run fastest so; on a busy machine several threads mostly
+    wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def show(x: Tensor) -> str:
     """Print a tensor only when it is small enough to read."""
     return str(x.detach()) if x.numel() <= 12 else f"a tensor of shape {tuple(x.shape)}"

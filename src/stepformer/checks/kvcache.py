@@ -18,7 +18,17 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    call,
+    check,
+    close,
+    difference,
+    expect_tensor,
+    kind,
+    one_thread,
+    passed,
+)
 from stepformer.checks._modules import error_of as _error_of
 
 AXES = ("batch", "kv_heads", "d_head", "prefill", "steps")
@@ -428,35 +438,29 @@ def _measured_cache_bytes(layers: int, heads: int, kv_heads: int, d_head: int, l
     attends over all of them with PyTorch's fused attention (grouped when ``kv_heads < heads``); the
     cross-attention and the feed-forward do not hold a cache, so they are left out.
     """
-    threads = torch.get_num_threads()
-    # Tensors this small run fastest on one thread (several only wait for each other on a busy machine).
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(seed)
-            vocab, d_model = 11, heads * d_head
-            embed = nn.Embedding(vocab, d_model).to(dtype)
-            w_q, w_k, w_v, w_o = (
-                nn.ModuleList(nn.Linear(d_model, n * d_head).to(dtype) for _ in range(layers))
-                for n in (heads, kv_heads, kv_heads, heads))
-            generator = nn.Linear(d_model, vocab).to(dtype)
-            keys: list[Tensor | None] = [None] * layers
-            values: list[Tensor | None] = [None] * layers
-            tokens = torch.ones(batch, 1, dtype=torch.long)
-            for _ in range(length):
-                x = embed(tokens)
-                for i in range(layers):
-                    q = rearrange(w_q[i](x), "batch new (heads d_head) -> batch heads new d_head", d_head=d_head)
-                    k, v = (rearrange(w(x), "batch new (kv_heads d_head) -> batch kv_heads new d_head", d_head=d_head)
-                            for w in (w_k[i], w_v[i]))
-                    keys[i] = k if keys[i] is None else torch.cat([keys[i], k], dim=2)
-                    values[i] = v if values[i] is None else torch.cat([values[i], v], dim=2)
-                    attended = nn.functional.scaled_dot_product_attention(q, keys[i], values[i],
-                                                                          enable_gqa=kv_heads != heads)
-                    x = x + w_o[i](rearrange(attended, "batch heads new d_head -> batch new (heads d_head)"))
-                tokens = generator(x[:, -1]).argmax(-1, keepdim=True)
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread(), torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        vocab, d_model = 11, heads * d_head
+        embed = nn.Embedding(vocab, d_model).to(dtype)
+        w_q, w_k, w_v, w_o = (
+            nn.ModuleList(nn.Linear(d_model, n * d_head).to(dtype) for _ in range(layers))
+            for n in (heads, kv_heads, kv_heads, heads))
+        generator = nn.Linear(d_model, vocab).to(dtype)
+        keys: list[Tensor | None] = [None] * layers
+        values: list[Tensor | None] = [None] * layers
+        tokens = torch.ones(batch, 1, dtype=torch.long)
+        for _ in range(length):
+            x = embed(tokens)
+            for i in range(layers):
+                q = rearrange(w_q[i](x), "batch new (heads d_head) -> batch heads new d_head", d_head=d_head)
+                k, v = (rearrange(w(x), "batch new (kv_heads d_head) -> batch kv_heads new d_head", d_head=d_head)
+                        for w in (w_k[i], w_v[i]))
+                keys[i] = k if keys[i] is None else torch.cat([keys[i], k], dim=2)
+                values[i] = v if values[i] is None else torch.cat([values[i], v], dim=2)
+                attended = nn.functional.scaled_dot_product_attention(q, keys[i], values[i],
+                                                                      enable_gqa=kv_heads != heads)
+                x = x + w_o[i](rearrange(attended, "batch heads new d_head -> batch new (heads d_head)"))
+            tokens = generator(x[:, -1]).argmax(-1, keepdim=True)
     return sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
 
 

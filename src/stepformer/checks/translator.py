@@ -11,9 +11,8 @@ builds them), so the checks need none of the course's reference code. Every touc
 code goes through :func:`call`.
 """
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, passed
+from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, one_thread, passed
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import parameters_of as _parameters_of
 
@@ -52,17 +51,6 @@ def _lengths(batch: int, longest: int, shortest: int, g: torch.Generator) -> lis
     """Sentence lengths: the first sentence as long as the batch, the others between shortest and longest."""
     rest = torch.randint(shortest, longest + 1, (batch - 1,), generator=g).tolist()
     return [longest, *rest]
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Tiny models train fastest on one thread; on a busy machine several threads mostly wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # -- the models the student trains -----------------------------------------------------------
@@ -574,7 +562,7 @@ def check_train_step(fn: Callable[..., Any], seed: int = 0) -> None:
     batch, src_len, tgt_len, vocab = _step_sizes(seed)
     src, tgt = _sentence_batch(seed, batch, src_len, tgt_len, vocab)
     pad_id = _specials(seed, vocab)[0]
-    with _one_thread():
+    with one_thread():
         # Small enough that clipping changes the step: a third of the first gradient's norm.
         clip_norm = _gradient_norm(_step_model(seed, vocab), src, tgt, pad_id, 0.1) / 3
         for what, steps in (
@@ -593,7 +581,7 @@ def check_train_steps(fn: Callable[..., Any], seed: int = 0) -> None:
     batch, src_len, tgt_len, vocab = _step_sizes(seed)
     first = _sentence_batch(seed, batch, src_len, tgt_len, vocab)
     second = _sentence_batch(seed + 1000, batch, src_len, tgt_len, vocab)
-    with _one_thread():
+    with one_thread():
         _compare_steps(fn, seed, vocab, [(*first, 1e-3, 0.0, _NO_CLIP), (*second, 3e-3, 0.0, _NO_CLIP)],
                        "Two steps in a row (lr 0.001, then 0.003) on one model and optimiser")
     passed("two train_steps in a row equal the recipe's: the gradients are cleared after each step, each step "
@@ -837,7 +825,7 @@ def check_memorise(functions: tuple[Callable[..., Any], Callable[..., Any], Call
     memorise, train_step, inverse_sqrt_lr = functions
     sources, targets, src, tgt = _memorise_batch(seed)
     steps, peak_lr, warmup = _MEMORISE["steps"], _MEMORISE["peak_lr"], _MEMORISE["warmup"]
-    with _one_thread():
+    with one_thread():
         model = _memorise_model(seed)
         losses = call(memorise, model, src, tgt, _PAD, steps=steps, peak_lr=peak_lr, warmup=warmup)
         if type(losses) is not list or len(losses) != steps or any(type(x) is not float for x in losses):
