@@ -39,8 +39,25 @@ book: $(STAMP) ## build the site into _build/html (EDITION=class: without the an
 	STEPFORMER_EDITION=$(EDITION) $(BIN)/jupyter-book build . --warningiserror --keep-going $(BOOK_OUT)
 	@echo "Open: file://$(CURDIR)/$(BOOK_HTML)/index.html"
 
+# `make lab`: the folder it opens, and options for jupyter lab (tests/test_lab.py: --no-browser, a port, a token).
+LAB_DIR ?= exercises/
+LAB_FLAGS ?=
+# Students get nbgrader's Validate button, nothing of the instructors' tools (formgrader, the
+# create-assignment toolbar, the course and assignment lists, which need nbgrader's exchange).
+# They are switched off for this server alone, by a Jupyter config folder that JUPYTER_CONFIG_PATH
+# puts before the environment's: the instructor's own `jupyter lab` keeps them.
+STUDENT_JUPYTER := _build/student-jupyter
 lab: $(STAMP) ## open JupyterLab on the student exercises
-	$(BIN)/jupyter lab exercises/
+	@mkdir -p $(STUDENT_JUPYTER)/labconfig
+	@echo '{"disabledExtensions": {"@jupyter/nbgrader:formgrader": true, "@jupyter/nbgrader:create-assignment": true,' \
+		'"@jupyter/nbgrader:course-list": true, "@jupyter/nbgrader:assignment-list": true,' \
+		'"@jupyter/nbgrader:menu": true}}' \
+		> $(STUDENT_JUPYTER)/labconfig/page_config.json
+	@echo '{"ServerApp": {"jpserver_extensions": {"nbgrader.server_extensions.formgrader": false,' \
+		'"nbgrader.server_extensions.course_list": false, "nbgrader.server_extensions.assignment_list": false}}}' \
+		> $(STUDENT_JUPYTER)/jupyter_server_config.json
+	JUPYTER_CONFIG_PATH=$(CURDIR)/$(STUDENT_JUPYTER)$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH),) \
+		$(BIN)/jupyter lab $(LAB_FLAGS) $(LAB_DIR)
 
 test: $(STAMP) ## run the whole test suite (what CI runs)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder

@@ -166,7 +166,3 @@ def test_mean_entropy_collapses_without_scaling_and_holds_with_it():
     assert unscaled[0] > unscaled[1] > unscaled[2] and unscaled[2] < 0.1 * math.log(k_len)
     assert mean_attention_entropy(1, scale=True) == mean_attention_entropy(1, scale=False)
 
-
-def test_mean_entropy_refuses_bad_width():
-    with pytest.raises(ValueError, match="d_k"):
-        mean_attention_entropy(0, scale=True)

@@ -2,6 +2,7 @@
 
 import functools
 import http.server
+import json
 import os
 import re
 import shutil
@@ -9,8 +10,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, unquote, urlsplit
 
 import pytest
 import yaml
@@ -81,8 +85,15 @@ def build_book(out: Path, edition: str = "open") -> Build:
     return Build(proc.returncode, proc.stdout + proc.stderr, out / "_build" / "html")
 
 
+# Local iteration only: test a site built earlier (its _build/html folder) instead of building one.
+# The build's own test is skipped then; CI never sets it.
+REUSE_SITE = "STEPFORMER_TEST_SITE"
+
+
 @pytest.fixture(scope="session")
 def book(tmp_path_factory: pytest.TempPathFactory) -> Build:
+    if reused := os.environ.get(REUSE_SITE):
+        return Build(0, f"{REUSE_SITE}={reused}: not built here", Path(reused))
     return build_book(tmp_path_factory.mktemp("book"))
 
 
@@ -94,6 +105,8 @@ def built(book: Build) -> Path:
 
 
 def test_book_builds_without_warnings(book: Build) -> None:
+    if os.environ.get(REUSE_SITE):
+        pytest.skip(f"{REUSE_SITE} is set: testing a site built earlier")
     assert book.returncode == 0, f"the build failed (exit {book.returncode}):\n{book.tail()}"
     missing = [page for page in PAGES if not (book.html / page).is_file()]
     assert not missing, f"pages of _toc.yml missing from the site: {missing}"
@@ -166,9 +179,7 @@ RAW_TEX = re.compile(r"\$|\\\(|\\\[|\\[A-Za-z]+\{")
 
 @pytest.mark.browser
 def test_pages_render_in_chromium(server: str) -> None:
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        missing("chromium not installed: apt-get install chromium")
+    chromium = _chromium()
     from playwright.sync_api import sync_playwright
 
     problems: list[str] = []
@@ -272,3 +283,343 @@ def test_the_open_edition_shows_the_answers_that_the_class_edition_hides(built: 
     for answer in ("stepformer.attention.scaled_dot_product_attention", "stepformer.norms.LayerNorm",
                    "stepformer.gqa.from_multihead", "stepformer.translator.recipe.train_step"):
         assert answer in shown, answer
+
+
+# Every page of the site as readers and students meet it: links, figures, search, the buttons of an
+# exercise page, the console, a phone's screen. Links and images are read from the HTML files; the rest
+# runs in Chromium against the site served over HTTP.
+
+PHONE = {"width": 390, "height": 844}  # an iPhone 12 to 15's screen, in CSS pixels
+IMAGE_FILE = re.compile(r"\.(png|jpe?g|gif|svg|webp)$", re.IGNORECASE)
+
+
+def _site_pages(site: Path) -> list[Path]:
+    """Every HTML page of the site: the book's, the index, search and bibliography pages (not the theme's files)."""
+    return sorted(p for p in site.rglob("*.html") if not p.relative_to(site).parts[0].startswith("_"))
+
+
+class _Html(HTMLParser):
+    """What one page holds: its ids (the anchors a link may name), its links and its images."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.ids: set[str] = set()
+        self.links: list[str] = []
+        self.images: list[dict[str, str | None]] = []
+        self.title = ""
+        self._in_h1 = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if a.get("id"):
+            self.ids.add(a["id"])
+        if tag == "a" and a.get("name"):
+            self.ids.add(a["name"])
+        if tag in ("a", "link", "area") and a.get("href") is not None:
+            self.links.append(a["href"])
+        if tag in ("img", "script", "source", "iframe", "embed") and a.get("src"):
+            self.links.append(a["src"])
+        if tag == "img":
+            self.images.append(a)
+        self._in_h1 = self._in_h1 or (tag == "h1" and not self.title)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "h1":
+            self._in_h1 = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_h1:
+            self.title += data
+
+
+@functools.cache
+def _html(path: Path) -> _Html:
+    parser = _Html()
+    parser.feed(path.read_text(encoding="utf-8"))
+    return parser
+
+
+def _resolve(page: Path, href: str) -> tuple[Path | None, str]:
+    """The file a link of ``page`` points to and its #anchor; None for another site (http:, mailto:, ...)."""
+    parts = urlsplit(href)
+    if parts.scheme or parts.netloc:
+        return None, ""
+    path = unquote(parts.path)
+    target = page if not path else Path(os.path.normpath(page.parent / path))
+    if path.endswith("/") or target.is_dir():
+        target = target / "index.html"
+    return target, unquote(parts.fragment)
+
+
+def _broken_links(site: Path) -> list[str]:
+    broken = []
+    for page in _site_pages(site):
+        where = page.relative_to(site).as_posix()
+        for href in _html(page).links:
+            target, anchor = _resolve(page, href)
+            if target is None:
+                continue
+            if not target.is_relative_to(site):
+                broken.append(f"{where}: {href} leaves the site")
+            elif not target.is_file():
+                broken.append(f"{where}: {href}: there is no {target.relative_to(site).as_posix()}")
+            elif anchor and target.suffix == ".html" and anchor not in _html(target).ids:
+                broken.append(f"{where}: {href}: {target.relative_to(site).as_posix()} has no #{anchor}")
+    return broken
+
+
+def test_every_internal_link_and_anchor_resolves(built: Path) -> None:
+    pages = _site_pages(built)
+    assert len(pages) >= len(PAGES)
+    assert sum(len(_html(p).links) for p in pages) > 100 * len(PAGES)  # the parser does see the links
+    broken = _broken_links(built)
+    assert not broken, f"{len(broken)} broken links:\n" + "\n".join(broken[:40])
+
+
+def _images_without_alt(site: Path) -> list[str]:
+    """Content images (not the theme's icons) whose alt text is missing or only a file name, as docutils
+    writes it for an image (a code cell's figure, say) given none."""
+    found = []
+    for page in _site_pages(site):
+        for img in _html(page).images:
+            src = img.get("src") or ""
+            target, _ = _resolve(page, src)
+            if target is not None and target.is_relative_to(site / "_static"):
+                continue
+            alt = (img.get("alt") or "").strip()
+            if not alt or IMAGE_FILE.search(alt) or Path(alt).name == Path(unquote(src)).name:
+                found.append(f"{page.relative_to(site).as_posix()}: {src} (alt={alt!r})")
+    return found
+
+
+def test_every_figure_has_alt_text(built: Path) -> None:
+    images = [img for p in _site_pages(built) for img in _html(p).images]
+    assert len(images) >= 3 * len([p for p in PAGES if p.startswith("book/0")])
+    missing_alt = _images_without_alt(built)
+    assert not missing_alt, (
+        f"{len(missing_alt)} figures without alt text (a code cell's figure gets it from its options, "
+        "`:mystnb: {image: {alt: ...}}`):\n" + "\n".join(missing_alt))
+
+
+def _chromium() -> str:
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        missing("chromium not installed: apt-get install chromium")
+    return chromium
+
+
+@dataclass
+class Visit:
+    """What one page did in Chromium at a phone's width."""
+
+    console: list[str]
+    overflow: list[str]
+
+
+# At a phone's width, what makes the reader scroll sideways: the page itself wider than the screen,
+# or a block of text (not a code block, table or equation, which may scroll inside themselves) that
+# sticks out of the screen or out of its own box.
+OVERFLOW = """() => {
+    const width = document.documentElement.clientWidth;
+    const found = [];
+    const page = document.scrollingElement;
+    if (page.scrollWidth > width + 1) found.push(`the page is ${page.scrollWidth}px wide on a ${width}px screen`);
+    const scrollsItself = (e) => {
+        for (let p = e; p && p !== document.body; p = p.parentElement) {
+            const o = getComputedStyle(p).overflowX;
+            if (o === "auto" || o === "scroll") return true;
+        }
+        return false;
+    };
+    const article = document.querySelector("article.bd-article") || document.body;
+    const text = "p, li, dt, dd, h1, h2, h3, h4, h5, h6, blockquote, figcaption, caption, .admonition-title";
+    for (const e of article.querySelectorAll(text)) {
+        const box = e.getBoundingClientRect();
+        if ((box.width === 0 && box.height === 0) || scrollsItself(e)) continue;
+        const over = Math.max(box.right - width, e.scrollWidth - e.clientWidth);
+        if (over > 1) found.push(`${e.tagName.toLowerCase()} sticks out by ${Math.round(over)}px: ` +
+                                 JSON.stringify(e.textContent.trim().slice(0, 70)));
+    }
+    return found;
+}"""
+
+HAS_MATH = "() => document.querySelector('.math') !== null"
+# Console errors of the theme's own versions (pinned by Jupyter Book 1), harmless to readers, each matched exactly.
+KNOWN_CONSOLE_ERRORS = {
+    # Sphinx 7.4 writes sphinx-thebe's configuration script twice (an asset registered with filename None is not
+    # recognised as already there when the page's assets are collected again); the first copy defines everything.
+    "uncaught: Identifier 'THEBE_JS_URL' has already been declared":
+        "Sphinx 7.4 adds sphinx-thebe's configuration script twice",
+    # pydata-sphinx-theme 0.17 on a reader's first visit (nothing in localStorage yet): no default mode is set.
+    "console.error: Got invalid theme mode: . Resetting to auto.":
+        "pydata-sphinx-theme 0.17 on a first visit",
+}
+
+
+@pytest.fixture(scope="session")
+def phone_visits(server: str, built: Path) -> dict[str, Visit]:
+    """Every page of the site opened once in Chromium at a phone's width, all scripts run (MathJax too)."""
+    from playwright.sync_api import sync_playwright
+
+    visits: dict[str, Visit] = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(viewport=PHONE, is_mobile=True, has_touch=True)
+            page = context.new_page()
+            page.set_default_timeout(60_000)
+            console: list[str] = []
+            page.on("console", lambda m: console.append(f"console.{m.type}: {m.text}")
+                    if m.type == "error" and not _favicon(m.location.get("url", "")) else None)
+            page.on("pageerror", lambda error: console.append(f"uncaught: {error}"))
+            page.on("requestfailed", lambda r: console.append(f"request failed: {r.url} ({r.failure})"))
+            page.on("response", lambda r: console.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None)
+            for path in [p.relative_to(built).as_posix() for p in _site_pages(built) if not _redirect(p)]:
+                console.clear()
+                page.goto(f"{server}/{path}", wait_until="load")
+                if page.evaluate(HAS_MATH):
+                    page.wait_for_function(MATHJAX_READY)
+                    page.evaluate("MathJax.startup.promise")
+                visits[path] = Visit(list(console), page.evaluate(OVERFLOW))
+        finally:
+            browser.close()
+    return visits
+
+
+def _favicon(url: str) -> bool:
+    """The icon that a browser asks the server's root for by itself: not a file of the site (on GitHub Pages
+    that root is not even the site's)."""
+    return urlsplit(url).path == "/favicon.ico"
+
+
+def _redirect(page: Path) -> bool:
+    """Whether the page only sends the browser elsewhere (the site's index.html does)."""
+    return '<meta http-equiv="Refresh"' in page.read_text(encoding="utf-8")[:2000]
+
+
+@pytest.mark.browser
+def test_no_page_logs_a_console_error(phone_visits: dict[str, Visit]) -> None:
+    assert len(phone_visits) >= len(PAGES)
+    errors = [f"{path}: {line}" for path, visit in phone_visits.items() for line in visit.console
+              if line not in KNOWN_CONSOLE_ERRORS]
+    assert not errors, "\n".join(errors[:40])
+
+
+@pytest.mark.browser
+def test_every_page_reads_on_a_phone_without_scrolling_sideways(phone_visits: dict[str, Visit]) -> None:
+    wide = [f"{path}: {line}" for path, visit in phone_visits.items() for line in visit.overflow[:5]]
+    assert not wide, f"at {PHONE['width']}px wide:\n" + "\n".join(wide[:40])
+
+
+# Sphinx's search page writes its summary ("Search finished, found ...") once the results are listed.
+SEARCH_DONE = """() => {
+    const summary = document.querySelector("#search-results .search-summary");
+    return summary !== null && summary.textContent.trim().length > 0;
+}"""
+
+
+def _search_term(title: str) -> str:
+    """The longest word of a page's title: what a reader who remembers the page would type."""
+    words = re.findall(r"[A-Za-z][a-z]{2,}", title)
+    return max(words, key=len).lower() if words else ""
+
+
+@pytest.mark.browser
+def test_the_search_page_finds_every_page_of_the_book(server: str, built: Path) -> None:
+    """Through the site's own search page (Sphinx's searchindex.js, run in Chromium): a word of each page's
+    title finds that page."""
+    from playwright.sync_api import sync_playwright
+
+    pages = [path for path in PAGES if path.startswith("book/")]
+    terms = {path: _search_term(_html(built / path).title) for path in pages}
+    assert all(terms.values()), f"pages without a word in their title to search for: {terms}"
+    not_found = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            for path, term in terms.items():
+                page.goto(f"{server}/search.html?q={quote(term)}", wait_until="load")
+                page.wait_for_function(SEARCH_DONE)
+                found = [urlsplit(href).path for href in page.locator("#search-results ul.search li > a")
+                         .evaluate_all("links => links.map((a) => a.getAttribute('href'))")]
+                if path not in found:
+                    summary = page.locator("#search-results .search-summary").inner_text()
+                    not_found.append(f"{term!r} (from {path}'s title) finds {found[:8] or summary}")
+        finally:
+            browser.close()
+    assert not not_found, "\n".join(not_found)
+
+
+LAUNCHER = re.compile(r"https://(mybinder\.org|colab\.research\.google\.com)/")
+
+
+def _repository() -> tuple[str, str]:
+    """(owner/name, branch) of the repository in _config.yml, which the launch buttons name."""
+    config = yaml.safe_load((REPO / "_config.yml").read_text())["repository"]
+    return urlsplit(config["url"]).path.strip("/"), config.get("branch", "main")
+
+
+@pytest.mark.browser
+def test_exercise_pages_download_and_launch_the_exercise_notebook(server: str, built: Path) -> None:
+    """On each exercise page the download button serves the student notebook with its nbgrader metadata (never a
+    solution), and the launch buttons open that notebook (exercises/, never solutions/) in Binder and Colab, from
+    the repository of _config.yml."""
+    from playwright.sync_api import sync_playwright
+
+    repository, branch = _repository()
+    exercises = [path for path in PAGES if path.startswith("exercises/")]
+    assert exercises
+    problems = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.set_default_timeout(60_000)
+            for path in exercises:
+                notebook = Path(path).with_suffix(".ipynb").as_posix()
+                page.goto(f"{server}/{path}", wait_until="load")
+                problems += _download_problems(page, path, notebook)
+                problems += _launch_problems(page, path, notebook, repository, branch)
+        finally:
+            browser.close()
+    # No page at all (a chapter's launch buttons open its Markdown source) opens a solution.
+    problems += [f"{page.relative_to(built).as_posix()}: {href}" for page in _site_pages(built)
+                 for href in _html(page).links if LAUNCHER.match(href) and "solutions/" in href]
+    assert not problems, "\n".join(problems)
+
+
+def _download_problems(page: Any, path: str, notebook: str) -> list[str]:
+    """The page's download menu, opened as a reader opens it, offers one .ipynb: the exercise notebook."""
+    page.locator(".dropdown-download-buttons > button").click()
+    link = page.locator(".dropdown-download-buttons a", has_text=".ipynb")
+    if link.count() != 1 or not link.is_visible():
+        return [f"{path}: the download menu shows no .ipynb"]
+    response = page.request.get(link.evaluate("(a) => a.href"))
+    page.keyboard.press("Escape")
+    if not response.ok:
+        return [f"{path}: the .ipynb download answers HTTP {response.status}"]
+    text = response.text()
+    problems = [f"{path}: the downloaded notebook holds {marker!r}" for marker in LEAKS if marker in text]
+    served = json.loads(text)
+    graded = [c for c in served["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("grade_id")]
+    if not graded or served.get("metadata", {}).get("kernelspec") is None:
+        problems.append(f"{path}: the downloaded notebook has no nbgrader metadata or no kernel")
+    if served != json.loads((REPO / notebook).read_text(encoding="utf-8")):
+        problems.append(f"{path}: the download is not {notebook}")
+    return problems
+
+
+def _launch_problems(page: Any, path: str, notebook: str, repository: str, branch: str) -> list[str]:
+    page.locator(".dropdown-launch-buttons > button").click()
+    links = page.locator(".dropdown-launch-buttons a").evaluate_all("links => links.map((a) => a.href)")
+    page.keyboard.press("Escape")
+    problems = [f"{path}: a launch button opens solutions: {href}" for href in links if "solutions/" in href]
+    wanted = {
+        "Binder": f"https://mybinder.org/v2/gh/{repository}/{branch}?urlpath=lab/tree/{notebook}",
+        "Colab": f"https://colab.research.google.com/github/{repository}/blob/{branch}/{notebook}",
+    }
+    problems += [f"{path}: no {name} button for {url} (buttons: {links})"
+                 for name, url in wanted.items() if url not in links]
+    return problems

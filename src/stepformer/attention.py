@@ -63,8 +63,6 @@ def mean_attention_entropy(
     With ``scale=False`` the scores are divided by 1 instead of sqrt(d_k). The mean runs over
     ``samples`` independent draws of ``q_len`` queries and ``k_len`` keys.
     """
-    if d_k < 1:
-        raise ValueError(f"d_k must be a positive integer, got {d_k}")
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(samples, q_len, d_k, generator=generator, dtype=torch.float64)
     k = torch.randn(samples, k_len, d_k, generator=generator, dtype=torch.float64)

@@ -221,7 +221,8 @@ def encoder_layer_from_torch(layer: nn.TransformerEncoderLayer) -> EncoderLayer:
     """An :class:`EncoderLayer` with the weights of a ``torch.nn.TransformerEncoderLayer`` (batch_first or not).
 
     PyTorch packs the three input projections of its attention into one ``in_proj_weight``
-    (chapter 03's ``from_torch`` unpacks it); every other weight has our name already.
+    (chapter 03's ``from_torch`` unpacks it); its ``linear1`` and ``linear2`` are our
+    ``ffn.linear1`` and ``ffn.linear2``; the norms keep their names.
     """
     return layer_from_torch(layer, EncoderLayer, {"self_attn": "self_attn"})
 

@@ -308,8 +308,10 @@ def logits_that_change(
 
 
 def decoder_layer_from_torch(layer: nn.TransformerDecoderLayer) -> DecoderLayer:
-    """A :class:`DecoderLayer` with the weights of a ``torch.nn.TransformerDecoderLayer``: its
-    ``multihead_attn`` is our ``cross_attn``; every other weight has our name already."""
+    """A :class:`DecoderLayer` with the weights of a ``torch.nn.TransformerDecoderLayer``.
+
+    Its ``multihead_attn`` is our ``cross_attn``, its ``linear1`` and ``linear2`` are our
+    ``ffn.linear1`` and ``ffn.linear2``; ``self_attn`` and the norms keep their names."""
     return layer_from_torch(layer, DecoderLayer, {"self_attn": "self_attn", "cross_attn": "multihead_attn"})
 
 

@@ -29,10 +29,13 @@ from pathlib import Path
 import nbformat
 
 from stepformer.course.paths import assignments
+from stepformer.course.sync import GIT_INSTALL, course_install
 
 DIST_NAME = "stepformer-checks"
-# The open edition's set-up cell installs the whole course from its repository.
-COURSE_INSTALL = '"git+https://github.com/stepformer/transformers-step-by-step"'
+# The open edition's set-up cell installs the whole course from its repository, whose address has one
+# place, _config.yml's repository.url (`stepformer-course sync` fills the notebooks from it). COURSE_INSTALL,
+# read from this checkout's _config.yml when first used, is that argument as the cell quotes it.
+QUOTED_INSTALL = re.compile(f'"{GIT_INSTALL.pattern}"')
 # What the checks and the notebooks import; the translator's own packages serve the full library only.
 STUDENT_DEPENDENCIES = ("torch", "einops", "jaxtyping", "beartype", "matplotlib", "numpy", "tqdm")
 CLASS_NOTE = (
@@ -100,11 +103,11 @@ def class_notebook(nb: nbformat.NotebookNode, answers: dict[str, Answer], packag
             cell.outputs, cell.execution_count = [], None
         elif grade_id == "given-intro" and cell.cell_type == "markdown":
             cell.source = CLASS_NOTE + cell.source.replace(" (this is the course's solution; run the cell)", "")
-        elif grade_id == "setup" and COURSE_INSTALL in cell.source:
+        elif grade_id == "setup" and (install := QUOTED_INSTALL.search(cell.source)):
             cell.source = cell.source.replace(
                 "this installs the course's\n# checks",
                 "this installs the course's\n# checks (the class edition's package: the checks without the answers)",
-            ).replace(COURSE_INSTALL, json.dumps(package))
+            ).replace(install.group(), json.dumps(package))
     return nb
 
 
@@ -191,3 +194,9 @@ def write_class_course(root: Path, out: Path, package_url: str | None = None, na
             shutil.rmtree(release_folder / assignment)
     release(root, release_folder, names or known, source=source)
     return source, wheel
+
+
+def __getattr__(name: str) -> str:
+    if name == "COURSE_INSTALL":  # the checkout holding this module: src/stepformer/course/ -> the repository
+        return json.dumps(course_install(Path(__file__).resolve().parents[3]))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,11 +8,16 @@ replaces with a stub in the release. A class's solution is everything after its 
 A locked cell with ``metadata.stepformer = {"library": ..., "given": true}`` holds the whole
 source of an earlier chapter's piece, so a notebook can use it without importing the library
 (which the own-work rule forbids inside graded code).
+
+The course's repository address has one place, ``repository.url`` in ``_config.yml`` (where the
+site's launch buttons read it): every ``git+<address>`` that a solution notebook's code gives to
+pip (the set-up cell's install, on Colab) is filled from it too.
 """
 
 import ast
 import importlib
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +27,28 @@ import nbformat
 from stepformer.checks.given import given_source
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+# A pip install from a git repository, as the notebooks' code spells it: the course's own package.
+GIT_INSTALL = re.compile(r"git\+https?://[^\s\"']+")
+CONFIG_URL = "_config.yml's repository.url"
+
+
+def repository_url(root: Path) -> str:
+    """The course's repository address: ``repository.url`` in ``root/_config.yml``, the one place it is written."""
+    import yaml  # installed with Jupyter Book (the course's tools), not with the library
+
+    path = root / "_config.yml"
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: the course's repository address (repository.url) is read from it")
+    config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    url = (config.get("repository") or {}).get("url")
+    if not isinstance(url, str) or not re.fullmatch(r"https?://\S+", url.strip()):
+        raise ValueError(f"{path}: repository.url must be the repository's web address, got {url!r}")
+    return url.strip().rstrip("/")
+
+
+def course_install(root: Path) -> str:
+    """What the set-up cells give pip to install the whole course: ``git+`` and the repository's address."""
+    return f"git+{repository_url(root)}"
 
 
 def solution_source(qualified_name: str) -> str:
@@ -73,16 +100,22 @@ class Stale:
 
 
 def sync(root: Path, check: bool = False, names: list[str] | None = None) -> list[Stale]:
-    """Rewrite every library-backed solution cell under ``root/solutions`` (of the assignments ``names``, or all).
+    """Rewrite every library-backed solution cell under ``root/solutions`` (of the assignments ``names``, or all),
+    and every course install (``git+<address>``) in their code cells from ``_config.yml``'s ``repository.url``.
 
     With ``check=True`` nothing is written; the stale cells are returned.
     """
     stale: list[Stale] = []
+    install = course_install(root)
     paths = sorted((root / "solutions").glob("*/*.ipynb"))
     for path in [p for p in paths if names is None or p.parent.name in names]:
         nb = nbformat.read(path, as_version=4)
         changed = False
         for cell in nb.cells:
+            if cell.cell_type == "code" and (wanted := GIT_INSTALL.sub(install, cell.source)) != cell.source:
+                stale.append(Stale(path.relative_to(root), cell.get("id", "?"), CONFIG_URL))
+                cell.source = wanted
+                changed = True
             library = cell.metadata.get("stepformer", {}).get("library")
             if not library:
                 continue

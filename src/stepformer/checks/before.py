@@ -1,0 +1,626 @@
+"""Checks for chapter 00: embeddings as one-hot × matrix, n-gram counts and probabilities, additive
+(Bahdanau) attention, and how peaked attention gets as d_k grows.
+
+The oracles: ``torch.nn.functional.embedding`` and ``F.one_hot(tokens) @ weight`` for embeddings;
+``collections.Counter`` over ``zip`` for n-gram counts; for n-gram probabilities and additive attention,
+whose definitions PyTorch has no function for, the formulas written out here in another way (loops, float64),
+with their defining properties (probabilities sum to 1 over the vocabulary; weights sum to 1 over the
+unmasked keys, masked keys get exactly 0, a fully masked row gives zeros).
+"""
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from stepformer.checks._core import (
+    CheckFailure,
+    _plain,
+    call,
+    check,
+    close,
+    describe,
+    difference,
+    expect_tensor,
+    kind,
+    one_thread,
+    passed,
+)
+
+# What exercise 1 asks students to write themselves: the one-hot product, not the lookup.
+BUILT_IN_EMBEDDING = {
+    "torch.nn.functional.embedding": "PyTorch's embedding lookup",
+    "torch.nn.Embedding": "PyTorch's embedding",
+    "torch.embedding": "PyTorch's embedding lookup",
+}
+ATTENTION_AXES = ("batch", "q_len", "k_len", "d_q", "d_k", "d_v", "d_attn")
+
+
+def _named(sizes: dict[str, Any]) -> str:
+    return ", ".join(f"{a}={n}" for a, n in sizes.items())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- exercise 1: one_hot_embed --------------------------------------------------------------
+
+def _embedding_inputs(seed: int, dtype: torch.dtype) -> tuple[dict[str, int], Tensor, Tensor]:
+    """Token ids (batch, seq) over a vocabulary of ``vocab`` words, and a (vocab, d_model) weight."""
+    g = torch.Generator().manual_seed(seed)
+    if seed == 0:
+        s = {"batch": 2, "seq": 5, "vocab": 11, "d_model": 3}
+    else:
+        picks = (torch.randperm(9, generator=g)[:3] + 2).tolist()
+        s = {"batch": picks[0], "seq": picks[1] + 3, "vocab": 12 + seed % 5, "d_model": picks[2]}
+    tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)
+    weight = torch.randn(s["vocab"], s["d_model"], generator=g, dtype=dtype)
+    return s, tokens, weight
+
+
+def _embed(fn: Callable[..., Any], tokens: Tensor, weight: Tensor, what: str) -> Tensor:
+    """Call ``fn``, name the usual causes of a crash, and check the result's type, shape and dtype."""
+    sizes = {**dict(zip(("batch", "seq")[2 - tokens.dim():], tokens.shape, strict=True)),
+             "vocab": weight.shape[0], "d_model": weight.shape[1]}
+    try:
+        result = call(fn, tokens, weight)
+    except CheckFailure as failure:
+        text = str(failure)
+        if ") raised " not in text:
+            raise
+        if "Long" in text:
+            hint = ("F.one_hot gives int64 (Long) entries, and a product needs both factors in one floating dtype: "
+                    "convert the one-hot matrix with .to(weight.dtype).")
+        elif "Double" in text or "dtype" in text.lower():
+            hint = (f"The weight here is {weight.dtype}, and a product needs both factors in one dtype: .float() makes "
+                    "float32 whatever the weight is; convert the one-hot matrix with .to(weight.dtype).")
+        elif int(tokens.max()) < weight.shape[0] - 1:
+            hint = (f"Here the largest id in tokens is {int(tokens.max())}, below vocab - 1 = {weight.shape[0] - 1}: "
+                    "F.one_hot(tokens) without num_classes makes vectors of width max(tokens) + 1, not vocab. Pass "
+                    "num_classes=weight.shape[0]: a batch need not hold every word of the vocabulary.")
+        elif tokens.dim() < 2:
+            hint = ("The leading axes are *batch, any number of them, none included: write the einsum pattern with "
+                    "'...' (\"... seq vocab, vocab d_model -> ... seq d_model\").")
+        else:
+            hint = ("weight is (vocab, d_model), the layout of nn.Embedding.weight: contract the one-hot's vocab axis "
+                    "with it.")
+        raise CheckFailure(f"{what} ({_named(sizes)}): {text} {hint}") from None
+    axes = " ".join([*("batch", "seq")[2 - tokens.dim():], "d_model"])
+    if type(result) is Tensor and result.dtype != weight.dtype and result.dtype.is_floating_point:
+        raise CheckFailure(
+            f"{what} ({_named(sizes)}): your embedding has dtype {result.dtype}, the weight {weight.dtype}. .float() "
+            "makes float32 whatever the weight is: convert the one-hot matrix with .to(weight.dtype)."
+        )
+    return expect_tensor(result, "the embedding", (*tokens.shape, weight.shape[1]), axes, weight.dtype)
+
+
+def _compare_embedding(got: Tensor, tokens: Tensor, weight: Tensor, what: str) -> None:
+    expected = F.embedding(tokens, weight)
+    product = (F.one_hot(tokens, weight.shape[0]).double() @ weight.double()).to(weight.dtype)
+    if close(got, expected, weight.dtype) and close(got, product, weight.dtype):
+        return
+    sizes = {**dict(zip(("batch", "seq")[2 - tokens.dim():], tokens.shape, strict=True)),
+             "vocab": weight.shape[0], "d_model": weight.shape[1]}
+    found = difference(got, expected, sizes)
+    hint = ("Position i should hold row tokens[i] of weight, which is what one_hot(tokens) @ weight gives: check that "
+            "you contract the vocab axis of the one-hot vectors with the vocab axis of weight.")
+    raise CheckFailure(f"{what}, your embedding differs from nn.Embedding's with the same weight ({found}). {hint}")
+
+
+def _leading_cases(tokens: Tensor) -> list[tuple[str, Tensor]]:
+    return [("On tokens (batch, seq)", tokens), ("On one sentence, tokens (batch=1, seq)", tokens[:1]),
+            ("On tokens (seq,) without a batch axis", tokens[0])]
+
+
+@check(forbid=BUILT_IN_EMBEDDING)
+def check_one_hot_embed(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Equal to nn.Embedding with the same weight (and to F.one_hot(tokens) @ weight), in float32 and float64,
+    for tokens with any leading axes, batch=1 included; the result has the weight's dtype."""
+    for dt in dict.fromkeys((dtype, torch.float64, torch.float32)):
+        _, tokens, weight = _embedding_inputs(seed, dt)
+        tokens[..., 0] = weight.shape[0] - 1  # every batch holds the largest id; see check_one_hot_vocab
+        for what, toks in _leading_cases(tokens):
+            got = _embed(fn, toks, weight, f"{what}, {_dtype_name(dt)}")
+            _compare_embedding(got, toks, weight, f"{what}, {_dtype_name(dt)}")
+    passed("equal to nn.Embedding (and to one_hot @ weight) in float32 and float64, with (batch, seq), batch=1 "
+           "and (seq,) tokens")
+
+
+@check(forbid=BUILT_IN_EMBEDDING)
+def check_one_hot_vocab(fn: Callable[..., Any], seed: int = 0) -> None:
+    """Batches that do not use every word: ids well below vocab - 1, a sentence of one repeated word."""
+    for dtype in (torch.float64, torch.float32):
+        s, tokens, weight = _embedding_inputs(seed + 1, dtype)
+        rare = tokens % max(2, s["vocab"] // 3)  # ids from the first third of the vocabulary only
+        cases = [("On a batch that uses only the first ids of the vocabulary", rare),
+                 ("On a batch of one sentence, one word repeated", torch.full((1, s["seq"]), 1))]
+        for what, toks in cases:
+            got = _embed(fn, toks, weight, f"{what}, {_dtype_name(dtype)}")
+            _compare_embedding(got, toks, weight, f"{what}, {_dtype_name(dtype)}")
+    passed("right on batches that leave most of the vocabulary out (one-hot vectors of width vocab)")
+
+
+# -- exercises 2 and 3: n-grams ----------------------------------------------------------------------
+
+WORDS = ("the", "cat", "dog", "sat", "on", "mat", "a", "ran")
+
+
+def _text(seed: int, length: int) -> list[str]:
+    """A seeded text over a few words, with repeats, so that n-grams recur and some never occur."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = WORDS[: 5 + seed % 3]
+    # Skewed towards the first words: some n-grams recur often, others once.
+    probs = torch.tensor([1.0 / (i + 1) for i in range(len(vocab))])
+    ids = torch.multinomial(probs, length, replacement=True, generator=g).tolist()
+    return [vocab[i] for i in ids]
+
+
+def _counts_oracle(tokens: list[str], n: int) -> Counter:
+    return Counter(zip(*(tokens[i:] for i in range(n)), strict=False))
+
+
+def _items(counts: Any) -> list[tuple[Any, Any]]:
+    """A mapping's (key, count) pairs as plain data, so that they can be recorded and replayed."""
+    return [(key if _plain(key) else f"<{type(key).__name__}> {key!r}", value if _plain(value) else repr(value))
+            for key, value in counts.items()]
+
+
+def _show_gram(gram: Any) -> str:
+    return repr(gram) if not isinstance(gram, tuple) else "(" + ", ".join(map(repr, gram)) + ("," if len(gram) == 1
+                                                                                             else "") + ")"
+
+
+@check
+def check_ngram_counts(fn: Callable[..., Any], seed: int = 0) -> None:
+    """Equal to collections.Counter over the n-grams (tuples of n consecutive tokens), for n = 1, 2, 3, 5, for
+    n = len(tokens) (one n-gram) and n > len(tokens) (none)."""
+    tokens = _text(seed, 23 + seed % 7)
+    for n in (1, 2, 3, 5, len(tokens), len(tokens) + 1):
+        result = call(fn, list(tokens), n)
+        if kind(result) not in ("Counter", "dict", "defaultdict"):
+            raise CheckFailure(f"ngram_counts should return a Counter (n-gram -> count), got {kind(result)}. "
+                               "collections.Counter(iterable of n-grams) counts them for you.")
+        got = dict(call(_items, result))
+        expected = _counts_oracle(tokens, n)
+        where = f"on a text of {len(tokens)} tokens with n={n}"
+        bad_keys = [key for key in got if not (isinstance(key, tuple) and all(isinstance(w, str) for w in key))]
+        if bad_keys:
+            raise CheckFailure(f"The keys of your counts should be tuples of n tokens, like "
+                               f"{_show_gram(tuple(tokens[:n]))}, got {bad_keys[0]!r} ({where}). A tuple, unlike a "
+                               "joined string, keeps the words apart, and unlike a list it can be a key.")
+        odd = [v for v in got.values() if type(v) is not int]
+        if odd:
+            raise CheckFailure(f"Each count should be an int, got {odd[0]!r} ({where}).")
+        if got == dict(expected):
+            continue
+        total, expected_total = sum(got.values()), sum(expected.values())
+        short = [key for key in got if len(key) != n]
+        last = tuple(tokens[len(tokens) - n:]) if 0 < n <= len(tokens) else None
+        if short:
+            hint = (f"Your counts hold {_show_gram(short[0])}, shorter than n: the windows that run past the end of "
+                    f"the text are not n-grams. A text of T tokens has T - n + 1 n-grams.")
+        elif last is not None and total == expected_total - 1 and got.get(last, 0) == expected[last] - 1:
+            hint = (f"Off by one: your counts miss the last n-gram, {_show_gram(last)}. A text of T tokens has "
+                    "T - n + 1 n-grams, so the positions run over range(len(tokens) - n + 1).")
+        elif total == expected_total:
+            hint = "You count the right number of n-grams, but not the right ones: n-gram i is tokens[i : i + n]."
+        else:
+            hint = "A text of T tokens has T - n + 1 n-grams: n-gram i is tuple(tokens[i : i + n])."
+        wrong = sorted({*got, *expected} - {k for k in expected if got.get(k) == expected[k]}, key=str)
+        gram = wrong[0]
+        raise CheckFailure(f"Your counts differ from collections.Counter's {where}: {total} n-grams counted instead "
+                           f"of {expected_total}, and {_show_gram(gram)} counted {got.get(gram, 0)} times instead of "
+                           f"{expected.get(gram, 0)}. {hint}")
+    passed("equal to collections.Counter over the n-grams, n = 1, 2, 3, 5, len(tokens) and beyond")
+
+
+def _probability_oracle(word: str, history: list[str], counts: Counter, contexts: Counter, n: int, vocab_size: int,
+                        alpha: float, *, context_of: Callable[[list[str], int], tuple] | None = None,
+                        top: float = 1.0, bottom: float | None = None) -> float:
+    """(C(context, word) + alpha) / (C(context) + alpha · vocab_size), and the mistaken variants: another context
+    (``context_of``), alpha counted ``top`` times above, and ``bottom`` · alpha below instead of vocab_size."""
+    context = context_of(history, n) if context_of else (tuple(history[len(history) - n + 1:]) if n > 1 else ())
+    below = contexts[context] + alpha * (vocab_size if bottom is None else bottom)
+    if not below:  # only without smoothing: a context never seen, which such code answers with 1 / vocab_size
+        return 1 / vocab_size
+    return (counts[(*context, word)] + top * alpha) / below
+
+
+def _probability_variants() -> dict[str, dict[str, Any]]:
+    """The common mistakes, each as arguments of the oracle."""
+    return {
+        "Your probabilities are not smoothed: an n-gram never seen in training gets 0, so any text that holds one "
+        "gets probability 0. Add alpha to the n-gram's count and alpha · vocab_size to the context's count.":
+            {"top": 0.0, "bottom": 0.0},
+        "You added alpha to the n-gram's count but not alpha · vocab_size to the context's: every word gets alpha "
+        "more, so the probabilities over the vocabulary no longer sum to 1.": {"bottom": 0.0},
+        "You added alpha to the context's count once, not once per word of the vocabulary: the denominator is "
+        "C(context) + alpha · vocab_size.": {"bottom": 1.0},
+        "For n = 1 your context is the whole history: history[-(n - 1):] is history[-0:] = history[0:], all of it. "
+        "A unigram has no context, the empty tuple ().": {"context_of": lambda h, n: tuple(h[-(n - 1):])},
+        "Off by one: your context is the last n tokens of the history; it is the last n - 1 (an n-gram is the "
+        "context and the word).": {"context_of": lambda h, n: tuple(h[len(h) - n:])},
+        "Your context is the first n - 1 tokens of the history; it is the last n - 1, the words just before the "
+        "one predicted.": {"context_of": lambda h, n: tuple(h[: n - 1])},
+        "Your context is one token short, the last n - 2 tokens of the history: it is the last n - 1.":
+            {"context_of": lambda h, n: tuple(h[len(h) - n + 2:]) if n > 2 else ()},
+    }
+
+
+@check
+def check_ngram_probability(fn: Callable[..., Any], seed: int = 0) -> None:
+    """Equal to (C(context, word) + alpha) / (C(context) + alpha · vocab_size) with the context the last n - 1 tokens,
+    for n = 1, 2, 3 and two alphas, on seen and unseen n-grams and contexts; sums to 1 over the vocabulary."""
+    tokens = _text(seed + 100, 60)
+    vocab = sorted(set(tokens)) + ["unseen"]  # one word of the vocabulary never occurs in training
+    vocab_size = len(vocab)
+    g = torch.Generator().manual_seed(seed + 7)
+    for n in (2, 1, 3):
+        counts = _counts_oracle(tokens, n)
+        contexts: Counter = Counter()
+        for gram, count in counts.items():
+            contexts[gram[:-1]] += count
+        for alpha in (1.0, 0.25):
+            seen = tokens[5 : 5 + n]
+            histories = [
+                (["cat", "unseen", *seen[:-1]], seen[-1], "a seen n-gram"),
+                (list(tokens[10 : 10 + n + 2]), "unseen", "a word never seen after its context"),
+                (["unseen"] * max(n - 1, 1), vocab[int(torch.randint(0, vocab_size - 1, (), generator=g))],
+                 "a context never seen in training"),
+                (tuple(tokens[20 : 20 + n - 1]), tokens[20 + n - 1], "a history given as a tuple, exactly n - 1 long"),
+            ]
+            got, expected, cases = [], [], []
+            for history, word, what in histories:
+                args = (word, history, counts, contexts)
+                kwargs = {"n": n, "vocab_size": vocab_size, "alpha": alpha}
+                try:
+                    value = call(fn, *args, **kwargs)
+                except CheckFailure as failure:
+                    text = str(failure)
+                    hint = ""
+                    if "ZeroDivisionError" in text:
+                        hint = (" A context never seen in training has count 0, and so does your denominator: it is "
+                                "C(context) + alpha · vocab_size, never 0 (and the numerator C(context, word) + "
+                                "alpha).")
+                    elif "unhashable" in text or "concatenate" in text:
+                        hint = (" Counter's keys are tuples: make the context a tuple (tuple(history[...])) before "
+                                "you look it up or add the word to it.")
+                    raise CheckFailure(f"For {what} (n={n}, alpha={alpha}, history={list(history)}, word={word!r}): "
+                                       f"{text}{hint}") from None
+                if type(value) is not float:
+                    raise CheckFailure(f"ngram_probability should return a Python float, got {kind(value)} "
+                                       f"(n={n}, history={list(history)}, word={word!r}).")
+                got.append(value)
+                expected.append(_probability_oracle(word, list(history), counts, contexts, n, vocab_size, alpha))
+                cases.append((what, history, word))
+            if all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(got, expected, strict=True)):
+                continue
+            i = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True))
+                     if not math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12))
+            what, history, word = cases[i]
+            hint = next((h for h, variant in _probability_variants().items()
+                         if all(math.isclose(a, _probability_oracle(w, list(hh), counts, contexts, n, vocab_size,
+                                                                    alpha, **variant), rel_tol=1e-9, abs_tol=1e-12)
+                                for a, (_, hh, w) in zip(got, cases, strict=True))),
+                        "Compare with (C(context, word) + alpha) / (C(context) + alpha · vocab_size), the context "
+                        "being the last n - 1 tokens of the history as a tuple.")
+            raise CheckFailure(
+                f"For {what} (n={n}, alpha={alpha}, vocab_size={vocab_size}, history={list(history)}, word={word!r}) "
+                f"you give {got[i]:.6g}; the add-alpha estimate is {expected[i]:.6g} (largest difference "
+                f"{max(abs(a - b) for a, b in zip(got, expected, strict=True)):.3g} over {len(got)} cases). {hint}"
+            )
+        history = tokens[30 : 30 + 4]
+        total = sum(call(fn, word, list(history), counts, contexts, n=n, vocab_size=vocab_size, alpha=0.5)
+                    for word in vocab)
+        if not math.isclose(total, 1.0, rel_tol=1e-9):
+            raise CheckFailure(f"Your probabilities of the {vocab_size} words after history={history} (n={n}, "
+                               f"alpha=0.5) sum to {total:.6g}, not 1.")
+        value = call(fn, tokens[40], list(history), counts, contexts, n=n, vocab_size=vocab_size)
+        expected_value = _probability_oracle(tokens[40], list(history), counts, contexts, n, vocab_size, 1.0)
+        if not (type(value) is float and math.isclose(value, expected_value, rel_tol=1e-9)):
+            raise CheckFailure(f"Called without alpha (n={n}, history={history}, word={tokens[40]!r}), your function "
+                               f"gives {value!r}; alpha defaults to 1 (Laplace's rule), which gives "
+                               f"{expected_value:.6g}.")
+    passed("equal to the add-alpha estimate for n = 1, 2, 3 on seen and unseen n-grams and contexts; sums to 1 over "
+           "the vocabulary")
+
+
+# -- exercise 4: additive attention -----------------------------------------------------------
+
+def _attention_sizes(seed: int) -> dict[str, int]:
+    """Pairwise-distinct sizes, so that a swapped axis or weight changes a shape and cannot pass."""
+    if seed == 0:
+        return dict(zip(ATTENTION_AXES, (2, 3, 5, 4, 6, 7, 8), strict=True))
+    picks = torch.randperm(9, generator=torch.Generator().manual_seed(seed))[: len(ATTENTION_AXES)] + 2
+    return dict(zip(ATTENTION_AXES, picks.tolist(), strict=True))
+
+
+def _attention_inputs(seed: int, dtype: torch.dtype) -> tuple[dict[str, int], tuple[Tensor, ...]]:
+    s = _attention_sizes(seed)
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, std: float = 1.0) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=dtype) * std
+
+    q, k, v = randn(s["batch"], s["q_len"], s["d_q"]), randn(s["batch"], s["k_len"], s["d_k"]), randn(
+        s["batch"], s["k_len"], s["d_v"])
+    # Weights of about nn.Linear's size, and a v_a large enough that the scores differ clearly between keys.
+    w_q, w_k = randn(s["d_attn"], s["d_q"], std=1 / math.sqrt(s["d_q"])), randn(s["d_attn"], s["d_k"],
+                                                                                 std=1 / math.sqrt(s["d_k"]))
+    v_a = randn(s["d_attn"], std=2.0)
+    return s, (q, k, v, w_q, w_k, v_a)
+
+
+def _additive_oracle(q: Tensor, k: Tensor, v: Tensor, w_q: Tensor, w_k: Tensor, v_a: Tensor,
+                     mask: Tensor | None = None, *, tanh: bool = True, dim: int = -1, scale: float = 1.0,
+                     v_a_ones: bool = False, mask_style: str = "fill") -> tuple[Tensor, Tensor]:
+    """score_ij = v_aᵀ tanh(W_q q_i + W_k k_j), one key at a time in float64; then the masked softmax over k_len.
+    The keyword arguments give the common mistakes (no tanh, softmax over q_len, a scale, no v_a, masks done
+    otherwise)."""
+    q, k, v, w_q, w_k, v_a = (x.double() for x in (q, k, v, w_q, w_k, v_a))
+    v_a = torch.ones_like(v_a) if v_a_ones else v_a
+    query = F.linear(q, w_q)  # (..., q_len, d_attn)
+    columns = []
+    for j in range(k.shape[-2]):
+        pre = query + F.linear(k[..., j : j + 1, :], w_k)  # (..., q_len, d_attn): query i with key j
+        columns.append(F.linear(torch.tanh(pre) if tanh else pre, v_a[None])[..., 0])
+    scores = torch.stack(columns, dim=-1) * scale  # (..., q_len, k_len)
+    if mask is None:
+        weights = torch.softmax(scores, dim=dim)
+    else:
+        mask = mask.expand_as(scores)
+        if mask_style == "fill":
+            weights = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=dim).nan_to_num(0.0)
+        elif mask_style == "inverted":
+            weights = torch.softmax(scores.masked_fill(mask, -math.inf), dim=dim).nan_to_num(0.0)
+        elif mask_style == "after":
+            weights = torch.softmax(scores, dim=dim) * mask
+        elif mask_style == "zero":
+            weights = torch.softmax(scores.masked_fill(~mask, 0.0), dim=dim)
+        else:  # "add": the mask added to the scores as numbers
+            weights = torch.softmax(scores + mask.double(), dim=dim)
+    return weights @ v, weights
+
+
+def _attention_variants(mask: Tensor | None, d_attn: int) -> dict[str, dict[str, Any]]:
+    variants: dict[str, dict[str, Any]] = {
+        "tanh is missing: without it the score is v_aᵀ W_q q_i + v_aᵀ W_k k_j, and the query's term is the same for "
+        "every key, so it cancels in the softmax: every query gets the same weights. Score with "
+        "v_aᵀ tanh(W_q q_i + W_k k_j).": {"tanh": False},
+        "You took the softmax over the query axis: take it over k_len (dim=-1), so that each query's weights over "
+        "the keys sum to 1.": {"dim": -2},
+        "You scaled the scores by 1/sqrt(d_attn): additive attention has no scaling, its tanh keeps the scores "
+        "bounded.": {"scale": 1 / math.sqrt(d_attn)},
+        "You left v_a out (summing tanh(...) over d_attn is v_a = 1): the score is the dot product of v_a with "
+        "tanh(W_q q_i + W_k k_j).": {"v_a_ones": True},
+    }
+    if mask is not None:
+        variants.update({
+            "Your mask is inverted: True means 'may attend', so fill the scores where the mask is False.":
+                {"mask_style": "inverted"},
+            "You masked after the softmax: the masked keys get 0 but the others no longer sum to 1. Fill the "
+            "scores with -inf before the softmax.": {"mask_style": "after"},
+            "You filled the masked scores with 0, which is an ordinary score: fill them with -inf.":
+                {"mask_style": "zero"},
+            "You added the mask to the scores as numbers: use it to choose, scores.masked_fill(~mask, -inf).":
+                {"mask_style": "add"},
+        })
+    return variants
+
+
+def _attention_names(q: Tensor, k: Tensor, v: Tensor, w_q: Tensor) -> dict[str, int]:
+    lead = {"batch": q.shape[0]} if q.dim() == 3 else {}
+    return {**lead, "q_len": q.shape[-2], "k_len": k.shape[-2], "d_q": q.shape[-1], "d_k": k.shape[-1],
+            "d_v": v.shape[-1], "d_attn": w_q.shape[0]}
+
+
+def _attend(fn: Callable[..., Any], inputs: tuple[Tensor, ...], mask: Tensor | None,
+            where: str) -> tuple[Tensor, Tensor]:
+    """Call ``fn``; check that it returns (output, weights) of the right types, shapes and dtype."""
+    q, k, v, w_q, w_k, v_a = inputs
+    sizes = _attention_names(q, k, v, w_q)
+    try:
+        result = call(fn, *inputs) if mask is None else call(fn, *inputs, mask)
+    except CheckFailure as failure:
+        if ") raised " not in str(failure):
+            raise
+        hint = ""
+        if q.dim() == 2:
+            hint = (" The leading axes are *batch, any number of them, none included: write einsum patterns with "
+                    "'...' (\"... q_len d_q, d_attn d_q -> ... q_len d_attn\"), never with fixed axis numbers.")
+        elif "shape" in str(failure) or "size" in str(failure):
+            hint = (" w_q is (d_attn, d_q) and w_k is (d_attn, d_k), the layout of nn.Linear.weight: W_q q is "
+                    "einsum(q, w_q, \"... q_len d_q, d_attn d_q -> ... q_len d_attn\"). The query and key terms "
+                    "meet in a (..., q_len, k_len, d_attn) tensor: add axes of size 1 with rearrange.")
+        raise CheckFailure(f"{where} (sizes {_named(sizes)}): {failure}{hint}") from None
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise CheckFailure(f"{where} (sizes {_named(sizes)}): additive_attention should return a pair "
+                           f"(output, weights), got {kind(result)}.")
+    lead = [n for n in ("batch",) if n in sizes]
+    output = expect_tensor(result[0], "output", (*q.shape[:-2], q.shape[-2], v.shape[-1]),
+                           " ".join([*lead, "q_len d_v"]), q.dtype)
+    weights = expect_tensor(result[1], "weights", (*q.shape[:-2], q.shape[-2], k.shape[-2]),
+                            " ".join([*lead, "q_len k_len"]), q.dtype)
+    return output, weights
+
+
+def _diagnose_attention(inputs: tuple[Tensor, ...], mask: Tensor | None, output: Tensor, weights: Tensor) -> str:
+    q, k, v, w_q, *_ = inputs
+    dtype = q.dtype
+    expected, _ = _additive_oracle(*inputs, mask)
+    found = difference(output, expected.to(dtype), _attention_names(q, k, v, w_q))
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-9
+    # NaN counts as 0 here: an inverted mask, say, also leaves NaN where it hides every key of a row.
+    for hint, variant in _attention_variants(mask, w_q.shape[0]).items():
+        out, _ = _additive_oracle(*inputs, mask, **variant)
+        if close(output.nan_to_num(0.0), out.nan_to_num(0.0).to(dtype), dtype, tolerance):
+            return f"{hint} (Your output: {found}.)"
+    if torch.isnan(output).any() or torch.isnan(weights).any():
+        return (f"Your result contains NaN ({found}). A query whose keys are all masked must give zeros: the "
+                "softmax of a row of -inf is NaN.")
+    return (f"Your output differs from the definition ({found}) and matches none of the common mistakes. On a small "
+            "example, compare your scores with v_aᵀ tanh(W_q q_i + W_k k_j) for one query i and key j, then their "
+            "softmax over k_len.")
+
+
+def _leading(inputs: tuple[Tensor, ...]) -> list[tuple[str, tuple[Tensor, ...]]]:
+    q, k, v, *weights = inputs
+    return [("With (batch, q_len, d) inputs", inputs), ("With batch=1", (q[:1], k[:1], v[:1], *weights)),
+            ("With 2-D (q_len, d) inputs, no batch axis", (q[0], k[0], v[0], *weights))]
+
+
+@check
+def check_additive_attention_shapes(fn: Callable[..., Any], seed: int = 0) -> None:
+    """output is (*batch, q_len, d_v) and weights (*batch, q_len, k_len), in the inputs' dtype, for a batch axis,
+    batch=1 and no batch axis."""
+    for dtype in (torch.float32, torch.float64):
+        _, inputs = _attention_inputs(seed, dtype)
+        for where, case in _leading(inputs):
+            _attend(fn, case, None, f"{where}, {_dtype_name(dtype)}")
+    passed("shapes and dtypes are right, with a batch axis, batch=1 and no batch axis")
+
+
+@check
+def check_additive_attention_values(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Equal to softmax over k_len of v_aᵀ tanh(W_q q_i + W_k k_j), written out key by key in float64, and its
+    weighted sum of v, without a mask; each row of weights sums to 1."""
+    _, inputs = _attention_inputs(seed, dtype)
+    for where, case in _leading(inputs):
+        sizes = _attention_names(*case[:4])
+        output, weights = _attend(fn, case, None, where)
+        expected_out, expected_w = _additive_oracle(*case)
+        if not close(output, expected_out.to(dtype), dtype):
+            raise CheckFailure(f"{where}, {_dtype_name(dtype)}: {_diagnose_attention(case, None, output, weights)}")
+        if not close(weights, expected_w.to(dtype), dtype):
+            raise CheckFailure(f"{where}, {_dtype_name(dtype)}: your output is right but the weights you return are "
+                               f"not the softmax of the scores ({difference(weights, expected_w.to(dtype), sizes)}): "
+                               "return the weights that you multiplied v by.")
+    passed(f"equal to softmax(v_aᵀ tanh(W_q q + W_k k)) written out key by key, and its weighted sum of v "
+           f"({_dtype_name(dtype)})")
+
+
+@check
+def check_additive_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Masked keys get exactly 0, the others their softmax weight (summing to 1), masks broadcast, and a fully
+    masked row gives zero weights and a zero output, not NaN."""
+    s, inputs = _attention_inputs(seed, dtype)
+    q, k, v, *weights_in = inputs
+    g = torch.Generator().manual_seed(seed + 1)
+    b, q_len, k_len = s["batch"], s["q_len"], s["k_len"]
+    full = torch.rand(b, q_len, k_len, generator=g) < 0.6
+    full[..., 0] = True  # every query keeps a key here; the fully masked row comes last
+    lengths = torch.randint(1, k_len + 1, (b,), generator=g)
+    padding = torch.arange(k_len).expand(b, 1, k_len) < lengths.view(b, 1, 1)  # (batch, 1, k_len)
+    cases = [("a random (batch, q_len, k_len) mask", inputs, full),
+             ("a padding mask (batch, 1, k_len)", inputs, padding),
+             ("a padding mask on batch=1", (q[:1], k[:1], v[:1], *weights_in), padding[:1]),
+             ("a (q_len, k_len) mask on 2-D inputs", (q[0], k[0], v[0], *weights_in), full[0])]
+    for what, case, mask in cases:
+        sizes = _attention_names(*case[:4])
+        output, weights = _attend(fn, case, mask, f"With {what}")
+        expected_out, expected_w = _additive_oracle(*case, mask)
+        if not close(output, expected_out.to(dtype), dtype):
+            raise CheckFailure(f"With {what}, {_dtype_name(dtype)}: {_diagnose_attention(case, mask, output, weights)}")
+        leaked = weights.masked_select(~mask.expand_as(weights))
+        if leaked.numel() and leaked.abs().max() != 0:
+            raise CheckFailure(f"With {what}, masked keys got weight up to {leaked.abs().max().item():.3g} (sizes "
+                               f"{_named(sizes)}); they must get exactly 0: fill their scores with -inf before the "
+                               "softmax.")
+        if not close(weights, expected_w.to(dtype), dtype):
+            raise CheckFailure(f"With {what} your output is right, but the weights you return differ from the masked "
+                               f"softmax ({difference(weights, expected_w.to(dtype), sizes)}): return the weights that "
+                               "you multiplied v by.")
+        sums = weights.sum(-1)
+        if not close(sums, torch.ones_like(sums), dtype):
+            raise CheckFailure(f"With {what}, each query's weights over its unmasked keys should sum to 1 "
+                               f"({difference(sums, torch.ones_like(sums), sizes)}).")
+    blind = full.clone()
+    blind[:, 1, :] = False  # query 1 of every sentence may read no key
+    output, weights = _attend(fn, inputs, blind, "With a mask that hides every key from query 1")
+    row_out, row_w = output[:, 1], weights[:, 1]
+    where = f"query 1 of every sentence, sizes {_named(s)}"
+    if torch.isnan(row_out).any() or torch.isnan(row_w).any():
+        raise CheckFailure(f"A query whose keys are all masked gives NaN (the softmax of a row of -inf), {where}. Give "
+                           "such rows zero weights and a zero output: find them with mask.any(dim=-1, keepdim=True).")
+    if row_out.abs().max() != 0 or row_w.abs().max() != 0:
+        raise CheckFailure(f"A query whose keys are all masked should get zero weights and a zero output ({where}), "
+                           f"got weights {describe(row_w)} with largest {row_w.abs().max().item():.3g} (output: "
+                           f"{difference(row_out, torch.zeros_like(row_out))}).")
+    others = torch.cat([output[:, :1], output[:, 2:]], dim=1)
+    expected_out, _ = _additive_oracle(*inputs, blind)
+    expected_others = torch.cat([expected_out[:, :1], expected_out[:, 2:]], dim=1).to(dtype)
+    if not close(others, expected_others, dtype):
+        raise CheckFailure(f"With a fully masked query 1, the other queries' outputs changed "
+                           f"({difference(others, expected_others, s)}): only that row should be zeroed.")
+    passed(f"masks: masked keys get 0 and the others sum to 1, masks broadcast (batch=1 and 2-D too), a fully masked "
+           f"row gives zeros ({_dtype_name(dtype)})")
+
+
+# -- exercise 5: the measurement ----------------------------------------------------------------
+
+def _reference_top_weight(d_k: int, additive: bool, q_len: int, k_len: int, d_attn: int, g: torch.Generator,
+                          samples: int = 256, scaled: bool = False) -> float:
+    """A fresh sample of the mean largest weight, computed here without the student's code (new weights for each
+    sample, as the exercise asks)."""
+    q = torch.randn(samples, q_len, d_k, generator=g, dtype=torch.float64)
+    k = torch.randn(samples, k_len, d_k, generator=g, dtype=torch.float64)
+    if additive:
+        w_q = torch.randn(samples, d_attn, d_k, generator=g, dtype=torch.float64) / math.sqrt(d_k)
+        w_k = torch.randn(samples, d_attn, d_k, generator=g, dtype=torch.float64) / math.sqrt(d_k)
+        v_a = torch.randn(samples, d_attn, 1, generator=g, dtype=torch.float64) / math.sqrt(d_attn)
+        query, key = q @ w_q.transpose(-2, -1), k @ w_k.transpose(-2, -1)  # (samples, len, d_attn)
+        scores = torch.stack([torch.tanh(query + key[:, j : j + 1]) @ v_a for j in range(k_len)], dim=-2)[..., 0]
+    else:
+        scores = q @ k.transpose(-2, -1) / (math.sqrt(d_k) if scaled else 1.0)
+    return torch.softmax(scores, dim=-1).amax(dim=-1).mean().item()
+
+
+@check
+def check_top_weight_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
+    """Unscaled dot-product attention gets peaked as d_k grows, additive attention does not; each value agrees with a
+    fresh sample taken here."""
+    # Not the defaults (16 queries and keys, d_attn 32, 64 samples): a function that ignores an argument fails.
+    q_len, k_len, d_attn, samples = 12, 9, 20, 48
+    table = {}
+    with one_thread():
+        for d_k in (4, 64, 256):
+            for additive in (False, True):
+                table[d_k, additive] = call(fn, d_k, additive=additive, q_len=q_len, k_len=k_len, d_attn=d_attn,
+                                            samples=samples, seed=seed)
+    for (d_k, additive), value in table.items():
+        if type(value) is not float:
+            raise CheckFailure(f"mean_top_weight should return a Python float (use .item()), got {kind(value)}.")
+        if not 1 / k_len - 1e-9 <= value <= 1 + 1e-9:
+            raise CheckFailure(f"The largest of {k_len} weights that sum to 1 lies in [1/{k_len}, 1] = "
+                               f"[{1 / k_len:.3f}, 1], got {value:.3f} for d_k={d_k}, additive={additive}. Does "
+                               "your function draw the k_len keys it is given, and take the largest weight over "
+                               "k_len?")
+    g = torch.Generator().manual_seed(seed + 11)
+    for (d_k, additive), value in table.items():
+        with one_thread():
+            reference = _reference_top_weight(d_k, additive, q_len, k_len, d_attn, g)
+        if abs(value - reference) <= 0.05:
+            continue
+        if abs(value - 1 / k_len) < 1e-6:
+            hint = ("You took the mean weight, which is always 1/k_len: take each query's largest weight (max over "
+                    "k_len).")
+        elif not additive and abs(value - _reference_top_weight(d_k, False, q_len, k_len, d_attn, g,
+                                                                scaled=True)) < 0.05:
+            hint = "You divided the dot products by sqrt(d_k): this experiment measures the unscaled scores q·k."
+        elif additive and value > reference:
+            hint = ("Your additive attention is more peaked than it should be. Does exercise 4 pass (the tanh keeps "
+                    "each score bounded)? Are w_q and w_k drawn with torch.randn divided by sqrt(d_k), and v_a with "
+                    "torch.randn divided by sqrt(d_attn)?")
+        else:
+            hint = ("Are q and k unit-variance (torch.randn) with the q_len, k_len, d_attn and samples you are given, "
+                    "and is the result the mean over every query of its largest weight?")
+        raise CheckFailure(f"For d_k={d_k}, additive={additive}, q_len={q_len}, k_len={k_len}, d_attn={d_attn}, "
+                           f"samples={samples} you measured {value:.3f}; a fresh sample gives about {reference:.3f} "
+                           f"(difference {abs(value - reference):.3f}, allowed 0.05). {hint}")
+    passed(f"dot product: the largest weight grows from {table[4, False]:.2f} to {table[256, False]:.2f} as d_k goes "
+           f"4 → 256; additive: it stays near {table[256, True]:.2f} (over {k_len} keys)")
