@@ -14,13 +14,20 @@ from einops import reduce
 from jaxtyping import Bool, Float, Int, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.encoder import Embedding, Encoder, add_and_norm, encoder_from_torch, layer_from_torch, stack_from_torch
+from stepformer.encoder import (
+    Embedding,
+    add_and_norm,
+    encoder_from_torch,
+    encoder_stack,
+    layer_from_torch,
+    stack_from_torch,
+)
 from stepformer.ffn import FeedForward
-from stepformer.gqa import GroupedQueryAttention
 from stepformer.kvcache import LayerCache
 from stepformer.masks import causal_mask, padding_mask
 from stepformer.multihead import MultiHeadAttention
 from stepformer.norms import LayerNorm
+from stepformer.parts import ModelConfig, bare, make_attention, make_ffn, make_norm
 
 # With a cache, a target mask spans the cached positions as well: `total` keys.
 SourceMask = Bool[Tensor, "#batch #heads #tgt_len #src_len"] | None
@@ -127,6 +134,35 @@ class Decoder(nn.Module):
         return self.norm(x)
 
 
+def decoder_layer(config: ModelConfig, cross_attention: bool = True) -> DecoderLayer:
+    """A :class:`DecoderLayer` with the parts that ``config`` names: its ``forward`` and its names, other parts.
+
+    ``cross_attention=False`` is a decoder-only block (GPT, LLaMA): masked self-attention and the FFN.
+    """
+    layer = bare(DecoderLayer)
+    layer.norm_first = config.placement == "pre"
+    layer.self_attn = make_attention(config)
+    layer.cross_attn = make_attention(config, self_attention=False) if cross_attention else None
+    layer.ffn = make_ffn(config)
+    # Without cross-attention there is no middle sublayer, so no norm2 or dropout2 either.
+    layer.norm1 = make_norm(config)
+    layer.norm2 = make_norm(config) if cross_attention else None
+    layer.norm3 = make_norm(config)
+    layer.dropout1, layer.dropout3 = nn.Dropout(config.dropout), nn.Dropout(config.dropout)
+    layer.dropout2 = nn.Dropout(config.dropout) if cross_attention else None
+    return layer
+
+
+def decoder_stack(config: ModelConfig, layers: int | None = None, cross_attention: bool = True) -> Decoder:
+    """A :class:`Decoder` of ``layers`` (default ``config.layers``) configured layers, with a final norm if
+    ``config.final_norm``."""
+    stack = bare(Decoder)
+    count = config.layers if layers is None else layers
+    stack.layers = nn.ModuleList(decoder_layer(config, cross_attention) for _ in range(count))
+    stack.norm = make_norm(config) if config.final_norm else nn.Identity()
+    return stack
+
+
 class Transformer(nn.Module):
     """The encoder-decoder Transformer of "Attention Is All You Need", from the course's parts.
 
@@ -136,7 +172,12 @@ class Transformer(nn.Module):
     generator, and with the source embedding too when the vocabularies have the same size (a
     joint vocabulary, as in the paper). ``pad_id`` marks padding in ``src`` and ``tgt``.
     ``kv_heads`` makes every attention grouped-query (chapter 10); ``fast`` uses PyTorch's
-    fused attention (same results).
+    fused attention and LayerNorm (same results). ``final_norm=False`` leaves out the norm after
+    each stack (the 2017 post-norm model and Marian have none; ``torch.nn.Transformer`` has one).
+    The arguments become a :class:`~stepformer.parts.ModelConfig` (``self.config``), from which
+    the encoder and decoder are built: every attention is chapter 10's, which with
+    ``kv_heads = heads`` is multi-head attention with the same parameters, and also takes
+    rotary positions and a KV-cache.
     """
 
     def __init__(
@@ -157,27 +198,32 @@ class Transformer(nn.Module):
         activation: str = "relu",
         kv_heads: int | None = None,
         fast: bool = False,
+        final_norm: bool = True,
     ) -> None:
         super().__init__()
         self.pad_id = pad_id
-        rope = positional == "rope"
+        self.config = ModelConfig(
+            vocab=tgt_vocab,
+            d_model=d_model,
+            heads=heads,
+            layers=n_decoder_layers,
+            d_ff=d_ff,
+            kv_heads=kv_heads,
+            norm="layer",
+            placement="pre" if norm_first else "post",
+            final_norm=final_norm,
+            ffn=activation,
+            positions=positional,
+            max_len=max_len,
+            tie_embeddings=tie_embeddings,
+            scale_embeddings=True,
+            dropout=dropout,
+            fast=fast,
+        )
         self.src_embed = Embedding(src_vocab, d_model, positional, max_len, dropout)
         self.tgt_embed = Embedding(tgt_vocab, d_model, positional, max_len, dropout)
-        self.encoder = Encoder(d_model, heads, d_ff, n_encoder_layers, dropout, norm_first, activation)
-        self.decoder = Decoder(d_model, heads, d_ff, n_decoder_layers, dropout, norm_first, activation)
-        # Chapter 10's attention in every place: with kv_heads = heads it is multi-head attention
-        # with the same parameters, and it also takes rotary positions and a KV-cache.
-        for layer in [*self.encoder.layers, *self.decoder.layers]:
-            layer.self_attn = GroupedQueryAttention(d_model, heads, kv_heads, dropout=dropout, rope=rope, fast=fast)
-            if getattr(layer, "cross_attn", None) is not None:
-                layer.cross_attn = GroupedQueryAttention(d_model, heads, kv_heads, dropout=dropout, fast=fast)
-        if fast:
-            # PyTorch's fused LayerNorm: one kernel instead of chapter 05's five, forward and
-            # backward; same parameters (weight, bias), same eps, same result.
-            for module in [*self.encoder.layers, *self.decoder.layers, self.encoder, self.decoder]:
-                for name, child in list(module.named_children()):
-                    if isinstance(child, LayerNorm):
-                        setattr(module, name, nn.LayerNorm(d_model, eps=child.eps))
+        self.encoder = encoder_stack(self.config, n_encoder_layers)
+        self.decoder = decoder_stack(self.config, n_decoder_layers)
         self.generator = nn.Linear(d_model, tgt_vocab)
         for p in self.parameters():
             if p.dim() > 1:  # Glorot, as in the paper's code and in torch.nn.Transformer
@@ -334,6 +380,10 @@ def load_torch_transformer(model: Transformer, theirs: nn.Transformer) -> None:
     model.decoder.load_state_dict(decoder_from_torch(theirs.decoder).state_dict())
 
 
+# A ModelConfig's ffn as configuration_mismatches names PyTorch's activations.
+ACTIVATION_NAMES = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu(approximate='tanh')", "swiglu": "swiglu"}
+
+
 def configuration_mismatches(model: Transformer, theirs: nn.Transformer) -> list[str]:
     """What differs between ``model`` and ``theirs`` beyond the weights, one line each (empty: they match).
 
@@ -350,7 +400,7 @@ def configuration_mismatches(model: Transformer, theirs: nn.Transformer) -> list
         "heads": attention.heads,
         "d_ff": ours_first.ffn.linear1.out_features,
         "norm_first": ours_first.norm_first,
-        "activation": type(ours_first.ffn.activation).__name__.lower(),
+        "activation": ACTIVATION_NAMES[model.config.ffn],
         "dropout": ours_first.dropout1.p,
         "layer_norm_eps": ours_first.norm1.eps,
     }

@@ -122,13 +122,14 @@ def checkpoint_paths(out_dir: Path) -> list[Path]:
     return sorted((out_dir / "checkpoints").glob("step_*.pt"))
 
 
-def save_atomically(state: dict, path: Path) -> None:
+def save_atomically(state: object, path: Path, write=torch.save) -> None:
     """Write to a temporary file beside ``path``, flush it to disk, then rename: a kill leaves either
-    the old file or the new one, never half of one."""
+    the old file or the new one, never half of one. ``write(state, binary_file)`` writes the bytes
+    (``torch.save`` for a checkpoint; chapter 12's results are JSON)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        torch.save(state, f)
+        write(state, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

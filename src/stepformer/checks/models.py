@@ -1,0 +1,1017 @@
+"""Checks for chapter 12: LLaMA's layer from the course's parts, top-k and nucleus filtering, LoRA, a measurement.
+
+The oracles are PyTorch's own pieces fed the same weights: ``F.rms_norm``, ``F.scaled_dot_product_attention(...,
+enable_gqa=True)`` over queries and keys turned by RoPE (written out by its definition, chapter 06's interleaved
+pairs, as chapter 10's checks do), ``F.silu``, ``torch.topk``, ``F.linear``. Where no built-in exists the oracle is
+the defining property: decoding one position at a time with a KV-cache equals one causal pass; the nucleus is the
+smallest set of most likely tokens whose probabilities reach ``p``; a LoRA layer starts equal to its base layer,
+trains ``r · (in + out)`` numbers, and ``merged()`` computes the same function. Nothing here imports the course's
+reference library or ``transformers``. Every touch of the student's code (building a module, loading weights, running
+it, reading its cache or its gradients) goes through :func:`call`, with the small helpers below.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed, show
+from stepformer.checks._modules import error_of as _error_of
+from stepformer.checks._modules import load_state as _load
+from stepformer.checks._modules import parameter_shapes as _parameter_shapes
+from stepformer.checks._modules import set_training as _set_training
+from stepformer.checks.gqa import _FixedDropout, _module_oracle
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _set_attribute(module: nn.Module, name: str, value: Any) -> None:
+    setattr(module, name, value)
+
+
+def _changes_its_input(fn: Callable[..., Any], x: Tensor, *args: Any, **kwargs: Any) -> bool:
+    """Whether ``fn`` writes into the tensor it is given (``x += ...``, ``masked_fill_``): run on a copy, compared."""
+    copy = x.clone()
+    fn(copy, *args, **kwargs)
+    return not torch.equal(copy, x)
+
+
+# -- exercise 1: LLaMA's layer ------------------------------------------------------------------------
+
+BLOCK_AXES = ("batch", "seq", "kv_heads", "group", "d_head", "d_ff")
+# Tolerances of the block's output, the roundings of two norms, the attention and SwiGLU: over 40 seeds a correct block
+# differs from the float64 reference by up to 3.3e-6 in float32 and 5e-15 in float64.
+BLOCK_TOLERANCE = {torch.float32: 2e-5, torch.float64: 1e-10}
+
+
+def _block_sizes(seed: int) -> dict[str, int]:
+    """Pairwise-distinct sizes (heads = kv_heads * group and d_model = heads * d_head computed; d_head even, which
+    RoPE needs), so that a swapped axis cannot pass."""
+    if seed == 0:
+        sizes = dict(zip(BLOCK_AXES, (3, 5, 2, 4, 6, 7), strict=True))
+    else:
+        g = torch.Generator().manual_seed(seed)
+        while True:
+            kv_heads, group = (torch.randperm(3, generator=g)[:2] + 2).tolist()
+            d_head = 2 * int(torch.randint(1, 5, (1,), generator=g))
+            batch, seq, d_ff = (torch.randperm(10, generator=g)[:3] + 2).tolist()
+            sizes = dict(zip(BLOCK_AXES, (batch, seq, kv_heads, group, d_head, d_ff), strict=True))
+            values = [*sizes.values(), kv_heads * group]
+            if len(set(values)) == len(values) and seq >= 4:
+                break
+    heads = sizes["kv_heads"] * sizes["group"]
+    return {**sizes, "heads": heads, "d_model": heads * sizes["d_head"]}
+
+
+def _kv_choices(s: dict[str, int]) -> tuple[tuple[int, str], ...]:
+    return ((s["kv_heads"], f"GQA (kv_heads={s['kv_heads']})"), (1, "MQA (kv_heads=1)"),
+            (s["heads"], f"kv_heads=heads={s['heads']}"))
+
+
+def _block_shapes(d_model: int, heads: int, kv_heads: int, d_ff: int) -> dict[str, list[int]]:
+    kv = kv_heads * (d_model // heads)
+    return {"norm1.weight": [d_model], "self_attn.w_q.weight": [d_model, d_model],
+            "self_attn.w_k.weight": [kv, d_model], "self_attn.w_v.weight": [kv, d_model],
+            "self_attn.w_o.weight": [d_model, d_model], "norm2.weight": [d_model],
+            "ffn.w_gate.weight": [d_ff, d_model], "ffn.w_up.weight": [d_ff, d_model],
+            "ffn.w_down.weight": [d_model, d_ff]}
+
+
+def _expect_block_parameters(module: Any, s: dict[str, int], kv_heads: int) -> None:
+    shapes = call(_parameter_shapes, module)
+    if type(shapes) is not dict:
+        raise CheckFailure(f"LlamaBlock(...) should build an nn.Module, got {kind(module)}.")
+    expected = _block_shapes(s["d_model"], s["heads"], kv_heads, s["d_ff"])
+    extra, missing = sorted(set(shapes) - set(expected)), sorted(set(expected) - set(shapes))
+    if any(name.startswith("norm") and name.endswith(".bias") for name in extra):
+        raise CheckFailure(f"Your block has {', '.join(n for n in extra if n.startswith('norm'))}: that is a "
+                           "LayerNorm's shift. LLaMA normalises with RMSNorm (chapter 05), which has a weight only: "
+                           "RMSNorm(d_model, eps).")
+    if any(name.endswith(".bias") for name in extra):
+        raise CheckFailure(f"Your block has biases ({', '.join(n for n in extra if n.endswith('.bias'))}); LLaMA's "
+                           "layer has none: GroupedQueryAttention(d_model, heads, kv_heads, bias=False, rope=True), "
+                           "and SwiGLU has none of its own.")
+    if missing or extra:
+        raise CheckFailure(
+            f"Your block's parameters are {sorted(shapes)}; LLaMA's layer built from the course's parts has "
+            f"{sorted(expected)}. Name the parts norm1, self_attn, norm2 and ffn (the checks copy weights in by "
+            "name): RMSNorm, GroupedQueryAttention and SwiGLU from the cells above."
+        )
+    for name, shape in expected.items():
+        if shapes[name] == shape:
+            continue
+        if name.startswith(("self_attn.w_k", "self_attn.w_v")):
+            hint = (f" It projects to {shapes[name][0]} features, {shapes[name][0] // s['d_head']} heads of "
+                    f"d_head={s['d_head']}: pass kv_heads={kv_heads} on to GroupedQueryAttention, so that the keys and "
+                    "values have kv_heads heads." if shapes[name][0] != shape[0] else "")
+        elif name.startswith("ffn."):
+            hint = f" Build SwiGLU(d_model, d_ff) with d_model={s['d_model']} and d_ff={s['d_ff']}, in that order."
+        else:
+            hint = ""
+        raise CheckFailure(f"{name} has shape {tuple(shapes[name])}; it should be {tuple(shape)} with "
+                           f"d_model={s['d_model']}, heads={s['heads']}, kv_heads={kv_heads}, d_ff={s['d_ff']}.{hint}")
+
+
+def _block_state(s: dict[str, int], kv_heads: int, dtype: torch.dtype, seed: int) -> dict[str, Tensor]:
+    """Seeded weights; the norms' weights away from 1 (as after training), so that a missing or shared one shows."""
+    g = torch.Generator().manual_seed(seed + 17)
+    state = {}
+    for name, shape in _block_shapes(s["d_model"], s["heads"], kv_heads, s["d_ff"]).items():
+        if name.startswith("norm"):
+            state[name] = 1 + 0.5 * torch.randn(shape, generator=g, dtype=dtype)
+        else:
+            state[name] = torch.randn(shape, generator=g, dtype=dtype) / math.sqrt(shape[1])
+    return state
+
+
+def _build_block(cls: Any, s: dict[str, int], kv_heads: int, dtype: torch.dtype, seed: int,
+                 eps: float | None = None) -> tuple[Any, dict[str, Tensor]]:
+    args = (s["d_model"], s["heads"], kv_heads, s["d_ff"]) + (() if eps is None else (eps,))
+    module = call(cls, *args)
+    _expect_block_parameters(module, s, kv_heads)
+    state = _block_state(s, kv_heads, dtype, seed)
+    call(_load, module, state)
+    return module, state
+
+
+def _block_inputs(s: dict[str, int], dtype: torch.dtype, seed: int, scale: float = 1.0) -> Tensor:
+    g = torch.Generator().manual_seed(seed + 23)
+    return scale * torch.randn(s["batch"], s["seq"], s["d_model"], generator=g, dtype=dtype)
+
+
+def _causal(seq: int) -> Tensor:
+    return torch.ones(seq, seq, dtype=torch.bool).tril()
+
+
+def _padding(s: dict[str, int], seed: int) -> Tensor:
+    """(batch, total), True = a real token: the first sentence full, one padded at the end, and the last padded at the
+    start (as batched generation pads a shorter prompt): its first queries may read no key at all."""
+    g = torch.Generator().manual_seed(seed + 29)
+    batch, seq = s["batch"], s["seq"]
+    lengths = torch.randint(1, seq + 1, (batch,), generator=g)
+    lengths[0], lengths[1] = seq, seq - 2
+    positions = rearrange(torch.arange(seq), "seq -> 1 seq")
+    padding = positions < rearrange(lengths, "batch -> batch 1")
+    padding[-1] = positions[0] >= 2  # left padding: positions 0 and 1 are not tokens
+    return padding
+
+
+def _causal_and_padding(s: dict[str, int], seed: int) -> Tensor:
+    """(batch, 1, seq, total): a query reads earlier real tokens only."""
+    return _causal(s["seq"]) & rearrange(_padding(s, seed), "batch total -> batch 1 1 total")
+
+
+BLOCK_MISTAKES = {
+    "post-norm": "You normalise after each residual sum (post-norm, the original Transformer's order). LLaMA "
+                 "normalises each sublayer's input and leaves the residual stream alone (pre-norm): "
+                 "h = x + self_attn(norm1(x)), out = h + ffn(norm2(h)).",
+    "parallel": "Your feed-forward reads norm2(x), the block's input, instead of norm2(h), the stream after the "
+                "attention: that is the parallel block of GPT-J and PaLM. In LLaMA the sublayers run one after the "
+                "other: out = h + ffn(norm2(h)) with h = x + self_attn(norm1(x)).",
+    "one norm": "Both sublayers read norm1: the feed-forward has its own RMSNorm, norm2, with its own weight.",
+    "no rope": "Your attention does not turn queries and keys by their positions: LLaMA has no position embeddings, "
+               "its positions come from RoPE inside the attention: GroupedQueryAttention(..., rope=True).",
+    "no mask": "Your block ignores the mask: pass it on, self.self_attn(h, h, h, mask, cache=cache).",
+    "no attention residual": "The attention's output replaces the stream instead of adding to it: "
+                             "h = x + self_attn(norm1(x)).",
+    "no ffn residual": "The feed-forward's output replaces the stream instead of adding to it: "
+                       "out = h + ffn(norm2(h)).",
+    "no norm before ffn": "The feed-forward reads h itself: normalise it first, ffn(norm2(h)).",
+    "no norm before attention": "The attention reads x itself: normalise it first, self_attn(norm1(x)) (the same "
+                                "normalised tensor as query, key and value).",
+}
+
+
+def _block_reference(state: dict[str, Tensor], heads: int, kv_heads: int, x: Tensor, mask: Tensor | None,
+                     eps: float, mistake: str = "") -> Tensor:
+    """LLaMA's layer from PyTorch's pieces, in float64; ``mistake`` (a key of BLOCK_MISTAKES) builds a usual one."""
+    state = {name: value.double() for name, value in state.items()}
+    x = x.double()
+    attention_state = {name.removeprefix("self_attn."): value for name, value in state.items()
+                       if name.startswith("self_attn.")}
+    positions = None if mistake == "no rope" else torch.arange(x.shape[1])
+
+    def norm(i: int, t: Tensor) -> Tensor:
+        return F.rms_norm(t, (t.shape[-1],), state[f"norm{i}.weight"], eps)
+
+    def attention(t: Tensor) -> Tensor:
+        return _module_oracle(attention_state, heads, kv_heads, t, t, t, None if mistake == "no mask" else mask,
+                              positions)
+
+    def ffn(t: Tensor) -> Tensor:
+        gate = F.silu(F.linear(t, state["ffn.w_gate.weight"]))
+        return F.linear(gate * F.linear(t, state["ffn.w_up.weight"]), state["ffn.w_down.weight"])
+
+    if mistake == "post-norm":
+        h = norm(1, x + attention(x))
+        return norm(2, h + ffn(h))
+    if mistake == "parallel":
+        return x + attention(norm(1, x)) + ffn(norm(2, x))
+    h = attention(norm(1, x)) if mistake == "no attention residual" else (
+        x + attention(x) if mistake == "no norm before attention" else x + attention(norm(1, x)))
+    if mistake == "no ffn residual":
+        return ffn(norm(2, h))
+    if mistake == "no norm before ffn":
+        return h + ffn(h)
+    return h + ffn(norm(1 if mistake == "one norm" else 2, h))
+
+
+def _diagnose_block(state: dict[str, Tensor], heads: int, kv_heads: int, x: Tensor, mask: Tensor | None,
+                    eps: float, output: Tensor) -> str:
+    if torch.isnan(output).any():
+        return ("Your output contains NaN: a query that may read no key (the left-padded sentence) must get zeros "
+                "from the attention, as the given GroupedQueryAttention does; does your mask reach it unchanged?")
+    tolerance = BLOCK_TOLERANCE[output.dtype]
+    mistakes = [m for m in BLOCK_MISTAKES if m != "no mask" or mask is not None]
+    for mistake in mistakes:
+        if close(output, _block_reference(state, heads, kv_heads, x, mask, eps, mistake).to(output.dtype),
+                 output.dtype, tolerance):
+            return BLOCK_MISTAKES[mistake]
+    if eps != 1e-6 and close(output, _block_reference(state, heads, kv_heads, x, mask, 1e-6).to(output.dtype),
+                             output.dtype, tolerance):
+        return (f"Your RMSNorms use eps=1e-6 although the block was built with eps={eps}: pass eps on to both, "
+                "RMSNorm(d_model, eps).")
+    return ("Write forward as the two equations: h = x + self_attn(n, n, n, mask, cache=cache) with n = norm1(x), "
+            "then out = h + ffn(norm2(h)); and build self_attn as GroupedQueryAttention(d_model, heads, kv_heads, "
+            "bias=False, rope=True).")
+
+
+def _compare_block(module: Any, state: dict[str, Tensor], s: dict[str, int], kv_heads: int, dtype: torch.dtype,
+                   what: str, x: Tensor, mask: Tensor | None, eps: float = 1e-6) -> None:
+    try:
+        output = call(module, x) if mask is None else call(module, x, mask)
+    except CheckFailure as failure:  # say which case broke it
+        raise CheckFailure(f"For {what}: {failure}") from failure
+    output = expect_tensor(output, f"the block's output for {what}", tuple(x.shape), "batch seq d_model", dtype)
+    expected = _block_reference(state, s["heads"], kv_heads, x, mask, eps).to(dtype)
+    if not close(output, expected, dtype, BLOCK_TOLERANCE[dtype]):
+        sizes = {"batch": x.shape[0], "seq": x.shape[1], "d_model": x.shape[2], "heads": s["heads"],
+                 "kv_heads": kv_heads, "d_ff": s["d_ff"]}
+        raise CheckFailure(
+            f"For {what}, your block's output differs from LLaMA's layer built from PyTorch's own pieces with the same "
+            f"weights (F.rms_norm, F.scaled_dot_product_attention with enable_gqa=True over RoPE-turned queries and "
+            f"keys, F.silu) ({difference(output, expected, sizes)}). "
+            f"{_diagnose_block(state, s['heads'], kv_heads, x, mask, eps, output)}"
+        )
+
+
+def _expect_input_kept(module: Any, x: Tensor, what: str) -> None:
+    if call(_changes_its_input, module, x):
+        raise CheckFailure(f"Your block changed the tensor it was given ({what}): x += ... writes into the caller's "
+                           "tensor. Write x = x + ... (or h = x + ...), so that the input stays as it was.")
+
+
+@check
+def check_llama_block_init(cls: Callable[..., Any], seed: int = 0) -> None:
+    """norm1, self_attn, norm2, ffn with LLaMA's shapes: RMSNorm weights, w_k and w_v of kv_heads heads, no biases."""
+    s = _block_sizes(seed)
+    for kv_heads, _ in _kv_choices(s):
+        module = call(cls, s["d_model"], s["heads"], kv_heads, s["d_ff"])
+        _expect_block_parameters(module, s, kv_heads)
+    _expect_block_parameters(call(cls, s["d_model"], s["heads"], s["kv_heads"], s["d_ff"], 1e-5), s, s["kv_heads"])
+    passed(f"LlamaBlock(d_model={s['d_model']}, heads={s['heads']}, kv_heads, d_ff={s['d_ff']}) has norm1, self_attn, "
+           "norm2 and ffn with LLaMA's shapes, no biases, w_k and w_v of kv_heads heads (kv_heads = heads, "
+           f"{s['kv_heads']}, 1)")
+
+
+@check
+def check_llama_block_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Equal to pre-norm RMSNorm, GQA with RoPE and SwiGLU from PyTorch's pieces: kv_heads heads, a divisor and 1,
+    without a mask, causal, causal with padding; eps passed on."""
+    s = _block_sizes(seed)
+    x = _block_inputs(s, dtype, seed)
+    masks = (("no mask", None), ("a causal mask (seq, seq)", _causal(s["seq"])),
+             ("a causal mask with padding (batch, 1, seq, seq), one sentence padded at the start",
+              _causal_and_padding(s, seed)))
+    for i, (kv_heads, name) in enumerate(_kv_choices(s)):
+        module, state = _build_block(cls, s, kv_heads, dtype, seed + i)
+        if i == 0:
+            _expect_input_kept(module, x, "the input x")
+        for where, mask in masks:
+            _compare_block(module, state, s, kv_heads, dtype, f"{name} with {where}", x, mask)
+    _compare_block(module, state, s, s["heads"], dtype, "one sentence (batch=1) with a causal mask", x[:1],
+                   _causal(s["seq"]))
+    # eps inside the square root matters when the features are small: 0.1 against a mean square of 0.04.
+    module, state = _build_block(cls, s, s["kv_heads"], dtype, seed + 5, eps=0.1)
+    _compare_block(module, state, s, s["kv_heads"], dtype, "a block built with eps=0.1, on inputs of size 0.2, with a "
+                   "causal mask", _block_inputs(s, dtype, seed + 1, 0.2), _causal(s["seq"]), eps=0.1)
+    passed(f"LlamaBlock equal to LLaMA's layer from PyTorch's pieces (pre-norm RMSNorm, GQA with RoPE, SwiGLU) for "
+           f"kv_heads = {s['kv_heads']}, 1 and heads, without a mask, causal, causal with padding (queries that read "
+           f"nothing included), batch=1, eps passed on ({_dtype_name(dtype)})")
+
+
+def _decode_steps(module: nn.Module, cache: Any, x: Tensor) -> Tensor:
+    """Feed the positions of x one at a time with no mask, as a language model decodes: each reads what is cached."""
+    x = x.clone()
+    return torch.cat([module(x[:, t:t + 1], cache=cache) for t in range(x.shape[1])], dim=1)
+
+
+def _decode_chunks(module: nn.Module, cache: Any, x: Tensor, bounds: list[int], padding: Tensor) -> Tensor:
+    """A prefill and steps of several positions, each under its (new, total) causal mask and the padding of every key
+    read so far."""
+    x, outputs = x.clone(), []
+    for start, stop in zip(bounds, bounds[1:], strict=False):
+        causal = torch.ones(stop - start, stop, dtype=torch.bool).tril(start)  # position start + i reads keys <= it
+        mask = causal & rearrange(padding[:, :stop], "batch total -> batch 1 1 total")
+        outputs.append(module(x[:, start:stop], mask, cache=cache))
+    return torch.cat(outputs, dim=1)
+
+
+def _cached(cache: Any) -> Tensor | None:
+    """The cached keys, or None while the cache is empty."""
+    keys = getattr(cache, "keys", None)
+    return keys.detach().clone() if isinstance(keys, Tensor) else None
+
+
+@check
+def check_llama_block_cache(classes: tuple[Callable[..., Any], Callable[..., Any]], seed: int = 0,
+                            dtype: torch.dtype = torch.float32) -> None:
+    """Decoding one position at a time (and in chunks, with padding) with a KVCache equals one causal pass.
+
+    ``classes`` is ``(LlamaBlock, KVCache)``: the block and the cache class of the notebook, which travel together.
+    """
+    cls, cache_cls = classes
+    s = _block_sizes(seed)
+    x = _block_inputs(s, dtype, seed + 2)
+    b, seq, kv, d_head = s["batch"], s["seq"], s["kv_heads"], s["d_head"]
+    module, state = _build_block(cls, s, kv, dtype, seed + 7)
+    _expect_input_kept(module, x, "the input x")
+    # The full pass against the oracle first: a mistake made alike with and without a cache shows here.
+    _compare_block(module, state, s, kv, dtype, "one causal pass", x, _causal(seq))
+    cache = call(cache_cls)
+    stepwise = expect_tensor(call(_decode_steps, module, cache, x), "the outputs decoded one position at a time",
+                             tuple(x.shape), "batch seq d_model", dtype)
+    keys = call(_cached, cache)
+    if keys is None:
+        raise CheckFailure(f"After decoding {seq} positions one at a time, the KVCache is still empty: pass it on to "
+                           "the attention, self.self_attn(h, h, h, mask, cache=cache), which appends each step's keys "
+                           "and values.")
+    if type(keys) is not Tensor or tuple(keys.shape) != (b, kv, seq, d_head):
+        shape = tuple(keys.shape) if type(keys) is Tensor else kind(keys)
+        raise CheckFailure(f"After {seq} steps the cache's keys should have shape (batch={b}, kv_heads={kv}, "
+                           f"length={seq}, d_head={d_head}), got {shape}: one cache per block, given to self_attn "
+                           "once per step.")
+    expected = _block_reference(state, s["heads"], kv, x, _causal(seq), 1e-6).to(dtype)
+    sizes = {"batch": b, "seq": seq, "d_model": s["d_model"], "heads": s["heads"], "kv_heads": kv}
+    if not close(stepwise, expected, dtype, BLOCK_TOLERANCE[dtype]):
+        raise CheckFailure(
+            f"Decoding one position at a time with a KVCache gives other outputs than one causal pass "
+            f"({difference(stepwise, expected, sizes)}). Each step must go through the same two equations, with "
+            "the cache handed to self_attn (it turns the new query and key by their positions, len(cache) onwards, "
+            "and attends to every cached key)."
+        )
+    # Multi-query attention: a prefill and steps of several positions under (new, total) masks, with padding.
+    module, state = _build_block(cls, s, 1, dtype, seed + 8)
+    bounds = sorted({0, (seq + 1) // 2, min(seq, (seq + 1) // 2 + 2), seq})
+    padding = _padding(s, seed)
+    chunked = expect_tensor(call(_decode_chunks, module, call(cache_cls), x, bounds, padding),
+                            "the outputs decoded in chunks", tuple(x.shape), "batch seq d_model", dtype)
+    expected = _block_reference(state, s["heads"], 1, x, _causal_and_padding(s, seed), 1e-6).to(dtype)
+    if not close(chunked, expected, dtype, BLOCK_TOLERANCE[dtype]):
+        raise CheckFailure(
+            f"With kv_heads=1, decoding a prefill and then steps of several positions (chunks {bounds}) under "
+            f"(new, total) causal masks with padding gives other outputs than one pass under the causal mask with "
+            f"padding ({difference(chunked, expected, {**sizes, 'kv_heads': 1})}). Pass the mask and the cache on "
+            "to self_attn unchanged: the mask spans every key read, the cached ones and the new."
+        )
+    passed(f"decoding with a KVCache equals one causal pass, one position at a time (GQA, the cache holding "
+           f"(batch, kv_heads={kv}, length, d_head)) and in chunks with padding (MQA) ({_dtype_name(dtype)})")
+
+
+# -- exercise 2: top-k and nucleus filtering ---------------------------------------------------------
+
+NEG_INF = -math.inf
+FILTER_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def _vocab_sizes(seed: int) -> dict[str, int]:
+    """vocab larger than and distinct from the leading axes."""
+    if seed == 0:
+        return {"batch": 3, "seq": 2, "vocab": 11}
+    g = torch.Generator().manual_seed(seed + 31)
+    batch, seq = (torch.randperm(4, generator=g)[:2] + 2).tolist()
+    return {"batch": batch, "seq": seq, "vocab": int(torch.randint(9, 16, (1,), generator=g))}
+
+
+def _logit_cases(seed: int, dtype: torch.dtype, ties: bool = False) -> list[tuple[str, Tensor]]:
+    """Logits of one row, a batch and (batch, seq). Spread 2 over at most 15 tokens keeps every probability above
+    1e-6 (the least over 400 seeds), ten times float32's rounding of a sum near 1: p = 1.0 must keep every token, in
+    float32 too. With ``ties``, whole numbers: many tokens share a logit."""
+    s = _vocab_sizes(seed)
+    g = torch.Generator().manual_seed(seed + 37)
+    cases = []
+    for name, shape in (("one row (vocab,)", (s["vocab"],)), ("a batch (batch, vocab)", (s["batch"], s["vocab"])),
+                        ("(batch, seq, vocab)", (s["batch"], s["seq"], s["vocab"]))):
+        if ties:
+            logits = torch.randint(-2, 3, shape, generator=g).to(dtype)
+            cases.append((f"{name} with ties", logits))
+        else:
+            cases.append((name, 2 * torch.randn(shape, generator=g, dtype=dtype)))
+    return cases
+
+
+def _axes(x: Tensor) -> str:
+    return {1: "vocab", 2: "batch vocab", 3: "batch seq vocab"}[x.dim()]
+
+
+def _filtered(fn: Callable[..., Any], logits: Tensor, what: str, **options: Any) -> Tensor:
+    try:
+        got = call(fn, logits.clone(), **options)
+    except CheckFailure as failure:
+        hint = ""
+        if options.get("top_k") is not None and options["top_k"] > logits.shape[-1] and "Not your own" not in str(
+                failure):
+            hint = (f" A top_k larger than vocab={logits.shape[-1]} keeps every token: torch.topk needs k <= vocab, "
+                    "so take min(top_k, vocab).")
+        raise CheckFailure(f"For {what}: {failure}{hint}") from failure
+    return expect_tensor(got, f"filter_logits on {what}", tuple(logits.shape), _axes(logits), logits.dtype)
+
+
+def _options(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items()) or "no top_k and no top_p"
+
+
+def _expect_unchanged_input(fn: Callable[..., Any], logits: Tensor, **options: Any) -> None:
+    if call(_changes_its_input, fn, logits, **options):
+        raise CheckFailure("filter_logits changed the logits it was given (masked_fill_ or an assignment into "
+                           "logits[...]): return a new tensor (masked_fill without the underscore), the caller may "
+                           "still need its logits.")
+
+
+def _fill_problem(got: Tensor, logits: Tensor) -> str | None:
+    """What is wrong with the values themselves: NaN, probabilities, a finite fill, kept logits changed or moved."""
+    if torch.isnan(got).any():
+        return ("Your result contains NaN: every row keeps at least its most likely token, and the others become "
+                "-inf (never NaN).")
+    changed = (got != logits) & torch.isfinite(got)
+    if not changed.any():
+        return None
+    if torch.isfinite(got).all() and bool(((got >= 0) & (got <= 1)).all()) and close(
+            got.sum(dim=-1), torch.ones_like(got.sum(dim=-1)), got.dtype, 1e-4):
+        return ("You return probabilities; filter_logits returns logits: the kept tokens' logits unchanged and -inf "
+                "for the others (sampling takes the softmax afterwards).")
+    values = got[changed]
+    if bool((values == values[0]).all()):
+        return (f"The tokens you drop get {values[0].item():.4g}; they must become -inf (-math.inf), as the docstring "
+                "says: a finite number leaves them a probability, however small, and is not the same in every dtype.")
+    return ("The logits you keep changed: return the input itself with -inf where a token is dropped, in the input's "
+            "order (a mask found in sorted order must be put back at the tokens' places, e.g. with scatter and the "
+            "sort's indices).")
+
+
+def _kept_by_top_k(logits: Tensor, top_k: int) -> Tensor:
+    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+    return logits >= kth
+
+
+def _diagnose_top_k(got: Tensor, logits: Tensor, top_k: int) -> str:
+    problem = _fill_problem(got, logits)
+    if problem:
+        return problem
+    kept = torch.isfinite(got)
+    expected = _kept_by_top_k(logits, top_k)
+    counts = kept.sum(-1)
+    if torch.equal(kept & expected, kept) and bool((counts == min(top_k, logits.shape[-1])).all()):
+        return (f"You keep exactly top_k={top_k} tokens per row and drop some whose logit ties with the k-th largest: "
+                "all the tokens whose logit equals the k-th largest stay (compare with the k-th largest value, "
+                "torch.topk(...).values[..., -1:], rather than keeping topk's indices).")
+    if bool((counts == (expected.sum(-1) - 1)).all()):
+        return "You keep one token too few: the k-th largest logit itself stays (logits < kth are dropped)."
+    if bool((counts == (expected.sum(-1) + 1)).all()):
+        return "You keep one token too many: keep the k largest logits, those >= the k-th largest."
+    return ("Keep, in each row (the last axis, vocab), the tokens whose logit is at least the k-th largest of that row "
+            "(torch.topk(logits, k, dim=-1).values[..., -1:]); the others become -inf.")
+
+
+@check
+def check_top_k(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """top_k keeps the k largest logits of each row (ties at the k-th all kept), the others -inf; None keeps all."""
+    s = _vocab_sizes(seed)
+    cases = _logit_cases(seed, dtype) + _logit_cases(seed + 1, dtype, ties=True)
+    _expect_unchanged_input(fn, cases[1][1], top_k=3)
+    for what, logits in cases:
+        for options in ({}, {"top_k": None, "top_p": None}):
+            got = _filtered(fn, logits, what, **options)
+            if not torch.equal(got, logits):
+                raise CheckFailure(f"filter_logits({_options(options)}) on {what} should return the logits "
+                                   f"unchanged; it does not ({difference(got, logits)}). With top_k=None and "
+                                   "top_p=None nothing is filtered.")
+        for top_k in (1, 2, 4, s["vocab"], s["vocab"] + 3):
+            got = _filtered(fn, logits, f"{what} with top_k={top_k}", top_k=top_k)
+            expected = logits.masked_fill(~_kept_by_top_k(logits, top_k), NEG_INF)
+            if not torch.equal(got, expected):
+                shown = f" Logits {show(logits)}, expected {show(expected)}, got {show(got)}." \
+                    if logits.numel() <= 12 else ""
+                raise CheckFailure(f"filter_logits(top_k={top_k}) on {what} differs from keeping the logits >= the "
+                                   f"k-th largest of each row ({difference(got, expected, s)}).{shown} "
+                                   f"{_diagnose_top_k(got, logits, top_k)}")
+    error = call(_error_of, fn, cases[1][1], top_k=0)
+    if error != "ValueError":
+        raise CheckFailure(f"filter_logits(logits, top_k=0) should raise a ValueError (a top_k below 1 would keep "
+                           f"nothing); it raised {'no error' if error is None else 'a ' + error}.")
+    passed(f"top_k keeps the k largest logits of each row, ties at the k-th included, for (vocab,), (batch, vocab) "
+           f"and (batch, seq, vocab); k >= vocab keeps all; None filters nothing; the input is left as it was; "
+           f"ValueError for top_k=0 ({_dtype_name(dtype)})")
+
+
+def _nucleus_problem(got: Tensor, logits: Tensor, top_p: float, tolerance: float,
+                     allowed: Tensor | None = None) -> str | None:
+    """Why ``got`` is not a nucleus of softmax(logits) for ``top_p`` (None if it is): the defining properties, row by
+    row, so that any choice among tied tokens passes. ``allowed``: the tokens top_k left (the nucleus is then taken
+    of their renormalised probabilities)."""
+    kept = torch.isfinite(got)
+    if allowed is not None and (kept & ~allowed).any():
+        return ("You keep tokens that top_k drops: with both, keep only the top-k tokens, then take the nucleus of "
+                "those.")
+    source = logits if allowed is None else logits.masked_fill(~allowed, NEG_INF)
+    probs = torch.softmax(source.double(), dim=-1)
+    if not kept.any(dim=-1).all():
+        return ("A row keeps no token at all: the most likely token always stays (the tokens before it sum to 0, "
+                "less than p).")
+    mass = (probs * kept).sum(dim=-1)
+    least_kept = probs.masked_fill(~kept, math.inf).amin(dim=-1)
+    most_dropped = probs.masked_fill(kept | (probs == 0), -math.inf).amax(dim=-1)
+    if (most_dropped > least_kept + tolerance).any():
+        return ("You keep a less likely token and drop a more likely one: the nucleus is made of the MOST likely "
+                "tokens. Sort the probabilities in descending order, decide in that order, then put each decision "
+                "back at its token's place (scatter with the sort's indices).")
+    if (mass < top_p - tolerance).any():
+        short = mass.min().item()
+        return (f"The tokens you keep have probability {short:.4g} in all, less than top_p={top_p}: keep the token "
+                "that makes the mass reach p too. A token stays when the tokens sorted before it sum to less than p "
+                "(cumsum(probs) - probs < p), which always keeps the most likely one.")
+    if (mass - least_kept >= top_p + tolerance).any():
+        return (f"You keep more than the smallest set: without its least likely token, your kept set still has "
+                f"probability >= top_p={top_p}. A token stays only while the tokens sorted before it sum to less "
+                "than p.")
+    return None
+
+
+def _check_nucleus(fn: Callable[..., Any], logits: Tensor, what: str, top_p: float, top_k: int | None = None) -> None:
+    options = {"top_p": top_p} if top_k is None else {"top_k": top_k, "top_p": top_p}
+    got = _filtered(fn, logits, f"{what} with {_options(options)}", **options)
+    allowed = None if top_k is None else _kept_by_top_k(logits, top_k)
+    problem = _fill_problem(got, logits) or _nucleus_problem(got, logits, top_p, FILTER_TOLERANCE[logits.dtype],
+                                                             allowed)
+    if problem is None:
+        return
+    if allowed is not None and torch.equal(torch.isfinite(got), allowed & _nucleus_mask(logits, top_p)):
+        problem = ("You took the nucleus of the whole distribution (and kept its top-k tokens): filter_logits applies "
+                   "top_k first, then takes the nucleus of what is left, its probabilities renormalised over the k "
+                   "survivors (the softmax of the top-k-filtered logits), as Hugging Face's samplers do.")
+    elif allowed is not None:
+        alone = _filtered(fn, logits, f"{what} with top_k={top_k}", top_k=top_k)
+        if not torch.equal(alone, logits.masked_fill(~allowed, NEG_INF)):
+            problem = (f"Your top_k alone is already wrong on these logits, and with both top_k comes first: "
+                       f"{_diagnose_top_k(alone, logits, top_k)}")
+    shown = f" Logits {show(logits)}, got {show(got)}." if logits.numel() <= 12 else ""
+    raise CheckFailure(f"filter_logits({_options(options)}) on {what} does not keep the nucleus: the smallest set of "
+                       f"most likely tokens whose probabilities sum to at least p.{shown} {problem}")
+
+
+def _nucleus_mask(logits: Tensor, top_p: float) -> Tensor:
+    """The nucleus of softmax(logits) by the rule (for diagnosis only): in descending order, a token stays while the
+    tokens before it sum to less than p."""
+    probs, order = torch.sort(torch.softmax(logits.double(), dim=-1), dim=-1, descending=True)
+    keep = (torch.cumsum(probs, dim=-1) - probs) < top_p
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+@check
+def check_top_p(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """top_p keeps the smallest set of most likely tokens whose probabilities reach p (ties, p = 1.0, batched axes)."""
+    cases = _logit_cases(seed + 2, dtype) + _logit_cases(seed + 3, dtype, ties=True)
+    _expect_unchanged_input(fn, cases[1][1], top_p=0.5)
+    g = torch.Generator().manual_seed(seed + 41)
+    for what, logits in cases:
+        for top_p in (0.2, 0.5, 0.9, round(0.3 + 0.6 * float(torch.rand(1, generator=g)), 3)):
+            _check_nucleus(fn, logits, what, top_p)
+        got = _filtered(fn, logits, f"{what} with top_p=1.0", top_p=1.0)
+        if not torch.equal(got, logits):
+            raise CheckFailure(f"filter_logits(top_p=1.0) on {what} should keep every token (all of them are needed "
+                               f"to reach a mass of 1); it drops {int((got != logits).sum())} "
+                               f"({difference(got, logits)}). Drop a token only when the tokens sorted before it "
+                               "already sum to at least p (cumsum(probs) - probs >= p); a rule on the sum that "
+                               "includes the token itself (cumsum > p) is thrown off by rounding at p = 1.")
+    # A near-certain token: the nucleus of p = 0.5 is that token alone.
+    logits = torch.tensor([0.0, 5.0, 1.0, -1.0, 2.0], dtype=dtype)
+    _check_nucleus(fn, logits, "a row whose most likely token has probability 0.93", 0.5)
+    for top_p in (0.0, 1.5):
+        error = call(_error_of, fn, cases[1][1], top_p=top_p)
+        if error != "ValueError":
+            raise CheckFailure(f"filter_logits(logits, top_p={top_p}) should raise a ValueError (p lies in (0, 1]); "
+                               f"it raised {'no error' if error is None else 'a ' + error}.")
+    passed(f"top_p keeps the smallest set of most likely tokens whose probabilities reach p, in the input's order, "
+           f"for (vocab,), (batch, vocab) and (batch, seq, vocab), ties included; p = 1.0 keeps all; ValueError "
+           f"outside (0, 1] ({_dtype_name(dtype)})")
+
+
+def _renormalising_row(dtype: torch.dtype, seed: int) -> Tensor:
+    """Probabilities 0.4, 0.3, 0.2, 0.1 and small ones, in a seeded order: with top_k=2 and top_p=0.5 the nucleus of
+    the two survivors (0.57, 0.43) is one token, the whole distribution's nucleus two."""
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.05, 0.03, 0.02], dtype=torch.float64)
+    order = torch.randperm(len(probs), generator=torch.Generator().manual_seed(seed + 43))
+    return probs.log()[order].to(dtype)
+
+
+@check
+def check_top_k_and_top_p(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """top_k then top_p: the nucleus of the k survivors' renormalised probabilities."""
+    s = _vocab_sizes(seed)
+    _check_nucleus(fn, _renormalising_row(dtype, seed), "a row with probabilities 0.4, 0.3, 0.2, ...", 0.5, top_k=2)
+    g = torch.Generator().manual_seed(seed + 47)
+    for what, logits in _logit_cases(seed + 4, dtype) + _logit_cases(seed + 5, dtype, ties=True):
+        for top_k, top_p in ((2, 0.5), (4, 0.6), (3, 0.9), (s["vocab"], 0.7),
+                             (int(torch.randint(2, s["vocab"], (1,), generator=g)), 0.8)):
+            _check_nucleus(fn, logits, what, top_p, top_k=top_k)
+        got = _filtered(fn, logits, f"{what} with top_k=3, top_p=1.0", top_k=3, top_p=1.0)
+        expected = logits.masked_fill(~_kept_by_top_k(logits, 3), NEG_INF)
+        if not torch.equal(got, expected):
+            raise CheckFailure(f"filter_logits(top_k=3, top_p=1.0) on {what} should keep what top_k=3 keeps "
+                               f"({difference(got, expected, s)}): the nucleus of p = 1.0 is every token that top_k "
+                               "left, so p = 1.0 drops nothing more.")
+    passed(f"top_k and top_p together keep the nucleus of the top-k tokens' renormalised probabilities, for (vocab,), "
+           f"(batch, vocab) and (batch, seq, vocab), ties included ({_dtype_name(dtype)})")
+
+
+# -- exercise 3: LoRA ---------------------------------------------------------------------------------
+
+LORA_AXES = ("batch", "seq", "d_in", "d_out", "r")
+
+
+def _lora_sizes(seed: int) -> dict[str, int]:
+    """Pairwise-distinct sizes, the rank r below both widths."""
+    if seed == 0:
+        return dict(zip(LORA_AXES, (2, 3, 7, 5, 4), strict=True))
+    g = torch.Generator().manual_seed(seed + 53)
+    batch, seq, r = (torch.randperm(4, generator=g)[:3] + 2).tolist()
+    d_in, d_out = (torch.randperm(6, generator=g)[:2] + 6).tolist()
+    return dict(zip(LORA_AXES, (batch, seq, d_in, d_out, r), strict=True))
+
+
+class _Weights(NamedTuple):
+    """The base layer's weights as the check made them: the student's code holds the layer itself (and may change
+    it), so the oracle reads this copy, in the student's kernel and in the grader's replay alike."""
+
+    weight: Tensor
+    bias: Tensor | None
+
+
+def _base(s: dict[str, int], dtype: torch.dtype, seed: int, bias: bool = True) -> tuple[nn.Linear, _Weights]:
+    """A "pretrained" layer with seeded weights (PyTorch's initialisation would move the student's random numbers),
+    and a copy of its weights."""
+    with torch.random.fork_rng(devices=[]):
+        base = nn.Linear(s["d_in"], s["d_out"], bias=bias, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 59)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(base.weight.shape, generator=g, dtype=dtype) / math.sqrt(s["d_in"]))
+        if bias:
+            base.bias.copy_(0.5 * torch.randn(base.bias.shape, generator=g, dtype=dtype))
+    return base, _Weights(base.weight.detach().clone(), base.bias.detach().clone() if bias else None)
+
+
+def _parameter_table(module: nn.Module) -> dict[str, list[Any]]:
+    """name -> [shape, trains, dtype] of every parameter."""
+    return {name: [list(p.shape), bool(p.requires_grad), _dtype_name(p.dtype)] for name, p in module.named_parameters()}
+
+
+def _expect_lora_parameters(layer: Any, s: dict[str, int], r: int, bias: bool, dtype: torch.dtype,
+                            trainable: bool = True) -> None:
+    """Names, shapes and dtypes of the parameters; with ``trainable``, which of them train (exercise 3's first check
+    grades that; the others load weights by name and need the rest only)."""
+    table = call(_parameter_table, layer)
+    if type(table) is not dict:
+        raise CheckFailure(f"LoRALinear(...) should build an nn.Module, got {kind(layer)}.")
+    d_in, d_out = s["d_in"], s["d_out"]
+    expected = {"base.weight": [[d_out, d_in], False], "lora_a.weight": [[r, d_in], True],
+                "lora_b.weight": [[d_out, r], True]}
+    if bias:
+        expected["base.bias"] = [[d_out], False]
+    missing, extra = sorted(set(expected) - set(table)), sorted(set(table) - set(expected))
+    if any(name.startswith("lora") and name.endswith(".bias") for name in extra):
+        raise CheckFailure(f"Your low-rank maps have biases ({', '.join(extra)}): B·A is a matrix, with no shift; "
+                           "build them with bias=False.")
+    if missing or extra:
+        raise CheckFailure(
+            f"Your layer's parameters are {sorted(table)}; they should be {sorted(expected)}: keep the given layer as "
+            "self.base, and name the two low-rank maps lora_a (in_features -> r) and lora_b (r -> out_features), "
+            "nn.Linear without bias (the checks copy weights in by name)."
+        )
+    for name in ("base.weight", "base.bias", "lora_a.weight", "lora_b.weight"):
+        if name not in expected:
+            continue
+        shape, trains, found_dtype = table[name]
+        if shape != expected[name][0]:
+            raise CheckFailure(
+                f"{name} has shape {tuple(shape)}; with in_features={d_in}, out_features={d_out} and r={r} it should "
+                f"be {tuple(expected[name][0])}. nn.Linear(in, out) stores its weight as (out, in): lora_a = "
+                "nn.Linear(in_features, r, bias=False), lora_b = nn.Linear(r, out_features, bias=False)."
+            )
+        if trainable and trains != expected[name][1]:
+            raise CheckFailure(
+                f"{name} trains: freeze the base layer, self.base.requires_grad_(False), so that only lora_a and "
+                "lora_b learn." if trains else
+                f"{name} does not train (requires_grad is False): only the base is frozen; lora_a and lora_b learn."
+            )
+        if found_dtype != _dtype_name(dtype):
+            raise CheckFailure(f"{name} is {found_dtype} although the base layer is {_dtype_name(dtype)}: create "
+                               "lora_a and lora_b with the base's dtype and device, nn.Linear(..., "
+                               "dtype=base.weight.dtype, device=base.weight.device).")
+
+
+def _lora_state(s: dict[str, int], r: int, dtype: torch.dtype, seed: int) -> dict[str, Tensor]:
+    """Seeded A and B as after some training (B no longer zero)."""
+    g = torch.Generator().manual_seed(seed + 61)
+    return {"lora_a.weight": torch.randn(r, s["d_in"], generator=g, dtype=dtype) / math.sqrt(s["d_in"]),
+            "lora_b.weight": torch.randn(s["d_out"], r, generator=g, dtype=dtype) / math.sqrt(r)}
+
+
+def _lora_inputs(s: dict[str, int], dtype: torch.dtype, seed: int) -> list[tuple[str, Tensor]]:
+    g = torch.Generator().manual_seed(seed + 67)
+    return [("x of shape (batch, seq, in_features)", torch.randn(s["batch"], s["seq"], s["d_in"], generator=g,
+                                                                   dtype=dtype)),
+            ("x of shape (batch, in_features)", torch.randn(s["batch"], s["d_in"], generator=g, dtype=dtype))]
+
+
+def _lora_reference(base: _Weights, state: dict[str, Tensor], alpha: float, r: int, x: Tensor, *,
+                    scaling: float | None = None, drop: Callable[[Tensor], Tensor] | None = None,
+                    drop_at: str = "input") -> Tensor:
+    """base(x) + (alpha / r) · B(A(dropout(x))) with F.linear; ``scaling`` and ``drop_at`` build the usual mistakes."""
+    def dropped(t: Tensor, where: str) -> Tensor:
+        return drop(t) if drop is not None and where in drop_at.split() else t
+
+    scaling = alpha / r if scaling is None else scaling
+    with torch.no_grad():
+        frozen = F.linear(dropped(x, "base"), base.weight, base.bias)
+        update = F.linear(F.linear(dropped(x, "input"), state["lora_a.weight"]), state["lora_b.weight"])
+        return dropped(frozen + scaling * dropped(update, "update"), "output")
+
+
+def _scaling_hint(got: Tensor, base: _Weights, state: dict[str, Tensor], alpha: float, r: int, x: Tensor) -> str:
+    for scaling, hint in ((alpha, "You scale the update by alpha; LoRA scales it by alpha / r, so that changing r "
+                                  "does not change the update's size."),
+                          (r / alpha, "You scale the update by r / alpha; LoRA scales it by alpha / r."),
+                          (1.0, "You do not scale the update: multiply B(A(x)) by alpha / r."),
+                          (alpha * r, "You scale the update by alpha · r; LoRA scales it by alpha / r."),
+                          (0.0, "Your layer ignores lora_a and lora_b: add (alpha / r) · lora_b(lora_a(x)) to "
+                                "base(x).")):
+        if close(got, _lora_reference(base, state, alpha, r, x, scaling=scaling), got.dtype):
+            return hint
+    return "Compute base(x) + (alpha / r) * lora_b(lora_a(dropout(x))), the dropout on the update's input only."
+
+
+def _build_lora(cls: Any, s: dict[str, int], r: int, alpha: float, dtype: torch.dtype, seed: int, bias: bool = True,
+                dropout: float | None = None) -> tuple[Any, _Weights, dict[str, Tensor]]:
+    base, weights = _base(s, dtype, seed, bias)
+    layer = call(cls, base, r, alpha) if dropout is None else call(cls, base, r, alpha, dropout)
+    _expect_lora_parameters(layer, s, r, bias, dtype, trainable=False)
+    state = _lora_state(s, r, dtype, seed)
+    call(_load, layer, state)
+    return layer, weights, state
+
+
+def _gradients(module: nn.Module, x: Tensor, weights: Tensor) -> dict[str, Tensor | None]:
+    """Each parameter's gradient of sum(weights * module(x)), or None where none arrives."""
+    for p in module.parameters():
+        p.grad = None
+    with torch.enable_grad():
+        (module(x) * weights).sum().backward()
+    grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in module.named_parameters()}
+    for p in module.parameters():
+        p.grad = None
+    return grads
+
+
+def _lora_weights(module: nn.Module) -> dict[str, Tensor]:
+    params = dict(module.named_parameters())
+    return {name: params[name].detach().clone() for name in ("lora_a.weight", "lora_b.weight") if name in params}
+
+
+@check
+def check_lora_init(cls: Callable[..., Any], seed: int = 0) -> None:
+    """Frozen base, lora_a (r, in) drawn and lora_b (out, r) zero: the layer starts equal to its base and trains
+    r · (in + out) numbers."""
+    s = _lora_sizes(seed)
+    x = _lora_inputs(s, torch.float32, seed)[0][1]
+    for r, alpha, bias, dtype in ((1, 1.0, True, torch.float32), (s["r"], 8.0, False, torch.float32),
+                                  (s["r"] + 1, 3.0, True, torch.float64)):
+        base, weights = _base(s, dtype, seed + r, bias)
+        layer = call(cls, base, r, alpha)
+        _expect_lora_parameters(layer, s, r, bias, dtype)
+        low_rank = call(_lora_weights, layer)
+        a, b = low_rank["lora_a.weight"], low_rank["lora_b.weight"]
+        if not torch.equal(b, torch.zeros_like(b)):
+            raise CheckFailure("lora_b should start at zero (nn.init.zeros_), so that B·A = 0 and the layer starts "
+                               "equal to its base: fine-tuning begins from the pretrained model, not from a "
+                               "randomly shifted one.")
+        if torch.equal(a, torch.zeros_like(a)):
+            raise CheckFailure("lora_a and lora_b both start at zero: then neither ever gets a gradient (each one's "
+                               "gradient goes through the other) and the adapter never learns. Keep lora_a as "
+                               "nn.Linear(in_features, r) draws it; only lora_b starts at zero.")
+        xs = x.to(dtype)
+        got = expect_tensor(call(layer, xs), f"the output of a new LoRALinear(r={r}, alpha={alpha})", tuple(
+            xs.shape[:-1]) + (s["d_out"],), "batch seq d_out", dtype)
+        expected = F.linear(xs, weights.weight, weights.bias)
+        if not close(got, expected, dtype):
+            raise CheckFailure(f"A new LoRALinear(r={r}, alpha={alpha}) should compute exactly what its base layer "
+                               f"computes (lora_b is zero) ({difference(got, expected, s)}). Return "
+                               "base(x) + (alpha / r) * lora_b(lora_a(dropout(x))).")
+        weights_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(seed + 71), dtype=dtype)
+        grads = call(_gradients, layer, xs, weights_out)
+        for name in ("base.weight", "base.bias"):
+            if grads.get(name) is not None and grads[name].abs().sum() > 0:
+                raise CheckFailure(f"{name} received a gradient: freeze the base, self.base.requires_grad_(False).")
+        if grads.get("lora_b.weight") is None or not grads["lora_b.weight"].abs().sum() > 0:
+            raise CheckFailure("lora_b received no gradient from a backward pass through the layer: use lora_a and "
+                               "lora_b in forward (base(x) + (alpha / r) * lora_b(lora_a(dropout(x)))), and leave "
+                               "them trainable.")
+    passed("LoRALinear freezes its base, adds lora_a (r, in_features) drawn at random and lora_b (out_features, r) "
+           "at zero: it starts equal to its base, trains r · (in + out) numbers and gets gradients in lora_b, for "
+           "r = 1 and more, with and without a bias, float32 and float64")
+
+
+@check
+def check_lora_forward(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """base(x) + (alpha / r) · B(A(dropout(x))) for several r and alpha; dropout on the update's input, only in
+    training."""
+    s = _lora_sizes(seed)
+    inputs = _lora_inputs(s, dtype, seed)
+    for i, (r, alpha, bias) in enumerate(((1, 1.0, True), (s["r"], 16.0, True), (s["r"] + 1, 3.0, False))):
+        layer, base, state = _build_lora(cls, s, r, alpha, dtype, seed + i, bias)
+        for training in (False, True):  # no dropout: the same in both modes
+            call(_set_training, layer, training)
+            for what, x in inputs:
+                mode = "train()" if training else "eval()"
+                what = f"LoRALinear(r={r}, alpha={alpha}{'' if bias else ', a base without bias'}) in {mode} on {what}"
+                got = expect_tensor(call(layer, x), f"the output of {what}", tuple(x.shape[:-1]) + (s["d_out"],),
+                                    "batch seq d_out" if x.dim() == 3 else "batch d_out", dtype)
+                expected = _lora_reference(base, state, alpha, r, x)
+                if not close(got, expected, dtype):
+                    raise CheckFailure(f"For {what}, your output differs from base(x) + (alpha / r) · B(A(x)) with "
+                                       f"the same weights ({difference(got, expected, {**s, 'r': r})}). "
+                                       f"{_scaling_hint(got, base, state, alpha, r, x)}")
+    # Dropout 0.5: nothing in eval(); in train() a stand-in with a fixed mask shows where it acts.
+    r, alpha = s["r"], 6.0
+    layer, base, state = _build_lora(cls, s, r, alpha, dtype, seed + 5, dropout=0.5)
+    what, x = inputs[0]
+    got = call(layer, x)
+    expected = _lora_reference(base, state, alpha, r, x)
+    if not close(got, expected, dtype):
+        raise CheckFailure(f"LoRALinear(r={r}, alpha={alpha}, dropout=0.5) in eval() mode should not drop anything "
+                           f"({difference(got, expected, s)}): use nn.Dropout(dropout), which knows train() and "
+                           "eval(), stored as self.dropout.")
+    drop = _FixedDropout(0.5, seed)
+    call(_set_attribute, layer, "dropout", drop)
+    call(_set_training, layer, True)
+    got = expect_tensor(call(layer, x), "the output in train()", tuple(x.shape[:-1]) + (s["d_out"],),
+                        "batch seq d_out", dtype)
+    expected = _lora_reference(base, state, alpha, r, x, drop=drop)
+    if not close(got, expected, dtype):
+        if not torch.equal(got, call(layer, x)):  # the stand-in is deterministic: the randomness is elsewhere
+            hint = ("Two calls on the same input differ: your layer drops with a dropout of its own (F.dropout?) "
+                    "instead of self.dropout. Keep nn.Dropout(dropout) as self.dropout and apply it.")
+        else:
+            variants = {
+                "Your layer does not use self.dropout: apply it to the input of the update, "
+                "lora_b(lora_a(self.dropout(x))).": dict(),
+                "You apply the dropout to the base layer's input too: it acts on the update's input only, "
+                "base(x) + (alpha / r) · lora_b(lora_a(dropout(x))); the pretrained path stays as it was.":
+                    dict(drop=drop, drop_at="base input"),
+                "You apply the dropout to the update's output: it acts on its input, lora_b(lora_a(dropout(x))).":
+                    dict(drop=drop, drop_at="update"),
+                "You apply the dropout to the layer's output: it acts on the update's input only, "
+                "lora_b(lora_a(dropout(x))).": dict(drop=drop, drop_at="output"),
+            }
+            hint = next((h for h, v in variants.items() if close(got, _lora_reference(base, state, alpha, r, x, **v),
+                                                                    dtype)),
+                        "Apply self.dropout to x on the update's path only: lora_b(lora_a(self.dropout(x))).")
+        raise CheckFailure(f"In train(), with self.dropout replaced by a module that zeroes a fixed half of its input "
+                           f"and doubles the rest, your output differs from base(x) + (alpha / r) · B(A(dropout(x))) "
+                           f"({difference(got, expected, s)}). {hint}")
+    passed(f"LoRALinear computes base(x) + (alpha / r) · B(A(dropout(x))) for r = 1, {s['r']}, {s['r'] + 1} and "
+           f"alpha = 1, 16, 3, with and without a bias, on (batch, seq, in) and (batch, in); dropout on the update's "
+           f"input, only in train() ({_dtype_name(dtype)})")
+
+
+def _merged(layer: nn.Module, x: Tensor) -> dict[str, Any]:
+    """What merged() returns, as plain data: its kind, weights and output on x; and the layer's output before and
+    after (merging must not change the layer)."""
+    before = layer(x).detach().clone()
+    merged = layer.merged()
+    found: dict[str, Any] = {"kind": type(merged).__name__, "linear": isinstance(merged, nn.Linear),
+                             "before": before, "after": layer(x).detach().clone()}
+    if isinstance(merged, nn.Linear):
+        found |= {"weight": merged.weight.detach().clone(),
+                  "bias": None if merged.bias is None else merged.bias.detach().clone(),
+                  "output": merged(x).detach().clone()}
+    return found
+
+
+@check
+def check_lora_merged(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """merged() is one nn.Linear with weight W + (alpha / r) · B A and the base's bias, computing the same function;
+    the layer is left as it was."""
+    s = _lora_sizes(seed)
+    x = _lora_inputs(s, dtype, seed)[0][1]
+    for i, (r, alpha, bias) in enumerate(((s["r"], 12.0, True), (2, 5.0, False))):
+        layer, base, state = _build_lora(cls, s, r, alpha, dtype, seed + 10 + i, bias, dropout=0.25)
+        what = f"LoRALinear(r={r}, alpha={alpha}, dropout=0.25{'' if bias else ', a base without bias'}) in eval()"
+        found = call(_merged, layer, x)
+        if not found["linear"]:
+            raise CheckFailure(f"merged() of {what} should return one nn.Linear, got {found['kind']}.")
+        expected = _lora_reference(base, state, alpha, r, x)
+        if not close(found["before"], expected, dtype):
+            raise CheckFailure(f"{what} does not compute base(x) + (alpha / r) · B(A(x)) "
+                               f"({difference(found['before'], expected, s)}), so its merged layer cannot either: "
+                               f"{_scaling_hint(found['before'], base, state, alpha, r, x)}")
+        if not close(found["after"], found["before"], dtype):
+            raise CheckFailure(f"After merged(), {what} computes something else "
+                               f"({difference(found['after'], found['before'], s)}): merged() changed the layer "
+                               "itself (did it add B·A into base.weight in place?). Build a new nn.Linear and leave "
+                               "the base as it was: the adapter may still be trained or removed.")
+        weight = found["weight"]
+        b_a = state["lora_b.weight"] @ state["lora_a.weight"]
+        expected_weight = base.weight + alpha / r * b_a
+        if weight.dtype != dtype:
+            raise CheckFailure(f"The merged layer is {_dtype_name(weight.dtype)} although the base is "
+                               f"{_dtype_name(dtype)}: build it with dtype=base.weight.dtype.")
+        if not close(weight, expected_weight, dtype):
+            if close(weight, base.weight + b_a, dtype):
+                hint = "You added B·A without its scale: the merged weight is W + (alpha / r) · B A."
+            elif close(weight, base.weight, dtype):
+                hint = "Your merged weight is the base's alone: add the update (alpha / r) · B A to it."
+            else:
+                hint = "The merged weight is W + (alpha / r) · lora_b.weight @ lora_a.weight, shape (out, in)."
+            raise CheckFailure(f"merged() of {what} has the wrong weight ({difference(weight, expected_weight, s)}). "
+                               f"{hint}")
+        if bias and (found["bias"] is None or not torch.equal(found["bias"], base.bias)):
+            raise CheckFailure(f"merged() of {what} should keep the base layer's bias unchanged (the update adds "
+                               f"none); {'it has no bias' if found['bias'] is None else 'its bias differs'}.")
+        if not bias and found["bias"] is not None:
+            raise CheckFailure(f"merged() of {what}, whose base has no bias, has one: nn.Linear(..., bias=False) "
+                               "when base.bias is None.")
+        if not close(found["output"], expected, dtype):
+            raise CheckFailure(f"The merged layer of {what} computes something else than the LoRA layer "
+                               f"({difference(found['output'], expected, s)}).")
+    passed(f"merged() returns one nn.Linear with weight W + (alpha / r) · B A and the base's bias (or none), "
+           f"computing what the LoRA layer computes, and leaves the layer as it was ({_dtype_name(dtype)})")
+
+
+# -- exercise 4: predict, then measure ------------------------------------------------------------------
+
+def _nucleus_range(logits: Tensor, temperature: float, top_p: float) -> tuple[int, int]:
+    """The nucleus sizes that rounding allows: the fewest tokens whose mass reaches p - 1e-5, and p + 1e-5."""
+    probs = torch.sort(torch.softmax(logits.double() / temperature, dim=-1), descending=True).values
+    mass = torch.cumsum(probs, dim=-1)
+    vocab = logits.shape[-1]
+
+    def fewest(target: float) -> int:
+        return min(int((mass < target).sum()) + 1, vocab)
+
+    return fewest(top_p - 1e-5), fewest(top_p + 1e-5)
+
+
+@check
+def check_nucleus_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
+    """The number of tokens your filter keeps of logits / temperature, for Zipf-like and random logits."""
+    g = torch.Generator().manual_seed(seed + 73)
+    vocab = 200 + int(torch.randint(0, 100, (1,), generator=g))
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    distributions = (("a Zipf distribution (p_k ∝ 1/k)", -ranks.log()[torch.randperm(vocab, generator=g)]),
+                     ("random logits (spread 3)", 3 * torch.randn(vocab, generator=g)))
+    counts = []
+    for what, logits in distributions:
+        for temperature in (0.3, 0.5, 1.0, 2.0, 5.0):
+            for top_p in (0.5, 0.9):
+                got = call(fn, logits, temperature, top_p)
+                if type(got) is not int:
+                    raise CheckFailure(f"nucleus_size should return a Python int (the number of kept tokens: "
+                                       f"int(...)), got {kind(got)}.")
+                low, high = _nucleus_range(logits, temperature, top_p)
+                counts.append(got)
+                if low <= got <= high:
+                    continue
+                same = _nucleus_range(logits, 1.0, top_p)
+                wrong = _nucleus_range(logits, 1 / temperature, top_p)
+                if same[0] <= got <= same[1] and temperature != 1.0:
+                    hint = ("That is the count at temperature 1: divide the logits by the temperature before "
+                            "filtering, filter_logits(logits / temperature, top_p=top_p).")
+                elif wrong[0] <= got <= wrong[1]:
+                    hint = ("That is the count at temperature 1 / T: divide the logits by the temperature, do not "
+                            "multiply them.")
+                elif vocab - high <= got <= vocab - low:
+                    hint = "That is the number of tokens dropped: count those whose logit is still finite."
+                else:
+                    hint = ("Filter logits / temperature with your filter_logits(..., top_p=top_p) and count the "
+                            "tokens whose logit is not -inf. (If your filter_logits fails its checks, fix it first.)")
+                raise CheckFailure(f"For {what} over {vocab} tokens at temperature {temperature} and top_p={top_p} "
+                                   f"you counted {got} tokens; the nucleus holds {low}"
+                                   f"{'' if low == high else f' to {high}'}. {hint}")
+    passed(f"nucleus sizes right for a Zipf distribution and random logits over {vocab} tokens, at temperatures 0.3 "
+           f"to 5 and top_p 0.5 and 0.9 (from {min(counts)} to {max(counts)} tokens)")

@@ -1,0 +1,152 @@
+"""Which part fills each slot of a Transformer layer: one configuration, read in one place.
+
+The 2017 Transformer, BERT, GPT-2, T5 and LLaMA differ in a handful of choices: the norm and
+where it sits, the feed-forward network, how positions enter, how many key/value heads the
+attention keeps, whether the linear maps have biases, whether the output layer shares the
+embedding table. :class:`ModelConfig` names each choice, and :func:`make_norm`,
+:func:`make_ffn` and :func:`make_attention` turn it into the part that an earlier chapter
+built (chapters 04, 05, 06 and 10). Chapter 07's ``encoder_layer`` and chapter 08's
+``decoder_layer`` put those parts into the layers; chapter 12 builds every model family from
+them (:mod:`stepformer.models`).
+"""
+
+from dataclasses import asdict, dataclass
+
+from torch import nn
+
+from stepformer.ffn import FeedForward, SwiGLU
+from stepformer.gqa import GroupedQueryAttention
+from stepformer.norms import LayerNorm, RMSNorm
+
+NORMS = ("layer", "rms")
+PLACEMENTS = ("pre", "post")
+FFNS = ("relu", "gelu", "gelu_tanh", "swiglu")
+POSITIONS = ("sinusoidal", "learned", "rope")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Every choice that tells one Transformer model from another, beyond its weights.
+
+    Sizes: ``vocab`` tokens, ``d_model`` features, ``heads`` query heads and ``kv_heads``
+    key/value heads (``None``: as many as ``heads``; 1: multi-query), ``layers`` layers,
+    ``d_ff`` hidden units of the feed-forward network, ``max_len`` positions for a learned
+    table. The parts:
+
+    - ``norm``: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm), with ``norm_eps``;
+    - ``placement``: ``"post"`` (the 2017 paper, BERT: ``norm(x + f(x))``) or ``"pre"``
+      (GPT-2, T5, LLaMA: ``x + f(norm(x))``); ``final_norm`` adds a norm after the last layer,
+      which pre-norm needs because its residual stream is never normalised;
+    - ``ffn``: ``"relu"``, ``"gelu"``, ``"gelu_tanh"`` (GELU's tanh approximation, GPT-2's)
+      or ``"swiglu"`` (LLaMA's gated unit, no biases);
+    - ``positions``: ``"sinusoidal"`` (the fixed code, added), ``"learned"`` (a table, added)
+      or ``"rope"`` (queries and keys rotated in self-attention; nothing added);
+    - ``bias``: biases in the attention's four linear maps (the relu/gelu feed-forward of
+      chapter 04 always has them, SwiGLU never);
+    - ``tie_embeddings``: the output layer reuses the token embedding table;
+      ``scale_embeddings`` multiplies token vectors by sqrt(d_model) (the 2017 paper);
+      ``embedding_norm`` normalises the embeddings before the first layer and ``segments``
+      adds a table of that many segment (token type) vectors (both BERT);
+    - ``dropout`` everywhere the 2017 paper puts it; ``fast`` uses PyTorch's fused attention
+      and norms (same parameters, same results).
+    """
+
+    vocab: int
+    d_model: int
+    heads: int
+    layers: int
+    d_ff: int
+    kv_heads: int | None = None
+    norm: str = "layer"
+    norm_eps: float = 1e-5
+    placement: str = "pre"
+    final_norm: bool = True
+    ffn: str = "gelu"
+    positions: str = "learned"
+    max_len: int = 1024
+    bias: bool = True
+    tie_embeddings: bool = True
+    scale_embeddings: bool = False
+    embedding_norm: bool = False
+    segments: int = 0
+    dropout: float = 0.0
+    fast: bool = True
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("norm", self.norm, NORMS), ("placement", self.placement, PLACEMENTS),
+                                     ("ffn", self.ffn, FFNS), ("positions", self.positions, POSITIONS)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        for name in ("vocab", "d_model", "heads", "layers", "d_ff", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+        if self.segments < 0:
+            raise ValueError(f"segments must be 0 (none) or more, got {self.segments}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    """Chapter 05's LayerNorm or RMSNorm; with ``fast``, PyTorch's fused module with the same parameters."""
+    d_model, eps = config.d_model, config.norm_eps
+    if config.norm == "rms":
+        return nn.RMSNorm(d_model, eps=eps) if config.fast else RMSNorm(d_model, eps)
+    return nn.LayerNorm(d_model, eps=eps) if config.fast else LayerNorm(d_model, eps)
+
+
+class TanhGELUFeedForward(FeedForward):
+    """Chapter 04's feed-forward network with GELU's tanh approximation, GPT-2's ``gelu_new``.
+
+    0.5 x (1 + tanh(sqrt(2/π) (x + 0.044715 x³))) differs from the exact GELU by up to about
+    5e-4; a model trained with one computes another function with the other. Same parameters
+    (``linear1``, ``linear2``) as :class:`~stepformer.ffn.FeedForward`.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0) -> None:
+        super().__init__(d_model, d_ff, "gelu", dropout)
+        self.activation = nn.GELU(approximate="tanh")
+
+
+def make_ffn(config: ModelConfig) -> nn.Module:
+    """Chapter 04's feed-forward network (ReLU, GELU or its tanh approximation) or SwiGLU."""
+    if config.ffn == "swiglu":
+        return SwiGLU(config.d_model, config.d_ff)
+    if config.ffn == "gelu_tanh":
+        return TanhGELUFeedForward(config.d_model, config.d_ff, config.dropout)
+    return FeedForward(config.d_model, config.d_ff, config.ffn, config.dropout)
+
+
+def make_attention(config: ModelConfig, self_attention: bool = True) -> GroupedQueryAttention:
+    """Chapter 10's attention: ``heads`` query heads over ``kv_heads`` key/value heads (all of them: chapter 03's).
+
+    RoPE rotates self-attention only: in cross-attention the queries' and keys' positions lie on
+    two different sentences.
+    """
+    return GroupedQueryAttention(
+        config.d_model,
+        config.heads,
+        config.kv_heads,
+        bias=config.bias,
+        dropout=config.dropout,
+        rope=self_attention and config.positions == "rope",
+        fast=config.fast,
+    )
+
+
+def bare(cls: type[nn.Module]) -> nn.Module:
+    """An empty instance of ``cls`` (nn.Module's set-up only), for a builder to give its parts.
+
+    The layers of chapters 07 and 08 create their own parts in ``__init__``; a configured layer
+    is the same class with other parts in the same attributes, so it keeps that class's
+    ``forward`` and its parameter names.
+    """
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    return module
