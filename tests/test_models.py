@@ -66,14 +66,15 @@ LLAMA_CONFIGS = [  # (hidden, layers, heads, kv_heads, intermediate, vocab)
 
 @pytest.mark.parametrize("hidden, layers, heads, kv_heads, intermediate, vocab", LLAMA_CONFIGS)
 @pytest.mark.parametrize("tie", [False, True])
-def test_llama_logits_equal_huggingfaces(hidden, layers, heads, kv_heads, intermediate, vocab, tie) -> None:
+@pytest.mark.parametrize("fast", [True, False])  # PyTorch's fused parts, or the chapters' own
+def test_llama_logits_equal_huggingfaces(hidden, layers, heads, kv_heads, intermediate, vocab, tie, fast) -> None:
     config = transformers.LlamaConfig(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         intermediate_size=intermediate, vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=tie,
         rms_norm_eps=1e-5,
     )  # fmt: skip
     theirs = randomise(transformers.LlamaForCausalLM(config), seed=hidden + layers).eval()
-    ours = hf_convert.from_llama(theirs).eval()
+    ours = hf_convert.from_llama(theirs, fast=fast).eval()
     for seed, (batch, seq) in enumerate([(1, 1), (3, 9), (2, 33)]):
         x = tokens(seed, batch, seq, vocab)
         assert_close(ours(x), theirs(x).logits, torch.float32, f"LLaMA {hidden}/{heads}/{kv_heads}, {batch}x{seq}")
@@ -139,12 +140,14 @@ BERT_CONFIGS = [  # (hidden, layers, heads, intermediate, vocab, segments)
 
 @pytest.mark.parametrize("hidden, layers, heads, intermediate, vocab, segments", BERT_CONFIGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_bert_masked_lm_logits_equal_huggingfaces(hidden, layers, heads, intermediate, vocab, segments, dtype) -> None:
+@pytest.mark.parametrize("fast", [True, False])
+def test_bert_masked_lm_logits_equal_huggingfaces(hidden, layers, heads, intermediate, vocab, segments, dtype,
+                                                  fast) -> None:
     config = transformers.BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                                      intermediate_size=intermediate, vocab_size=vocab, max_position_embeddings=40,
                                      type_vocab_size=segments)
     theirs = randomise(transformers.BertForMaskedLM(config), seed=hidden).to(dtype).eval()
-    ours = hf_convert.from_bert(theirs).eval()
+    ours = hf_convert.from_bert(theirs, fast=fast).eval()
     for seed, (batch, seq) in enumerate([(1, 1), (3, 13), (2, 40)]):
         x = tokens(seed, batch, seq, vocab)
         segment_ids = tokens(seed + 10, batch, seq, segments)
