@@ -26,7 +26,7 @@ from sphinx.config import Config
 from sphinx.directives.code import LiteralInclude
 from sphinx.errors import ExtensionError
 
-from stepformer.course.edition import DIST_NAME, build_student_dist, class_notebook, graded_answers
+from stepformer.course.edition import build_student_dist, class_notebook, graded_answers, wheel_name
 
 EDITIONS = ("open", "class")
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,13 +35,6 @@ ROOT = Path(__file__).resolve().parents[2]
 @functools.cache
 def _answers() -> dict:
     return graded_answers(ROOT)
-
-
-def _wheel_name() -> str:
-    import tomllib
-
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    return f"{DIST_NAME.replace('-', '_')}-{version}-py3-none-any.whl"
 
 
 class GradedLiteralInclude(LiteralInclude):
@@ -83,7 +76,7 @@ def _package_url(config: Config) -> str:
     if config.stepformer_package_url:
         return config.stepformer_package_url
     base = (config.html_baseurl or "").rstrip("/")
-    return f"{base}/_static/{_wheel_name()}" if base else f"_static/{_wheel_name()}"
+    return f"{base}/_static/{wheel_name(ROOT)}" if base else f"_static/{wheel_name(ROOT)}"
 
 
 # A code cell's opening line and its option lines (":tags: [...]", ":mystnb: ...", in any order).

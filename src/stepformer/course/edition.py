@@ -111,6 +111,12 @@ def class_notebook(nb: nbformat.NotebookNode, answers: dict[str, Answer], packag
     return nb
 
 
+def wheel_name(root: Path) -> str:
+    """The file name of the students' wheel that :func:`build_student_dist` builds from ``root``."""
+    version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    return f"{DIST_NAME.replace('-', '_')}-{version}-py3-none-any.whl"
+
+
 def build_student_dist(root: Path, out: Path) -> Path:
     """Build the students' wheel (``stepformer-checks``: the checks, no reference code) into ``out``; its path."""
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
@@ -149,7 +155,7 @@ def build_student_dist(root: Path, out: Path) -> Path:
                                "--wheel-dir", str(out), str(work)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise EditionError(f"pip could not build the students' wheel:\n{proc.stdout}{proc.stderr}")
-    wheel = out / f"{DIST_NAME.replace('-', '_')}-{project['version']}-py3-none-any.whl"
+    wheel = out / wheel_name(root)
     if not wheel.is_file():
         raise EditionError(f"pip built no {wheel.name} in {out}")
     return wheel
