@@ -8,12 +8,13 @@ no biases, untied output layer) and the same weights: ours is converted from the
 ``stepformer.huggingface.from_llama``. One step is forward, next-token cross-entropy (with
 right padding ignored), backward, gradient clipping and an AdamW step, on the same batches in the
 same order; the losses of the first step are printed side by side (they must agree). Ours runs
-with ``fast=True`` (PyTorch's fused attention and RMSNorm, the library's default for chapter 12's
-models) and once more with the didactic parts (``fast=False``); theirs with its default
-attention (``sdpa``). The steps alternate between the models (ours, theirs, ours, ...) so that
-a machine that slows down during the run slows both alike; the median of ``--steps`` timed steps
-after ``--warmup`` is kept. The runtime shape checks (jaxtyping with beartype) are off for the
-timed steps: the script sets ``JAXTYPING_DISABLE=1`` before importing stepformer. Not a test.
+with ``fast=True`` (PyTorch's fused attention and RMSNorm, and RoPE as complex products: the
+library's default for chapter 12's models) and once more with the didactic parts
+(``fast=False``); theirs with its default attention (``sdpa``). The steps alternate between the
+models (ours, theirs, ours, ...) so that a machine that slows down during the run slows both
+alike; the median of ``--steps`` timed steps after ``--warmup`` is kept. The runtime shape checks
+(jaxtyping with beartype) are off for the timed steps: the script sets ``JAXTYPING_DISABLE=1``
+before importing stepformer. Not a test.
 """
 
 import argparse

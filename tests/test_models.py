@@ -29,7 +29,8 @@ from stepformer.models import (  # noqa: E402
     merge_lora,
     sample_next,
 )
-from stepformer.parts import ModelConfig  # noqa: E402
+from stepformer.parts import ComplexRotaryEmbedding, ModelConfig  # noqa: E402
+from stepformer.positional import RotaryEmbedding  # noqa: E402
 from stepformer.transformer import Transformer, decoder_layer  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -238,6 +239,40 @@ def test_the_written_out_llama_block_is_the_configured_decoder_layer(kv_heads: i
     x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(0))
     mask = causal_mask(9)
     assert torch.allclose(block(x, mask), configured(x, None, None, mask), atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rope_as_a_complex_product_is_chapter_06s_rotation(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    d_head = 2 * int(torch.randint(1, 33, (1,), generator=g))
+    base = [10000.0, 500.0, 1e6, 10.0][seed]
+    seq, heads = int(torch.randint(1, 20, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+    positions = torch.randint(0, 4000, (seq,), generator=g)
+    chapter_06, complex_product = RotaryEmbedding(d_head, base), ComplexRotaryEmbedding(d_head, base)
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        x = torch.randn(3, heads, seq, d_head, generator=g, dtype=dtype)
+        assert torch.allclose(complex_product(x, positions), chapter_06(x, positions), atol=tolerance)
+    # A view whose pairs start at an odd offset (heads split from a wider projection) is turned as well.
+    wide = torch.randn(3, seq, heads * d_head + 1, generator=g)[..., 1:]
+    odd = wide.unflatten(-1, (heads, d_head)).transpose(1, 2)
+    assert odd.storage_offset() % 2 == 1
+    assert torch.allclose(complex_product(odd, positions), chapter_06(odd, positions), atol=1e-5)
+    # Half precision is turned in float32 and rounded once: closer to the float64 rotation than chapter 06's.
+    x = torch.randn(3, heads, seq, d_head, generator=g)
+    exact = chapter_06(x.bfloat16().double(), positions)
+    turned = complex_product(x.bfloat16(), positions)
+    assert turned.dtype == torch.bfloat16
+    assert (turned.double() - exact).abs().max() <= (chapter_06(x.bfloat16(), positions).double() - exact).abs().max()
+    with pytest.raises(ValueError, match="d_head"):
+        complex_product(torch.randn(2, seq, d_head + 2), positions)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_fast_models_turn_rope_as_complex_products_and_keep_chapter_06s_otherwise(fast: bool) -> None:
+    model = LanguageModel(llama_config(fast=fast))
+    ropes = [layer.self_attn.rope for layer in model.decoder.layers]
+    assert all(type(rope) is (ComplexRotaryEmbedding if fast else RotaryEmbedding) for rope in ropes)
+    assert all(rope.d_head == 8 for rope in ropes)
 
 
 @pytest.mark.parametrize("fast", [False, True])

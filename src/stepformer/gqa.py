@@ -164,9 +164,10 @@ def _fused_attention(
     )
     if mask is None:
         return out
-    # A query that may read no key has no defined softmax; the library's answer is zero.
+    # A query that may read no key has no defined softmax; the library's answer is zero. (Any
+    # NaN left in a row that can read a key came from the inputs, and is left to be seen.)
     readable = reduce(mask, "... q_len k_len -> ... q_len 1", "max")
-    return out.masked_fill(~readable, 0.0).nan_to_num()
+    return out.masked_fill(~readable, 0.0)
 
 
 def from_multihead(mha: nn.Module, kv_heads: int) -> GroupedQueryAttention:

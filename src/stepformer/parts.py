@@ -12,11 +12,16 @@ them (:mod:`stepformer.models`).
 
 from dataclasses import asdict, dataclass
 
-from torch import nn
+import torch
+from beartype import beartype
+from einops import einsum, rearrange
+from jaxtyping import Float, Int, jaxtyped
+from torch import Tensor, nn
 
 from stepformer.ffn import FeedForward, SwiGLU
 from stepformer.gqa import GroupedQueryAttention
 from stepformer.norms import LayerNorm, RMSNorm
+from stepformer.positional import RotaryEmbedding
 
 NORMS = ("layer", "rms")
 PLACEMENTS = ("pre", "post")
@@ -48,7 +53,7 @@ class ModelConfig:
       ``embedding_norm`` normalises the embeddings before the first layer and ``segments``
       adds a table of that many segment (token type) vectors (both BERT);
     - ``dropout`` everywhere the 2017 paper puts it; ``fast`` uses PyTorch's fused attention
-      and norms (same parameters, same results).
+      and norms, and RoPE as a complex multiplication (same parameters, same results).
     """
 
     vocab: int
@@ -123,13 +128,42 @@ def make_ffn(config: ModelConfig) -> nn.Module:
     return FeedForward(config.d_model, config.d_ff, config.ffn, config.dropout)
 
 
+class ComplexRotaryEmbedding(RotaryEmbedding):
+    """Chapter 06's rotation computed as a complex multiplication: the same result in fewer steps.
+
+    Pair ``(x_2i, x_2i+1)`` is read as the complex number x_2i + i·x_2i+1 (``view_as_complex``,
+    no copy) and multiplied by e^(i·pos·θ_i), which turns it by pos·θ_i. Chapter 06 writes the
+    four real products and reassembles the pairs; here one complex product does it, about three
+    times faster forward and backward on a CPU, enough to decide whether a LLaMA-style training
+    step keeps up with Hugging Face's (``benchmarks/lm_training_step.py``). Half-precision inputs
+    are turned in float32 (PyTorch has no bfloat16 complex numbers) and returned in their dtype.
+    """
+
+    @jaxtyped(typechecker=beartype)
+    def forward(
+        self, x: Float[Tensor, "*batch seq d_head"], positions: Int[Tensor, " seq"]
+    ) -> Float[Tensor, "*batch seq d_head"]:
+        """Rotate each query or key ``x[..., s, :]`` to its position ``positions[s]``; same shape and dtype."""
+        if x.shape[-1] != self.d_head:
+            raise ValueError(f"x has d_head={x.shape[-1]}, but this RotaryEmbedding was built for {self.d_head}")
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        i = torch.arange(self.d_head // 2, dtype=dtype, device=x.device)
+        angle = einsum(positions.to(dtype), self.base ** (-2 * i / self.d_head), "seq, pair -> seq pair")
+        turn = torch.polar(torch.ones_like(angle), angle)
+        pairs = rearrange(x.to(dtype), "... seq (pair two) -> ... seq pair two", two=2)
+        if pairs.storage_offset() % 2 or any(stride % 2 for stride in pairs.stride()[:-1]):
+            pairs = pairs.contiguous()  # a complex view needs each pair at an even offset
+        turned = torch.view_as_real(torch.view_as_complex(pairs) * turn)
+        return rearrange(turned, "... seq pair two -> ... seq (pair two)").to(x.dtype)
+
+
 def make_attention(config: ModelConfig, self_attention: bool = True) -> GroupedQueryAttention:
     """Chapter 10's attention: ``heads`` query heads over ``kv_heads`` key/value heads (all of them: chapter 03's).
 
     RoPE rotates self-attention only: in cross-attention the queries' and keys' positions lie on
-    two different sentences.
+    two different sentences. With ``fast``, the rotation is :class:`ComplexRotaryEmbedding`.
     """
-    return GroupedQueryAttention(
+    attention = GroupedQueryAttention(
         config.d_model,
         config.heads,
         config.kv_heads,
@@ -138,6 +172,9 @@ def make_attention(config: ModelConfig, self_attention: bool = True) -> GroupedQ
         rope=self_attention and config.positions == "rope",
         fast=config.fast,
     )
+    if attention.rope is not None and config.fast:
+        attention.rope = ComplexRotaryEmbedding(attention.d_head)
+    return attention
 
 
 def bare(cls: type[nn.Module]) -> nn.Module:
