@@ -40,7 +40,8 @@ NOT_TERMS = {
     "looking at the weights", "the pipeline in PyTorch", "the library's version", "and as fast",
     "from its definition", "the full model", "the full results", "measured speed", "decoding speed",
     "three families", "words as vectors", "before the Transformer", "both masks", "once", "trained",
-    "every choice", "named once", "trained here", "family table", "on this model",
+    "every choice", "named once", "trained here", "family table", "on this model", "counting the bytes", "on a GPU",
+    "attention at scale",
     # the furniture of every chapter
     "exercise", "summary", "references", "check your understanding", "questions learners ask",
 }

@@ -1,0 +1,798 @@
+"""Checks for chapter 13: the online softmax, one tile of FlashAttention's forward pass, the blocks a causal attention
+computes.
+
+The oracles: ``torch.softmax`` in float64 (with chapter 01's zeros for a row of nothing but -inf, where it gives
+NaN); the state of a tile by its definition, written out here in float64 (the running maximum of the scores
+q·k / sqrt(d_k), the sum of exp(score - max), the unnormalised output Σ exp(score - max) · v);
+``F.scaled_dot_product_attention`` for a whole causal forward pass folded together with the student's own step; and
+PyTorch's lower-right causal mask (``causal_lower_right``: the queries are the last ``q_len`` of ``k_len`` positions,
+chapter 02's convention) cut into tiles, a tile computed where any of its entries is True. Where no built-in exists,
+the defining property: two steps equal one step over both blocks. Nothing here imports the course's reference
+library, which the class edition's students do not have. Every call of the student's code goes through :func:`call`.
+"""
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from beartype import beartype
+from einops import einsum, rearrange, reduce
+from jaxtyping import Bool, Float, jaxtyped
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed
+from stepformer.checks._modules import error_of as _error_of
+
+# Exercise 1 rebuilds the softmax, so PyTorch's own is off limits in it (comparing with it in a scratch cell is fine).
+BUILT_IN_SOFTMAX = {
+    "torch.softmax": "PyTorch's softmax",
+    "torch.nn.functional.softmax": "PyTorch's softmax",
+    "torch.special.softmax": "PyTorch's softmax",
+    "torch.log_softmax": "PyTorch's log-softmax",
+    "torch.nn.functional.log_softmax": "PyTorch's log-softmax",
+    "torch.special.log_softmax": "PyTorch's log-softmax",
+}
+# Exercise 2 is attention computed a tile at a time: PyTorch's fused attention would skip the point of it.
+BUILT_IN_TILE = {
+    "torch.nn.functional.scaled_dot_product_attention": "PyTorch's fused attention",
+}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _call_on_copies(fn: Callable[..., Any], args: tuple, names: tuple[str, ...], what: str) -> Any:
+    """``fn(*args)`` on copies of the tensors; fail if it wrote into any of them (``+=``, ``mul_``, an assignment into
+    ``x[...]``): the caller's tensors must stay as they were, and a call is recorded by what it was given."""
+    copies = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
+    got = call(fn, *copies)
+    changed = [name for name, a, c in zip(names, args, copies, strict=True)
+               if isinstance(a, Tensor) and not torch.equal(a, c)]
+    if changed:
+        raise CheckFailure(f"{what} changed the tensors it was given ({', '.join(changed)}): an in-place operation "
+                           "(+=, mul_, masked_fill_, an assignment into x[...]) writes into the caller's tensors. "
+                           "Compute new tensors and return them.")
+    return got
+
+
+# -- exercise 1: the online softmax ----------------------------------------------------------------------------
+
+def _softmax_oracle(scores: Tensor) -> Tensor:
+    """``torch.softmax`` in float64; a row of nothing but -inf gets zeros (softmax gives NaN there), as chapter 01's
+    attention gives a query that may read no key."""
+    weights = torch.softmax(scores.double(), dim=-1)
+    readable = (scores > -math.inf).any(dim=-1, keepdim=True)
+    return torch.where(readable, weights, torch.zeros_like(weights))
+
+
+def _online_variant(scores: Tensor, block: int, mistake: str) -> Tensor:
+    """The online softmax in float64 with one usual mistake in how the running sum is carried (to name it):
+    "no rescale" (the old sum added as it is), "wrong sign" (multiplied by exp(new max - old max)), "restart" (only
+    the last block's terms kept)."""
+    scores = scores.double()
+    row_max = torch.full(scores.shape[:-1], -math.inf, dtype=torch.float64)
+    row_sum = torch.zeros_like(row_max)
+    for start in range(0, scores.shape[-1], block):
+        chunk = scores[..., start:start + block]
+        new_max = torch.maximum(row_max, reduce(chunk, "... n -> ...", "max"))
+        shift = torch.where(torch.isfinite(new_max), new_max, 0.0)
+        factor = {
+            "no rescale": torch.ones_like(row_sum),
+            "wrong sign": torch.where(torch.isfinite(row_max), torch.exp(shift - row_max), 0.0),
+            "restart": torch.zeros_like(row_sum),
+        }[mistake]
+        row_sum = row_sum * factor + reduce(torch.exp(chunk - rearrange(shift, "... -> ... 1")), "... n -> ...", "sum")
+        row_max = new_max
+    shift = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    weights = torch.exp(scores - rearrange(shift, "... -> ... 1")) / rearrange(row_sum, "... -> ... 1")
+    return torch.where(rearrange(row_sum > 0, "... -> ... 1"), weights, 0.0)
+
+
+NO_RESCALE = (
+    "You added each block's Σ exp(score − new max) to the running sum without rescaling the old sum: its terms were "
+    "taken relative to the old maximum, so when a block raises the maximum they are too large. Multiply the old sum "
+    "by exp(old max − new max) first: l' = l · exp(m − m') + Σ exp(block − m')."
+)
+WRONG_SIGN = (
+    "You rescaled the running sum by exp(new max − old max) instead of exp(old max − new max): when a block raises "
+    "the maximum, the old terms must shrink (the factor is at most 1), not grow."
+)
+WRONG_SIGN_NAN = (
+    "Your weights are {what} in rows that read some score, so the running sum went wrong before the end. The "
+    "usual cause is the factor of the old sum with its sign swapped: you probably rescaled the running sum by "
+    "exp(new max − old max) instead of exp(old max − new max). Before the first block the old maximum is -inf and "
+    "the sum 0, so the right factor is exp(-inf) = 0, while the swapped one is exp(+inf) = inf, and 0 · inf is NaN "
+    "(which a final torch.where(row_sum > 0, ...) turns into zeros)."
+)
+RESTART = (
+    "Your running sum keeps only the last block's terms: carry the sum from block to block, l' = l · exp(m − m') + "
+    "Σ exp(block − m'), starting from l = 0 before the first block."
+)
+
+
+def _softmax_hint(got: Tensor, scores: Tensor, block: int, one_block_passed: bool) -> str:
+    readable = (scores > -math.inf).any(dim=-1)
+    if torch.isnan(got)[readable].any():
+        return WRONG_SIGN_NAN.format(what="NaN")
+    if (got == 0).all(dim=-1)[readable].any():
+        return WRONG_SIGN_NAN.format(what="all 0")
+    for mistake, hint in (("no rescale", NO_RESCALE), ("wrong sign", WRONG_SIGN), ("restart", RESTART)):
+        if close(got, _online_variant(scores, block, mistake).to(got.dtype), got.dtype):
+            return hint
+    if scores.dim() > 1 and close(got, torch.softmax(scores.double(), dim=-2).to(got.dtype), got.dtype):
+        return "Your weights sum to 1 over the second-to-last axis: the softmax runs over the last axis, n."
+    sums = got.double().sum(dim=-1)
+    if not torch.allclose(sums, torch.ones_like(sums), atol=1e-4):
+        return ("Your rows do not sum to 1: after the last block, divide exp(score − final max) by the final running "
+                "sum.")
+    if one_block_passed:
+        return ("With one block (block ≥ n) your weights are right, with several they are not: look at how the "
+                "running maximum and sum go from one block to the next, l' = l · exp(m − m') + Σ exp(block − m').")
+    return ("Keep a running maximum m (from -inf) and sum l (from 0); for each block m' = max(m, the block's "
+            "largest score), l' = l · exp(m − m') + Σ exp(block − m'); at the end, exp(score − m) / l.")
+
+
+def _softmax_sizes(seed: int) -> tuple[int, list[int], int]:
+    """The row length n, three distinct leading sizes (all below n, so that a swapped axis changes the shape) and a
+    block size that does not divide n."""
+    g = torch.Generator().manual_seed(seed + 31)
+    n = int(torch.randint(9, 25, (1,), generator=g))
+    rows = (torch.randperm(6, generator=g)[:3] + 2).tolist()
+    start = int(torch.randint(2, n - 1, (1,), generator=g))
+    not_dividing = next(b for b in range(start, n) if n % b)  # n - 1 never divides n
+    return n, rows, not_dividing
+
+
+def _expect_weights(got: Any, what: str, scores: Tensor) -> Tensor:
+    shape = tuple(scores.shape)
+    axes = " ".join([f"rows{i}" for i in range(len(shape) - 1)] + ["n"])
+    return expect_tensor(got, f"online_softmax's result for {what}", shape, axes, scores.dtype)
+
+
+class _SoftmaxWatch(TorchDispatchMode):
+    """Notes whether PyTorch's softmax ran, however it was reached: ``torch.softmax``, ``F.softmax``, the method
+    ``scores.softmax``, a copy taken before the checks' tripwires (all of them run ATen's ``_softmax``)."""
+
+    OPS = ("softmax", "_softmax", "log_softmax", "_log_softmax")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "aten" and func.overloadpacket.__name__ in self.OPS:
+            self.used = True
+        return func(*args, **(kwargs or {}))
+
+
+def _watched(fn: Callable[..., Any]) -> Callable[..., tuple[Any, bool]]:
+    """``fn`` returning ``(its result, whether PyTorch's softmax ran)``; ``functools.wraps`` keeps its name and lets the
+    own-work scan read the student's function behind it."""
+    @functools.wraps(fn)
+    def watched(*args: Any) -> tuple[Any, bool]:
+        with _SoftmaxWatch() as watch:
+            result = fn(*args)
+        return result, watch.used
+
+    return watched
+
+
+def _weights(fn: Callable[..., Any], scores: Tensor, block: int, what: str) -> Tensor:
+    got = _call_on_copies(_watched(fn), (scores, block), ("scores", "block"), "online_softmax")
+    if type(got) not in (tuple, list) or len(got) != 2:  # a record that is not this check's
+        raise CheckFailure(f"online_softmax's recorded result for {what} is not what this check records.")
+    if got[1]:
+        raise CheckFailure("Not your own work: online_softmax runs PyTorch's softmax (torch.softmax, F.softmax or "
+                           "scores.softmax). This exercise asks you to write it yourself, from exp, max and sum; a "
+                           "function that calls the reference scores zero.")
+    return _expect_weights(got[0], what, scores)
+
+
+@check(forbid=BUILT_IN_SOFTMAX)
+def check_online_softmax_values(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """softmax over the last axis for blocks of 1, blocks that do not divide n and one block, with any leading axes;
+    block < 1 raises ValueError."""
+    n, (r1, r2, r3), b = _softmax_sizes(seed)
+    g = torch.Generator().manual_seed(seed + 37)
+
+    def draw(*shape: int) -> Tensor:
+        return 3 * torch.randn(*shape, n, generator=g, dtype=dtype)  # spread 3: the maximum moves between blocks
+
+    # One block first: a failure with several blocks then says that the single block was right.
+    cases = [(f"one block longer than the row (block = {n + 3}, n = {n})", draw(r1), n + 3),
+             (f"one block exactly the row (block = n = {n})", draw(r1, r2), n),
+             (f"blocks of 1, one score at a time (n = {n})", draw(r2), 1),
+             (f"blocks of {b}, which does not divide n = {n} (the last block is shorter)", draw(r1, r2, r3), b),
+             (f"a single row with no leading axis, blocks of 2 (n = {n})", draw(), 2)]
+    one_block_passed = False
+    for index, (what, scores, block) in enumerate(cases):
+        got = _weights(fn, scores, block, what)
+        expected = _softmax_oracle(scores).to(dtype)
+        if not close(got, expected, dtype):
+            raise CheckFailure(
+                f"For {what}, scores of shape {tuple(scores.shape)} ({_dtype_name(dtype)}), your weights differ from "
+                f"torch.softmax(scores, dim=-1) ({difference(got, expected)}). "
+                f"{_softmax_hint(got, scores, block, one_block_passed)}"
+            )
+        one_block_passed = one_block_passed or index < 2
+    for block in (0, -2):
+        error = call(_error_of, fn, cases[0][1], block)
+        if error != "ValueError":
+            got = "no error" if error is None else f"a {error}"
+            raise CheckFailure(f"online_softmax(scores, block={block}) should raise a ValueError (a block holds at "
+                               f"least one column); it raised {got}. Check block < 1 before the loop.")
+    passed(f"online_softmax equals torch.softmax for blocks of 1, of {b} (not dividing n = {n}), of n and beyond, "
+           f"with 0 to 3 leading axes; block < 1 raises ValueError ({_dtype_name(dtype)})")
+
+
+def _masked_scores(seed: int, dtype: torch.dtype) -> tuple[Tensor, int, dict[str, tuple[int, ...]]]:
+    """Scores with -inf scattered over them, a fully masked row, and a row whose first block is all -inf (its
+    maximum is still -inf after that block); the rows of each kind by index."""
+    n, (r1, r2, _), b = _softmax_sizes(seed)
+    g = torch.Generator().manual_seed(seed + 41)
+    scores = 3 * torch.randn(r1, r2, n, generator=g, dtype=dtype)
+    scores = scores.masked_fill(torch.rand(r1, r2, n, generator=g) < 0.3, -math.inf)
+    scores[..., -1] = torch.randn(r1, r2, generator=g, dtype=dtype)  # every other row reads at least one key
+    blind, late = (0, 0), (r1 - 1, r2 - 1)
+    scores[blind] = -math.inf
+    scores[late][:b] = -math.inf
+    return scores, b, {"blind": blind, "late": late}
+
+
+@check(forbid=BUILT_IN_SOFTMAX)
+def check_online_softmax_masked(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """-inf scores get weight 0; a row of nothing but -inf gives zeros, not NaN, and a row whose first block is all -inf
+    its softmax."""
+    scores, block, rows = _masked_scores(seed, dtype)
+    blind = scores[rows["blind"]][None]
+    cases = ((f"scores of shape {tuple(scores.shape)} with -inf entries (masked keys), blocks of {block}, row "
+              f"{list(rows['blind'])} all -inf and row {list(rows['late'])} -inf in its whole first block", scores,
+              block),
+             ("one row of nothing but -inf, blocks of 1", blind, 1))
+    for what, x, b in cases:
+        got = _weights(fn, x, b, what)
+        expected = _softmax_oracle(x).to(dtype)
+        if close(got, expected, dtype):
+            continue
+        readable = (x > -math.inf).any(dim=-1)
+        late = torch.zeros_like(readable)
+        if x is scores:
+            late[rows["late"]] = True
+        nan_rows = torch.isnan(got).any(dim=-1)
+        bad_rows = nan_rows | (readable & (got == 0).all(dim=-1))  # a final torch.where may hide a NaN sum as zeros
+        if (nan_rows & ~readable).any():
+            hint = ("A fully masked row (all scores -inf) must give zeros, as chapter 01's attention does; yours gives "
+                    "NaN. Its maximum stays -inf and its sum 0: exp(-inf − (-inf)) and 0 / 0 are both NaN. Subtract "
+                    "_shift(m) (0 where m is -inf) instead of m, and return zeros where the final sum is 0 "
+                    "(torch.where(row_sum > 0, ...)).")
+        elif (bad_rows & late).any() and not (bad_rows & readable & ~late).any():
+            hint = ("A row whose first block holds only -inf gives NaN (or zeros, where a final torch.where hides a "
+                    "NaN sum): after that block its maximum is still -inf, and exp(score − max) = exp(-inf − (-inf)) "
+                    "is NaN. Subtract _shift(m), which is 0 where m is -inf, instead of m.")
+        elif not bad_rows.any() and (got[x == -math.inf] != 0).any():
+            hint = "A masked score (-inf) must get weight exactly 0: exp(-inf − m) = 0."
+        else:
+            hint = _softmax_hint(got, x, b, False)
+        raise CheckFailure(f"For {what} ({_dtype_name(dtype)}), your weights differ from torch.softmax(scores, "
+                           f"dim=-1) with zeros for a fully masked row ({difference(got, expected)}). {hint}")
+    passed(f"online_softmax gives -inf scores weight 0, a fully masked row zeros (no NaN), and a row whose first "
+           f"block is all -inf its softmax ({_dtype_name(dtype)})")
+
+
+@check(forbid=BUILT_IN_SOFTMAX)
+def check_online_softmax_overflow(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """Scores near +1000 and near -1000: exp overflows (or underflows to 0) unless the running maximum is subtracted."""
+    n, (r1, r2, _), b = _softmax_sizes(seed)
+    g = torch.Generator().manual_seed(seed + 43)
+    high = 1000 + 5 * torch.randn(r1, n, generator=g, dtype=dtype)
+    low = -1000 + 5 * torch.randn(r2, n, generator=g, dtype=dtype)
+    # The largest score in the last block only: the maximum rises at the end, after the sum has started.
+    rising = 1000 + 5 * torch.randn(r1, r2, n, generator=g, dtype=dtype)
+    rising[..., -1] = rising.amax(dim=-1) + 10
+    rising[..., 0] = -math.inf
+    for what, scores in ((f"scores near +1000, blocks of {b}", high), (f"scores near -1000, blocks of {b}", low),
+                         (f"scores near +1000 with the largest in the last block and the first -inf, blocks of {b}",
+                          rising)):
+        got = _weights(fn, scores, b, what)
+        expected = _softmax_oracle(scores).to(dtype)
+        if close(got, expected, dtype):
+            continue
+        # softmax(s) = softmax(s - c): the same scores moved near 0 tell the size of the numbers from the method.
+        near_zero = scores - scores.amax(dim=-1, keepdim=True).nan_to_num(neginf=0.0)
+        moved = _weights(fn, near_zero, b, what + ", moved near 0")
+        if close(moved, _softmax_oracle(near_zero).to(dtype), dtype):
+            largest = 88 if dtype == torch.float32 else 709
+            hint = (f"The same scores moved near 0 (softmax does not change when a constant is subtracted from a row) "
+                    f"give the right weights, so the size of the numbers is the problem: exp(1000) overflows "
+                    f"{_dtype_name(dtype)} (its largest number is about e^{largest}) and exp(-1000) rounds to 0, so "
+                    "inf / inf and 0 / 0 are NaN. Subtract the running maximum before exponentiating, "
+                    "exp(score − m) ≤ 1, and rescale the running sum whenever the maximum rises.")
+        else:
+            hint = _softmax_hint(moved, near_zero, b, False)
+        raise CheckFailure(f"For {what}, shape {tuple(scores.shape)} ({_dtype_name(dtype)}), your weights differ "
+                           f"from torch.softmax(scores, dim=-1) ({difference(got, expected)}). {hint}")
+    passed(f"online_softmax is exact for scores near ±1000, where exp alone overflows or underflows, and when the "
+           f"maximum comes last ({_dtype_name(dtype)})")
+
+
+# -- exercise 2: one tile -----------------------------------------------------------------------------------
+
+TILE_AXES = ("batch", "heads", "q_block", "k_block", "d_k", "d_v")
+
+
+def _tile_sizes(seed: int) -> dict[str, int]:
+    """Pairwise-distinct sizes (2 to 9), so that a swapped axis changes a shape and d_v differs from d_k."""
+    picks = torch.randperm(8, generator=torch.Generator().manual_seed(seed + 53))[:len(TILE_AXES)] + 2
+    return dict(zip(TILE_AXES, picks.tolist(), strict=True))
+
+
+@jaxtyped(typechecker=beartype)
+def _tile_oracle(
+    q: Float[Tensor, "*batch q_block d_k"],
+    k: Float[Tensor, "*batch k_block d_k"],
+    v: Float[Tensor, "*batch k_block d_v"],
+    allowed: Bool[Tensor, "*#batch #q_block #k_block"] | None,
+    row_max: Float[Tensor, "*batch q_block"],
+    row_sum: Float[Tensor, "*batch q_block"],
+    out: Float[Tensor, "*batch q_block d_v"],
+    mistake: str = "",
+) -> tuple[Float[Tensor, "*batch q_block"], Float[Tensor, "*batch q_block"], Float[Tensor, "*batch q_block d_v"]]:
+    """One tile by its definition, in float64; ``mistake`` (a key of :data:`TILE_MISTAKES`) builds a usual wrong one,
+    to name it."""
+    q, k, v, row_max, row_sum, out = (t.double() for t in (q, k, v, row_max, row_sum, out))
+    d_k, d_v = q.shape[-1], v.shape[-1]
+    scale = {"no scale": 1.0, "d_k": d_k, "sqrt d_v": math.sqrt(d_v)}.get(mistake, math.sqrt(d_k))
+    scores = einsum(q, k, "... q_block d_k, ... k_block d_k -> ... q_block k_block") / scale
+    if allowed is not None and mistake != "mask ignored":
+        scores = scores.masked_fill(allowed if mistake == "mask inverted" else ~allowed, -math.inf)
+    block_max = reduce(scores, "... q_block k_block -> ... q_block", "max")
+    new_max = torch.maximum(row_max, block_max)
+    shift = torch.where(torch.isfinite(new_max), new_max, 0.0)  # a row that has read no key: nothing to shift
+    if mistake == "wrong sign":
+        factor = torch.where(torch.isfinite(row_max), torch.exp(shift - row_max), 0.0)
+    else:
+        factor = torch.where(torch.isfinite(row_max), torch.exp(row_max - shift), 0.0)
+    weights = torch.exp(scores - rearrange(shift, "... q_block -> ... q_block 1"))
+    kept = torch.ones_like(factor)
+    sum_factor = kept if mistake in ("sum not rescaled", "neither rescaled") else factor
+    out_factor = kept if mistake in ("out not rescaled", "neither rescaled") else factor
+    new_sum = row_sum * sum_factor + reduce(weights, "... q_block k_block -> ... q_block", "sum")
+    new_out = out * rearrange(out_factor, "... q_block -> ... q_block 1") + einsum(
+        weights, v, "... q_block k_block, ... k_block d_v -> ... q_block d_v")
+    if mistake == "normalised":
+        new_out = torch.where(rearrange(new_sum > 0, "... -> ... 1"),
+                              new_out / rearrange(new_sum, "... q_block -> ... q_block 1"), 0.0)
+    if mistake == "block max":
+        new_max = block_max
+    return new_max, new_sum, new_out
+
+
+TILE_MISTAKES = {
+    "no scale": "You did not scale the scores: divide q kᵀ by sqrt(d_k), the keys' width.",
+    "d_k": "You divided the scores by d_k: divide them by sqrt(d_k).",
+    "sqrt d_v": "You divided the scores by sqrt(d_v), the values' width: the scale is sqrt(d_k), the width of the "
+                "vectors in the dot product.",
+    "mask ignored": "Your step ignores allowed: where it is False, set the score to -inf before the maximum and the "
+                    "exponentials (scores.masked_fill(~allowed, -math.inf)).",
+    "mask inverted": "Your step masks the keys that allowed marks True: True means may attend, so fill ~allowed.",
+    "sum not rescaled": "You added the block's terms to row_sum without rescaling the old sum by exp(old max − new "
+                        "max): it was taken relative to the old maximum.",
+    "out not rescaled": "You rescaled row_sum but not the accumulated output: out was taken relative to the old "
+                        "maximum too, so multiply it by exp(old max − new max) as well before adding the block's "
+                        "Σ exp(score − new max) · v.",
+    "neither rescaled": "You added the block's terms to row_sum and out without rescaling the old ones: both were "
+                        "taken relative to the old maximum, so multiply both by exp(old max − new max) first.",
+    "wrong sign": "You rescaled by exp(new max − old max) instead of exp(old max − new max): when a block raises "
+                  "the maximum, the old sum and output must shrink (the factor is at most 1), not grow.",
+    "block max": "The row_max you return is the block's own maximum: it must be the largest score so far, "
+                 "max(row_max, the block's largest score).",
+    "normalised": "You divided the output by the sum: return the unnormalised out, Σ exp(score − max) · v; the caller "
+                  "divides once, after the last block.",
+}
+
+
+def _tile_inputs(s: dict[str, int], dtype: torch.dtype, g: torch.Generator, lead: tuple[int, ...],
+                 k_block: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    k_block = s["k_block"] if k_block is None else k_block
+    q = torch.randn(*lead, s["q_block"], s["d_k"], generator=g, dtype=dtype)
+    k = torch.randn(*lead, k_block, s["d_k"], generator=g, dtype=dtype)
+    v = torch.randn(*lead, k_block, s["d_v"], generator=g, dtype=dtype)
+    return q, k, v
+
+
+def _initial(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The state of a block of queries before any key: row_max -inf, row_sum 0, out 0."""
+    row_max = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
+    return row_max, torch.zeros_like(row_max), torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+
+
+def _expect_state(got: Any, what: str, q: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    if type(got) not in (tuple, list) or len(got) != 3:
+        raise CheckFailure(f"tile_step should return the new (row_max, row_sum, out), three tensors; for {what} it "
+                           f"returned {kind(got)}.")
+    lead = tuple(q.shape[:-1])
+    axes = " ".join([f"lead{i}" for i in range(len(lead) - 1)] + ["q_block"])
+    return (expect_tensor(got[0], f"the returned row_max for {what}", lead, axes, q.dtype),
+            expect_tensor(got[1], f"the returned row_sum for {what}", lead, axes, q.dtype),
+            expect_tensor(got[2], f"the returned out for {what}", (*lead, v.shape[-1]), axes + " d_v", q.dtype))
+
+
+def _tile_sizes_text(q: Tensor, k: Tensor, v: Tensor) -> dict[str, int]:
+    return {"q_block": q.shape[-2], "k_block": k.shape[-2], "d_k": q.shape[-1], "d_v": v.shape[-1]}
+
+
+def _rows_close(got: tuple[Tensor, ...], expected: tuple[Tensor, ...], rows: Tensor,
+                tolerance: float | None) -> bool:
+    """Whether the two states agree in the rows ``rows`` (a boolean of the leading shape), in all three parts."""
+    dtype = got[0].dtype
+    return all(close(a[rows], b[rows].to(dtype), dtype, tolerance) for a, b in zip(got, expected, strict=True))
+
+
+def _tile_hint(got: tuple[Tensor, Tensor, Tensor], args: tuple, tolerance: float | None) -> str:
+    allowed, row_max = args[3], args[4]
+    expected = _tile_oracle(*args)
+    read = torch.isfinite(expected[0])  # the rows that have read some key, once this block is folded in
+    if _rows_close(got, expected, read, tolerance):
+        if any(torch.isnan(t[~read]).any() for t in got):
+            return ("Your state is NaN in a row that has read no key yet (all its scores so far are -inf): its "
+                    "maximum is still -inf, and exp(-inf − (-inf)) is NaN. Subtract _shift(new max), which is 0 "
+                    "there, so that such a row keeps row_max -inf, row_sum 0 and out 0.")
+        return ("A row that has read no key yet (allowed False for all its keys so far) must keep row_max -inf, "
+                "row_sum 0 and out 0: nothing of this block may enter it.")
+    for mistake in [m for m in TILE_MISTAKES if allowed is not None or not m.startswith("mask")]:
+        if _rows_close(got, _tile_oracle(*args, mistake=mistake), read, tolerance):
+            return TILE_MISTAKES[mistake]
+    if any(torch.isnan(t[read]).any() for t in got):
+        if bool((~torch.isfinite(row_max)).any()):
+            return ("Your state is NaN in rows that do read keys. The usual cause is the factor of the old state with "
+                    "its sign swapped: you probably rescaled by exp(new max − old max) instead of exp(old max − new "
+                    "max). From the initial state the old maximum is -inf and the sum 0, so the right factor is "
+                    "exp(-inf) = 0, while the swapped one is exp(+inf) = inf, and 0 · inf is NaN.")
+        return "Your state holds NaN: subtract the new maximum before exponentiating, exp(score − new max) ≤ 1."
+    if any(torch.isinf(t).any() for t in got[1:]):
+        return ("Your row_sum or out is inf: exp of a large score overflows. Subtract the new maximum before "
+                "exponentiating, exp(score − new max) ≤ 1.")
+    return ("The scores are q kᵀ / sqrt(d_k) (-inf where allowed is False); m' = max(row_max, the block's largest "
+            "score); row_sum and out are multiplied by exp(row_max − m') and then get the block's Σ exp(score − m') "
+            "and Σ exp(score − m') · v.")
+
+
+def _compare_state(got: tuple[Tensor, Tensor, Tensor], args: tuple, what: str,
+                   tolerance: float | None = None) -> None:
+    """Fail, naming the first wrong part of the state and the likely mistake, unless ``got`` is the tile's state."""
+    q, k, v = args[:3]
+    expected = _tile_oracle(*args)
+    for name, mine, theirs in zip(("row_max", "row_sum", "out"), got, expected, strict=True):
+        if close(mine, theirs.to(q.dtype), q.dtype, tolerance):
+            continue
+        if name == "row_max" and (torch.isneginf(theirs) & ~torch.isneginf(mine)).any():
+            found = "is finite in a row that has read no key yet, where it must stay -inf"
+        elif name == "row_max" and (torch.isneginf(mine) & ~torch.isneginf(theirs)).any():
+            found = "is -inf in a row that has read keys"
+        else:
+            found = f"is not the tile's ({difference(mine, theirs, _tile_sizes_text(q, k, v))})"
+        raise CheckFailure(f"For {what} ({_dtype_name(q.dtype)}), the returned {name} {found}. "
+                           f"{_tile_hint(got, args, tolerance)}")
+
+
+def _step(fn: Callable[..., Any], args: tuple, what: str) -> tuple[Tensor, Tensor, Tensor]:
+    names = ("q", "k", "v", "allowed", "row_max", "row_sum", "out")
+    return _expect_state(_call_on_copies(fn, args, names, "tile_step"), what, args[0], args[2])
+
+
+def _large_scores(q: Tensor, k: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """q and k with one shared large channel, so that every score is near 150 in float32 (exp overflows beyond 88)
+    and near 800 in float64 (beyond 709)."""
+    target = 150.0 if dtype == torch.float32 else 800.0
+    a = math.sqrt(target * math.sqrt(q.shape[-1]))
+    q, k = q.clone(), k.clone()
+    q[..., 0], k[..., 0] = a, a
+    return q, k
+
+
+@check(forbid=BUILT_IN_TILE)
+def check_tile_step_first(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """The first block from the initial state (row_max -inf, row_sum 0, out 0), allowed=None: the scale 1/sqrt(d_k),
+    d_v != d_k, any leading axes, scores large enough to overflow exp."""
+    s = _tile_sizes(seed)
+    g = torch.Generator().manual_seed(seed + 59)
+    cases = []
+    for lead, what in (((s["batch"], s["heads"]), "q (batch, heads, q_block, d_k)"),
+                       ((), "q (q_block, d_k), no leading axis"), ((s["batch"],), "q (batch, q_block, d_k)")):
+        q, k, v = _tile_inputs(s, dtype, g, lead)
+        cases.append((f"the first block of keys, {what}, allowed=None", (q, k, v, None, *_initial(q, v)), None))
+    q, k, v = _tile_inputs(s, dtype, g, (s["heads"],))
+    q, k = _large_scores(q, k, dtype)
+    # Scores near 150 in float32 carry rounding errors of about 1e-5 each, which exp turns into relative errors.
+    cases.append(("the first block with scores near " + ("150" if dtype == torch.float32 else "800"),
+                  (q, k, v, None, *_initial(q, v)), 1e-4 if dtype == torch.float32 else None))
+    for what, args, tolerance in cases:
+        _compare_state(_step(fn, args, what), args, what, tolerance)
+    passed(f"tile_step from the initial state: the block's maximum of q kᵀ / sqrt(d_k), Σ exp(score − max) and "
+           f"Σ exp(score − max) · v, for d_k={s['d_k']}, d_v={s['d_v']}, 0 to 2 leading axes and scores that "
+           f"overflow exp ({_dtype_name(dtype)})")
+
+
+@check(forbid=BUILT_IN_TILE)
+def check_tile_step_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """allowed broadcast as (q_block, k_block), (batch, 1, 1, k_block) and in full; a row that stays fully masked
+    keeps -inf, 0 and 0; a row masked in the first block reads the second."""
+    s = _tile_sizes(seed)
+    g = torch.Generator().manual_seed(seed + 61)
+    b, h, q_block, k_block = s["batch"], s["heads"], s["q_block"], s["k_block"]
+    q, k, v = _tile_inputs(s, dtype, g, (b, h))
+    start = _initial(q, v)
+    pairs = torch.rand(q_block, k_block, generator=g) < 0.6
+    pairs[1:, 0] = True
+    pairs[0] = False  # query 0 reads nothing of this block: from the initial state it stays (-inf, 0, 0)
+    padding = torch.rand(b, 1, 1, k_block, generator=g) < 0.6
+    padding[..., 0] = True
+    padding[-1] = False  # the last sequence's keys are all padding
+    full = torch.rand(b, h, q_block, k_block, generator=g) < 0.5
+    cases = [(f"allowed of shape (q_block, k_block) = {tuple(pairs.shape)}, query 0 reading no key", pairs),
+             (f"a padding mask of shape (batch, 1, 1, k_block) = {tuple(padding.shape)}, the last sequence all "
+              "padding", padding),
+             (f"allowed of the scores' full shape {tuple(full.shape)}", full)]
+    for what, allowed in cases:
+        args = (q, k, v, allowed, *start)
+        _compare_state(_step(fn, args, f"the first block, {what}"), args, f"the first block, {what}")
+    # Two steps: nothing readable in the first block; in the second, every query but the last reads something.
+    what = "a first block that no query may read, then a second block where the last query still reads nothing"
+    first = (q, k, v, torch.zeros(1, 1, dtype=torch.bool), *start)
+    state = _step(fn, first, what)
+    _compare_state(state, first, what + " (after the first block)")
+    _, k2, v2 = _tile_inputs(s, dtype, g, (b, h), k_block + 1)
+    second = torch.rand(q_block, k_block + 1, generator=g) < 0.5
+    second[:-1, -1] = True
+    second[-1] = False
+    args = (q, k2, v2, second, *state)
+    _compare_state(_step(fn, args, what), args, what)
+    passed(f"tile_step with allowed of shapes (q_block, k_block), (batch, 1, 1, k_block) and in full: masked keys "
+           f"are skipped, a row that has read no key keeps row_max -inf, row_sum 0 and out 0 (no NaN) and reads "
+           f"a later block ({_dtype_name(dtype)})")
+
+
+def _state_before(s: dict[str, int], dtype: torch.dtype, g: torch.Generator,
+                  q: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor, Tensor]:
+    """A running state after one earlier block (by the definition), and that block's keys and values."""
+    _, k, v = _tile_inputs(s, dtype, g, tuple(q.shape[:-2]))
+    state = tuple(t.to(dtype) for t in _tile_oracle(q, k, v, None, *_initial(q, v)))
+    return state, k, v
+
+
+@check(forbid=BUILT_IN_TILE)
+def check_tile_step_fold(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """A second block folded into a running state rescales the sum and the output by exp(old max - new max); two steps
+    equal one step over both blocks; a causal attention folded block by block equals F.scaled_dot_product_attention."""
+    s = _tile_sizes(seed)
+    g = torch.Generator().manual_seed(seed + 67)
+    b, h, q_block, k_block = s["batch"], s["heads"], s["q_block"], s["k_block"]
+    q = torch.randn(b, h, q_block, s["d_k"], generator=g, dtype=dtype)
+    # The second block's keys are longer: in most rows it raises the maximum, in some it does not.
+    while True:
+        state, k1, v1 = _state_before(s, dtype, g, q)
+        _, k2, v2 = _tile_inputs(s, dtype, g, (b, h))
+        k2 = 1.5 * k2
+        rises = _tile_oracle(q, k2, v2, None, *state)[0] > state[0]
+        if rises.any() and not rises.all():
+            break
+    what = "a second block folded into the state after a first one (the maximum rises in some rows)"
+    args = (q, k2, v2, None, *state)
+    _compare_state(_step(fn, args, what), args, what)
+    allowed = torch.rand(q_block, k_block, generator=g) < 0.6
+    allowed[0] = False  # query 0 reads nothing of this block: its state must come back as it was
+    what = "a second block with allowed (q_block, k_block), query 0 reading none of it"
+    args = (q, k2, v2, allowed, *state)
+    _compare_state(_step(fn, args, what), args, what)
+    # The defining property, on your own function alone: two steps equal one step over both blocks.
+    start = _initial(q, v1)
+    what = "two blocks one after the other"
+    first = _step(fn, (q, k1, v1, None, *start), what)
+    two = _step(fn, (q, k2, v2, None, *first), what)
+    both = (q, torch.cat([k1, k2], dim=-2), torch.cat([v1, v2], dim=-2), None, *start)
+    one = _step(fn, both, "both blocks at once")
+    for name, a, c in zip(("row_max", "row_sum", "out"), two, one, strict=True):
+        if not close(a, c, dtype):
+            raise CheckFailure(
+                f"Two steps of your tile_step (a block of {k_block} keys, then another) do not give the state of one "
+                f"step over all {2 * k_block} keys: {name} differs ({difference(a, c, _tile_sizes_text(q, k1, v1))})."
+                f" {_tile_hint(two, (q, k2, v2, None, *first), None)}"
+            )
+    _check_tiled_forward(fn, s, dtype, g)
+    passed(f"tile_step folds a block into a running state (rescaling row_sum and out by exp(old max − new max)); two "
+           f"steps equal one over both blocks; a causal attention folded from your steps equals "
+           f"F.scaled_dot_product_attention, with partial last blocks ({_dtype_name(dtype)})")
+
+
+def _check_tiled_forward(fn: Callable[..., Any], s: dict[str, int], dtype: torch.dtype, g: torch.Generator) -> None:
+    """Causal attention with the queries the last q_len of k_len positions, folded tile by tile with the student's
+    step (each tile's part of the causal mask as allowed), against PyTorch's fused attention."""
+    b, h, block_q, block_k = s["batch"], s["heads"], s["q_block"], s["k_block"]
+    q_len = 2 * block_q + 1  # a last query block of one row
+    k_len = q_len + block_k + 1
+    k_len += 1 if k_len % block_k == 0 else 0  # a shorter last key block
+    q = torch.randn(b, h, q_len, s["d_k"], generator=g, dtype=dtype)
+    k = torch.randn(b, h, k_len, s["d_k"], generator=g, dtype=dtype)
+    v = torch.randn(b, h, k_len, s["d_v"], generator=g, dtype=dtype)
+    causal = causal_lower_right(q_len, k_len)._materialize()
+    outputs = []
+    for q_start in range(0, q_len, block_q):
+        rows = slice(q_start, q_start + block_q)
+        state = _initial(q[..., rows, :], v)
+        for k_start in range(0, k_len, block_k):
+            cols = slice(k_start, k_start + block_k)
+            what = (f"the tile of queries {rows.start}.. and keys {cols.start}.. of a causal attention "
+                    f"(q_len={q_len}, k_len={k_len})")
+            args = (q[..., rows, :], k[..., cols, :], v[..., cols, :], causal[rows, cols], *state)
+            state = _step(fn, args, what)
+        outputs.append(state[2] / rearrange(state[1], "... q_block -> ... q_block 1"))
+    got = torch.cat(outputs, dim=-2)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+    if not close(got, expected, dtype):
+        raise CheckFailure(
+            f"A causal attention (q_len={q_len}, k_len={k_len}, the queries the last q_len positions) folded tile by "
+            f"tile with your tile_step, blocks of {block_q} queries and {block_k} keys, each tile's part of the causal "
+            f"mask as allowed, and out / row_sum at the end, differs from F.scaled_dot_product_attention(q, k, v, "
+            f"attn_mask=causal) ({difference(got, expected)}). Each tile on its own passed the checks above, so look "
+            "at what carries over between tiles: the state you return is the next step's input."
+        )
+
+
+# -- exercise 3: the tiles a causal attention computes -------------------------------------------------------
+
+def _visits_oracle(q_len: int, k_len: int, block_q: int, block_k: int) -> Tensor:
+    """PyTorch's lower-right causal mask (the queries the last q_len positions), padded to whole tiles with False,
+    and ``any`` over each tile."""
+    causal = causal_lower_right(q_len, k_len)._materialize()
+    q_blocks, k_blocks = -(-q_len // block_q), -(-k_len // block_k)
+    padded = F.pad(causal, (0, k_blocks * block_k - k_len, 0, q_blocks * block_q - q_len), value=False)
+    return reduce(padded, "(q_blocks block_q) (k_blocks block_k) -> q_blocks k_blocks", "any",
+                  block_q=block_q, block_k=block_k)
+
+
+def _visits_variant(q_len: int, k_len: int, block_q: int, block_k: int, mistake: str) -> Tensor:
+    """The tiles with one usual mistake, from the blocks' first and last positions."""
+    offset = 0 if mistake == "no offset" else k_len - q_len
+    first_query = torch.arange(0, q_len, block_q)
+    last_query = (first_query + block_q - 1).clamp(max=q_len - 1)
+    if mistake == "first query":
+        last_query = first_query
+    first_key = torch.arange(0, k_len, block_k)
+    if mistake == "last key":
+        first_key = (first_key + block_k - 1).clamp(max=k_len - 1)
+    return rearrange(first_key, "k_blocks -> 1 k_blocks") <= rearrange(last_query + offset, "q_blocks -> q_blocks 1")
+
+
+VISIT_MISTAKES = {
+    "no offset": "You placed the queries at positions 0 .. q_len − 1: they are the last q_len of k_len positions "
+                 "(chapter 02's causal_mask), so query i sits at position i + k_len − q_len and reads keys up to "
+                 "there.",
+    "first query": "You decided each tile by the first query of its block: a tile is needed when ANY of its queries "
+                   "may read one of its keys, and the query that reads furthest is the last query of the block.",
+    "last key": "You asked whether the block's last key is readable, i.e. whether the whole tile is unmasked: a tile "
+                "is needed as soon as its first key is readable by the block's last query (a partly masked tile on "
+                "the diagonal is computed too).",
+}
+
+
+def _grid(mask: Tensor) -> str:
+    """A small boolean matrix as rows of 0 and 1."""
+    return "\n".join("    " + " ".join("1" if v else "0" for v in row.tolist()) for row in mask)
+
+
+def _expect_visits(fn: Callable[..., Any], q_len: int, k_len: int, block_q: int, block_k: int, what: str) -> None:
+    got = call(fn, q_len, k_len, block_q, block_k)
+    expected = _visits_oracle(q_len, k_len, block_q, block_k)
+    shape = tuple(expected.shape)
+    call_text = f"causal_block_visits(q_len={q_len}, k_len={k_len}, block_q={block_q}, block_k={block_k}) ({what})"
+    if type(got) is not Tensor:
+        raise CheckFailure(f"{call_text} should return a torch.Tensor of booleans, got {kind(got)}.")
+    if tuple(got.shape) != shape:
+        q_blocks, k_blocks = shape
+        if tuple(got.shape) == (k_blocks, q_blocks):
+            hint = "Your result is transposed: rows are query blocks, columns key blocks."
+        elif tuple(got.shape) in ((q_len // block_q, k_len // block_k), (q_len // block_q, k_blocks),
+                                  (q_blocks, k_len // block_k)):
+            hint = ("The last query block is partial: with integer division a last block shorter than the others "
+                    "is dropped (and a block longer than the length gives none). There are ⌈q_len / block_q⌉ query "
+                    "blocks, -(-q_len // block_q), and ⌈k_len / block_k⌉ key blocks; the last of each may be "
+                    "shorter.")
+        else:
+            hint = "There is one row per query block and one column per key block, ⌈length / block⌉ of each."
+        raise CheckFailure(f"{call_text} should have shape (q_blocks, k_blocks) = {shape}; got {tuple(got.shape)}. "
+                           f"{hint}")
+    if got.dtype != torch.bool:
+        raise CheckFailure(f"{call_text} should return booleans (True = compute the tile), got dtype {got.dtype}: "
+                           "a comparison such as first_key <= reads_up_to gives them.")
+    if torch.equal(got, expected):
+        return
+    hint = next((text for mistake, text in VISIT_MISTAKES.items()
+                 if torch.equal(got, _visits_variant(q_len, k_len, block_q, block_k, mistake))),
+                "A tile (a, b) is computed when the last query of block a, at position min((a + 1)·block_q, q_len) − 1"
+                " + k_len − q_len, may read the first key of block b, at b·block_k.")
+    shown = (f"\n  yours:\n{_grid(got)}\n  expected:\n{_grid(expected)}\n" if got.numel() <= 80
+             else f" ({int((got != expected).sum())} of {got.numel()} tiles differ) ")
+    raise CheckFailure(f"{call_text} marks the wrong tiles (rows: query blocks, columns: key blocks):{shown}{hint}")
+
+
+def _expect_value_error(fn: Callable[..., Any], args: tuple[int, int, int, int], why: str) -> None:
+    error = call(_error_of, fn, *args)
+    if error != "ValueError":
+        got = "no error" if error is None else f"a {error}"
+        q_len, k_len, block_q, block_k = args
+        raise CheckFailure(f"causal_block_visits(q_len={q_len}, k_len={k_len}, block_q={block_q}, block_k={block_k}) "
+                           f"should raise a ValueError ({why}); it raised {got}.")
+
+
+def _visit_sizes(seed: int) -> tuple[int, int, int]:
+    """Two distinct block sizes (2 to 5) and a length that both divide."""
+    g = torch.Generator().manual_seed(seed + 71)
+    block_q, block_k = (torch.randperm(4, generator=g)[:2] + 2).tolist()
+    length = math.lcm(block_q, block_k) * int(torch.randint(1, 3, (1,), generator=g))
+    length *= 2 if length < 8 else 1
+    return length, block_q, block_k
+
+
+@check
+def check_causal_block_visits_square(fn: Callable[..., Any], seed: int = 0) -> None:
+    """q_len == k_len with block sizes that divide the length (block_q != block_k, equal, 1); lengths or block sizes
+    below 1 raise ValueError."""
+    n, block_q, block_k = _visit_sizes(seed)
+    for args, what in (((n, n, block_q, block_k), "square, blocks that divide the length"),
+                       ((n, n, block_k, block_q), "square, the block sizes the other way round"),
+                       ((n, n, block_q, block_q), "square, equal blocks"),
+                       ((7, 7, 1, 1), "blocks of one position: the causal mask itself")):
+        _expect_visits(fn, *args, what)
+    for args, why in (((0, n, block_q, block_k), "q_len must be at least 1"),
+                      ((n, n, 0, block_k), "block_q must be at least 1"),
+                      ((n, n, block_q, -1), "block_k must be at least 1")):
+        _expect_value_error(fn, args, why)
+    passed(f"causal_block_visits for square causal attention (n = {n}, blocks of {block_q} and {block_k}, equal "
+           "blocks, blocks of 1); lengths and blocks below 1 raise ValueError")
+
+
+@check
+def check_causal_block_visits_partial(fn: Callable[..., Any], seed: int = 0) -> None:
+    """q_len == k_len with block sizes that do not divide the length (partial last blocks) and block sizes larger
+    than the length."""
+    g = torch.Generator().manual_seed(seed + 73)
+    block_q, block_k = (torch.randperm(4, generator=g)[:2] + 3).tolist()
+    n = next(m for m in range(int(torch.randint(13, 30, (1,), generator=g)), 100) if m % block_q and m % block_k)
+    for args, what in (((n, n, block_q, block_k), "square, blocks that do not divide the length"),
+                       ((n, n, block_k, block_q), "square, the block sizes the other way round"),
+                       ((n, n, n + 2, block_k), "a query block longer than the length: one query block"),
+                       ((n, n, block_q, n + 5), "a key block longer than the length: one key block"),
+                       ((block_q + 1, block_q + 1, block_q, 1), "a last query block of one query")):
+        _expect_visits(fn, *args, what)
+    passed(f"causal_block_visits with partial last blocks (n = {n}, blocks of {block_q} and {block_k}) and blocks "
+           "longer than the length")
+
+
+@check
+def check_causal_block_visits_offset(fn: Callable[..., Any], seed: int = 0) -> None:
+    """q_len < k_len, the queries the last q_len of k_len positions: with blocks that divide the lengths and that do
+    not, one query (decoding), and a prefill; k_len < q_len raises ValueError."""
+    g = torch.Generator().manual_seed(seed + 79)
+    block_q, block_k = (torch.randperm(4, generator=g)[:2] + 2).tolist()
+    q_len = block_q * int(torch.randint(2, 4, (1,), generator=g))
+    k_len = q_len + block_k * int(torch.randint(2, 4, (1,), generator=g))
+    # An offset of block_q - 1 would make "the first query, placed k_len - q_len later" equal "the last query, placed
+    # at 0": two different mistakes could not be told apart.
+    k_len += block_k if k_len - q_len == block_q - 1 else 0
+    cases = (((q_len, k_len, block_q, block_k), "the queries the last q_len positions"),
+             ((q_len + 1, k_len + 2, block_q, block_k), "the same with partial last blocks"),
+             ((q_len, q_len + 1, block_k, block_q), "one position cached before the queries"),
+             ((1, k_len + 1, 4, block_k), "decoding: one query, the last position"),
+             ((block_q + 1, 4 * block_q + 3, block_q, block_q + 1), "a prefill after a longer cache"))
+    for args, what in cases:
+        _expect_visits(fn, *args, what)
+    _expect_value_error(fn, (k_len, q_len, block_q, block_k), "k_len must be at least q_len: the queries are the last "
+                        "q_len of k_len positions")
+    passed(f"causal_block_visits with the queries the last q_len of k_len positions (q_len={q_len}, k_len={k_len}), "
+           "partial blocks, decoding and a prefill; k_len < q_len raises ValueError")
