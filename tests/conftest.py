@@ -9,11 +9,21 @@ finish together instead of one grading a corpus while the other has long been id
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.fixtures.prerequisites import missing
 
 # The real Multi30k files beside the project (never in it): ../shared/data/multi30k.
 SHARED_MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors run fastest on one thread; several only wait for each other on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -48,13 +48,7 @@ from tests.fixtures.student import student_copy
 BOS, EOS, PAD = 1, 2, 0
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors run fastest on one thread; several only wait for each other on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(positional="sinusoidal", kv_heads=None, dtype=torch.float64, seed=0, heads=4, d_head=2, layers=2,

@@ -39,13 +39,7 @@ from stepformer.translator.data import load_split
 TINY = replace(PRESETS["tiny"], eval_every=1000)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and a busy machine makes two threads wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

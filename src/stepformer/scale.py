@@ -24,6 +24,7 @@ gets a zero output, and its log-sum-exp is -inf.
 
 import math
 import weakref
+from collections.abc import Iterator
 
 import torch
 from beartype import beartype
@@ -59,12 +60,12 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # A view (a slice, a transpose, a reshape) or an in-place result lies in an argument's
         # storage: no new memory, even when that argument was made before the mode was on.
-        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
         for tensor in tree_flatten(out)[0]:
             if not isinstance(tensor, Tensor) or tensor.device.type == "meta":
                 continue
             storage = tensor.untyped_storage()
-            key = _storage_key(tensor)
+            key = storage._cdata  # one number per storage, however many views share it
             if key in self._sizes or key in inputs:
                 continue
             self._sizes[key] = storage.nbytes()
@@ -75,11 +76,6 @@ class LiveBytes(TorchDispatchMode):
 
     def _freed(self, key: int) -> None:
         self.now -= self._sizes.pop(key, 0)
-
-
-def _storage_key(tensor: Tensor) -> int:
-    """One number per storage, however many views share it."""
-    return tensor.untyped_storage()._cdata
 
 
 def _shift(row_max: Tensor) -> Tensor:
@@ -172,6 +168,22 @@ def _block(mask: Tensor | None, rows: slice, cols: slice) -> Tensor | None:
     return mask[..., rows if mask.shape[-2] > 1 else slice(None), cols if mask.shape[-1] > 1 else slice(None)]
 
 
+def _blocks(q_len: int, k_len: int, block_q: int, block_k: int, causal: bool) -> Iterator[tuple[slice, list[slice]]]:
+    """Each block of query rows with the blocks of key columns it must read, in order.
+
+    With ``causal``, a query block's key blocks stop at the first one that lies entirely beyond
+    its last query (:func:`causal_block_visits`): every later one does too.
+    """
+    visits = causal_block_visits(q_len, k_len, block_q, block_k) if causal else None
+    for a, q_start in enumerate(range(0, q_len, block_q)):
+        cols = []
+        for b, k_start in enumerate(range(0, k_len, block_k)):
+            if visits is not None and not visits[a, b]:
+                break
+            cols.append(slice(k_start, min(k_start + block_k, k_len)))
+        yield slice(q_start, min(q_start + block_q, q_len)), cols
+
+
 def _check_blocks(q: Tensor, k: Tensor, causal: bool, block_q: int, block_k: int) -> None:
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block_q and block_k must be at least 1, got {block_q} and {block_k}")
@@ -216,18 +228,13 @@ def tiled_attention(
     """
     _check_blocks(q, k, causal, block_q, block_k)
     q_len, k_len = q.shape[-2], k.shape[-2]
-    visits = causal_block_visits(q_len, k_len, block_q, block_k) if causal else None
     outputs, lses = [], []
-    for a, q_start in enumerate(range(0, q_len, block_q)):
-        rows = slice(q_start, min(q_start + block_q, q_len))
+    for rows, key_blocks in _blocks(q_len, k_len, block_q, block_k, causal):
         q_block = q[..., rows, :]
         row_max = torch.full(q_block.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
         row_sum = torch.zeros_like(row_max)
         out = torch.zeros((*q_block.shape[:-1], v.shape[-1]), dtype=v.dtype, device=v.device)
-        for b, k_start in enumerate(range(0, k_len, block_k)):
-            if visits is not None and not visits[a, b]:
-                break  # this key block and every later one lie beyond the causal diagonal
-            cols = slice(k_start, min(k_start + block_k, k_len))
+        for cols in key_blocks:
             allowed = _allowed(mask, causal, rows, cols, k_len - q_len, q.device)
             row_max, row_sum, out = tile_step(q_block, k[..., cols, :], v[..., cols, :], allowed, row_max, row_sum, out)
         read_any = row_sum > 0
@@ -261,19 +268,14 @@ class TiledAttention(torch.autograd.Function):
         q, k, v, out, lse, mask = ctx.saved_tensors
         causal, block_q, block_k = ctx.settings
         q_len, k_len, scale = q.shape[-2], k.shape[-2], 1 / math.sqrt(q.shape[-1])
-        visits = causal_block_visits(q_len, k_len, block_q, block_k) if causal else None
         grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         # D_i = Σ_d dO_id O_id = Σ_j p_ij dp_ij: the softmax gradient's subtracted term, one per query.
         d_row = reduce(grad_out * out, "... q_len d_v -> ... q_len", "sum")
         # A row with lse = -inf read nothing: its recomputed weights must be 0, not exp(-inf + inf).
         lse = torch.where(torch.isfinite(lse), lse, math.inf)
-        for a, q_start in enumerate(range(0, q_len, block_q)):
-            rows = slice(q_start, min(q_start + block_q, q_len))
+        for rows, key_blocks in _blocks(q_len, k_len, block_q, block_k, causal):
             q_block, grad_out_block = q[..., rows, :], grad_out[..., rows, :]
-            for b, k_start in enumerate(range(0, k_len, block_k)):
-                if visits is not None and not visits[a, b]:
-                    break
-                cols = slice(k_start, min(k_start + block_k, k_len))
+            for cols in key_blocks:
                 k_block, v_block = k[..., cols, :], v[..., cols, :]
                 scores = einsum(q_block, k_block, "... q_block d_k, ... k_block d_k -> ... q_block k_block") * scale
                 allowed = _allowed(mask, causal, rows, cols, k_len - q_len, q.device)
@@ -312,7 +314,6 @@ def flash_attention(
     :func:`tiled_attention` directly also works, but autograd then keeps every block's weights
     for the backward pass, which is the (q_len, k_len) matrix again, in pieces.
     """
-    _check_blocks(q, k, causal, block_q, block_k)
     return TiledAttention.apply(q, k, v, mask, causal, block_q, block_k)[0]
 
 

@@ -207,6 +207,10 @@ DISPATCHED: dict[str, tuple[str, ...]] = {
     "torch.nn.functional.rms_norm": ("rms_norm", "_fused_rms_norm"),
     "torch.nn.functional.cross_entropy": ("cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss_forward"),
     "torch.nn.functional.nll_loss": ("nll_loss", "nll_loss_nd", "nll_loss_forward"),
+    # The method ``scores.softmax`` reaches these operators too, past every module-level tripwire.
+    # Forbid torch.softmax (and torch.log_softmax) to have them watched, whatever else is forbidden.
+    "torch.softmax": ("softmax", "_softmax"),
+    "torch.log_softmax": ("log_softmax", "_log_softmax"),
 }
 
 

@@ -11,7 +11,6 @@ the defining property: two steps equal one step over both blocks. Nothing here i
 library, which the class edition's students do not have. Every call of the student's code goes through :func:`call`.
 """
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +22,6 @@ from einops import einsum, rearrange, reduce
 from jaxtyping import Bool, Float, jaxtyped
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed
 from stepformer.checks._modules import error_of as _error_of
@@ -155,43 +153,9 @@ def _expect_weights(got: Any, what: str, scores: Tensor) -> Tensor:
     return expect_tensor(got, f"online_softmax's result for {what}", shape, axes, scores.dtype)
 
 
-class _SoftmaxWatch(TorchDispatchMode):
-    """Notes whether PyTorch's softmax ran, however it was reached: ``torch.softmax``, ``F.softmax``, the method
-    ``scores.softmax``, a copy taken before the checks' tripwires (all of them run ATen's ``_softmax``)."""
-
-    OPS = ("softmax", "_softmax", "log_softmax", "_log_softmax")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace == "aten" and func.overloadpacket.__name__ in self.OPS:
-            self.used = True
-        return func(*args, **(kwargs or {}))
-
-
-def _watched(fn: Callable[..., Any]) -> Callable[..., tuple[Any, bool]]:
-    """``fn`` returning ``(its result, whether PyTorch's softmax ran)``; ``functools.wraps`` keeps its name and lets the
-    own-work scan read the student's function behind it."""
-    @functools.wraps(fn)
-    def watched(*args: Any) -> tuple[Any, bool]:
-        with _SoftmaxWatch() as watch:
-            result = fn(*args)
-        return result, watch.used
-
-    return watched
-
-
 def _weights(fn: Callable[..., Any], scores: Tensor, block: int, what: str) -> Tensor:
-    got = _call_on_copies(_watched(fn), (scores, block), ("scores", "block"), "online_softmax")
-    if type(got) not in (tuple, list) or len(got) != 2:  # a record that is not this check's
-        raise CheckFailure(f"online_softmax's recorded result for {what} is not what this check records.")
-    if got[1]:
-        raise CheckFailure("Not your own work: online_softmax runs PyTorch's softmax (torch.softmax, F.softmax or "
-                           "scores.softmax). This exercise asks you to write it yourself, from exp, max and sum; a "
-                           "function that calls the reference scores zero.")
-    return _expect_weights(got[0], what, scores)
+    got = _call_on_copies(fn, (scores, block), ("scores", "block"), "online_softmax")
+    return _expect_weights(got, what, scores)
 
 
 @check(forbid=BUILT_IN_SOFTMAX)
