@@ -379,8 +379,12 @@ def _iopub_until(client, msg_id: str, done, timeout: float = 60) -> None:
 
 def test_interrupt_reaches_the_kernel(kernel):
     client, manager = kernel.client, kernel.manager
-    msg_id = client.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(30)")
-    # Interrupt only once the cell is inside the sleep: on a loaded machine a fixed wait can
+    # Short sleeps, not one of 30 s: a SIGINT that lands after Python's last check for signals but
+    # before the sleep's system call starts (the kernel descheduled in between, on a loaded machine)
+    # does not cut that call short, and a single sleep would then run its whole length. A cell of
+    # Python code, like a student's loop, stops at the next check.
+    msg_id = client.execute("import time\nprint('sleeping', flush=True)\nfor _ in range(300):\n    time.sleep(0.1)")
+    # Interrupt only once the cell is inside the loop: on a loaded machine a fixed wait can
     # land the signal while the kernel is still setting the cell up, which tests something else.
     _iopub_until(client, msg_id, lambda m: m["msg_type"] == "stream" and "sleeping" in m["content"]["text"])
     started = time.monotonic()
