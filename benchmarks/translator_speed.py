@@ -7,9 +7,11 @@ decoding ``test_2016_flickr`` with beam search with and without the KV-cache.
 
 Training: the ``cpu`` preset's model (or the checkpoint's settings) and the same real Multi30k
 batches (``max_tokens`` padded positions each) for every model; one step is the trainer's
-(autocast as the preset says, label-smoothed loss, clipping, AdamW). ``torch.nn.Transformer``
-gets the same embeddings, tied as ours are, and the same generator, so both have the same
-parameters and arithmetic; the script checks the counts. FLOPs of one step are counted from the
+(autocast as the preset says, the fused label-smoothed loss, clipping, AdamW). ``torch.nn.Transformer``
+gets the same embeddings, tied as ours are, the same generator and the same dropout, so both have
+the same parameters and arithmetic; the script checks the counts. A last row runs our model with
+chapter 11's plain ``label_smoothed_loss`` and ``nn.Dropout``: what ``stepformer.translator.fast``
+is worth. FLOPs of one step are counted from the
 shapes by ``torch.utils.flop_counter`` (forward and backward); utilisation is achieved FLOP/s over
 the peak of a large matrix product in the same precision, measured here first. Decoding: every
 test sentence, beam 4, with and without the cache; the script checks that the translations are
@@ -36,6 +38,7 @@ from stepformer.translator.batching import collate, encode_pairs, token_batches 
 from stepformer.translator.config import autocast_dtype, pick_device, preset  # noqa: E402
 from stepformer.translator.data import load_split  # noqa: E402
 from stepformer.translator.evaluate import Translator  # noqa: E402
+from stepformer.translator.fast import PackedDropout, fused_label_smoothed_loss, packed_dropout  # noqa: E402
 from stepformer.translator.recipe import label_smoothed_loss  # noqa: E402
 from stepformer.translator.tokenizer import SubwordTokenizer  # noqa: E402
 from stepformer.translator.train import build_model, hardware, make_optimizer  # noqa: E402
@@ -55,11 +58,11 @@ def matmul_peak(dtype: torch.dtype | None, device: torch.device, size: int = 204
     return 2 * size**3 / best
 
 
-def step_fn(model, optimizer, amp, device, config, pad_id):
+def step_fn(model, optimizer, amp, device, config, pad_id, loss_fn=fused_label_smoothed_loss):
     def step(src, tgt):
         with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
             logits = model(src, tgt[:, :-1])
-        loss = label_smoothed_loss(logits, tgt[:, 1:], pad_id, config.label_smoothing)
+        loss = loss_fn(logits, tgt[:, 1:], pad_id, config.label_smoothing)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
         optimizer.step()
@@ -103,18 +106,29 @@ def main() -> None:
 
     torch.manual_seed(0)
     ours = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
+    # The same dropout for both (fast.PackedDropout where the trainer uses it), so that the rows compare models.
     theirs = tied_torch_model(ours, config).to(device)
+    if config.fast:
+        packed_dropout(theirs)
     counts = {n: sum(p.numel() for p in m.parameters()) for n, m in (("ours", ours), ("torch", theirs))}
     if counts["ours"] != counts["torch"]:
         raise RuntimeError(f"the models differ in size: {counts}")
     compiled = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
+    plain = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
+    for module in list(plain.modules()):  # back to nn.Dropout, the fused attention and norms kept
+        for child_name, child in module.named_children():
+            if isinstance(child, PackedDropout):
+                setattr(module, child_name, torch.nn.Dropout(child.p))
     models = {"torch.nn.Transformer": theirs, "stepformer.Transformer": ours,
-              "stepformer.Transformer, torch.compile": compiled}
+              "stepformer.Transformer, torch.compile": compiled,
+              "stepformer.Transformer, plain dropout and loss": plain}
     steps = {}
     for name, model in models.items():
         optimizer = make_optimizer(model, config, device)
         forward = torch.compile(model, dynamic=True) if "compile" in name else model
-        steps[name] = step_fn(forward, optimizer, amp, device, config, tokenizer.pad_id)
+        # The last row: chapter 11's label_smoothed_loss and nn.Dropout, to show what fast.py is worth.
+        loss_fn = label_smoothed_loss if "plain" in name else fused_label_smoothed_loss
+        steps[name] = step_fn(forward, optimizer, amp, device, config, tokenizer.pad_id, loss_fn)
         model.train()
 
     # FLOPs of each batch's step, counted once (the same for every model: same arithmetic).

@@ -3,7 +3,8 @@ training step, one beam step.
 
 These are what the capstone exercise asks students to write; the trainer (:mod:`.train`, which
 adds mixed precision and several processes around the same step) and the decoder
-(:mod:`.search`) use them as they are here.
+(:mod:`.search`) use them as they are here, except the loss, which the trainer computes in
+cache-sized blocks (:mod:`.fast`, tested equal to :func:`label_smoothed_loss`).
 """
 
 import math
