@@ -38,7 +38,7 @@ from stepformer.translator.batching import collate, encode_pairs, token_batches 
 from stepformer.translator.config import autocast_dtype, pick_device, preset  # noqa: E402
 from stepformer.translator.data import load_split  # noqa: E402
 from stepformer.translator.evaluate import Translator  # noqa: E402
-from stepformer.translator.fast import PackedDropout, fused_label_smoothed_loss, packed_dropout  # noqa: E402
+from stepformer.translator.fast import fused_label_smoothed_loss, packed_dropout, swap_dropout  # noqa: E402
 from stepformer.translator.recipe import label_smoothed_loss  # noqa: E402
 from stepformer.translator.tokenizer import SubwordTokenizer  # noqa: E402
 from stepformer.translator.train import build_model, hardware, make_optimizer  # noqa: E402
@@ -114,11 +114,8 @@ def main() -> None:
     if counts["ours"] != counts["torch"]:
         raise RuntimeError(f"the models differ in size: {counts}")
     compiled = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
-    plain = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
-    for module in list(plain.modules()):  # back to nn.Dropout, the fused attention and norms kept
-        for child_name, child in module.named_children():
-            if isinstance(child, PackedDropout):
-                setattr(module, child_name, torch.nn.Dropout(child.p))
+    # Back to nn.Dropout, the fused attention and norms kept.
+    plain = swap_dropout(build_model(config, tokenizer.vocab_size, tokenizer.pad_id), torch.nn.Dropout).to(device)
     models = {"torch.nn.Transformer": theirs, "stepformer.Transformer": ours,
               "stepformer.Transformer, torch.compile": compiled,
               "stepformer.Transformer, plain dropout and loss": plain}

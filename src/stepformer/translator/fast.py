@@ -47,13 +47,18 @@ class PackedDropout(nn.Dropout):
         return x * keep
 
 
-def packed_dropout(model: nn.Module) -> nn.Module:
-    """``model`` with every ``nn.Dropout`` replaced by a :class:`PackedDropout` of the same ``p`` (in place)."""
+def swap_dropout(model: nn.Module, kind: type[nn.Dropout]) -> nn.Module:
+    """``model`` with every ``nn.Dropout``, subclasses included, made a ``kind`` of the same ``p``, in place."""
     for module in list(model.modules()):
         for name, child in module.named_children():
-            if type(child) is nn.Dropout:
-                setattr(module, name, PackedDropout(child.p))
+            if isinstance(child, nn.Dropout) and type(child) is not kind:
+                setattr(module, name, kind(child.p))
     return model
+
+
+def packed_dropout(model: nn.Module) -> nn.Module:
+    """``model`` with every ``nn.Dropout`` replaced by a :class:`PackedDropout` of the same ``p`` (in place)."""
+    return swap_dropout(model, PackedDropout)
 
 
 class _FusedLabelSmoothedLoss(torch.autograd.Function):
