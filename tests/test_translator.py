@@ -25,7 +25,7 @@ from stepformer.translator.batching import Encoded, collate, encode_pairs, token
 from stepformer.translator.config import preset
 from stepformer.translator.data import load_split
 from stepformer.translator.recipe import beam_step, inverse_sqrt_lr, label_smoothed_loss
-from stepformer.translator.search import beam_search, greedy_search
+from stepformer.translator.search import beam_search, best_extensions, greedy_search
 from stepformer.translator.tokenizer import SubwordTokenizer
 from stepformer.translator.train import budget_fraction, scheduled_lr
 
@@ -114,6 +114,27 @@ def test_beam_step_keeps_the_k_best_of_all_extensions(seed):
             assert float(scores[b, i] + log_probs[b, i, t]) == pytest.approx(float(best[b, rank]))
     assert set(from_beam[0].tolist()) <= {0, 1}
 
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_best_extensions_from_each_beams_top_tokens_equal_beam_step_over_everything(seed):
+    g = torch.Generator().manual_seed(seed)
+    batch, beam, vocab = 4, 4, 50
+    scores = torch.randn(batch, beam, generator=g, dtype=torch.float64)
+    scores[0, 1:] = -torch.inf  # the first step: one real beam supplies all k winners
+    scores[1, 2] = 100.0  # one beam far ahead supplies all of them too
+    log_probs = torch.log_softmax(torch.randn(batch, beam, vocab, generator=g, dtype=torch.float64), -1)
+    for k in (1, 2 * beam, 3 * beam):
+        expected = beam_step(scores, log_probs, k)
+        found = best_extensions(scores, log_probs, k)
+        for want, got in zip(expected, found, strict=True):
+            assert torch.equal(want, got)
+    assert set(found[1][1].tolist()) == {2}
+    small = log_probs[..., :3]  # fewer tokens than k: every token of every beam competes
+    (want_best, *want_pairs), (got_best, *got_pairs) = beam_step(scores, small, 5), best_extensions(scores, small, 5)
+    assert torch.equal(want_best, got_best)
+    real = want_best > -torch.inf  # the -inf places of the first row are ties, in any order
+    assert all(torch.equal(want[real], got[real]) for want, got in zip(want_pairs, got_pairs, strict=True))
 
 # --- subwords and batches -------------------------------------------------------------------
 
