@@ -41,7 +41,7 @@ from stepformer.translator.evaluate import Translator  # noqa: E402
 from stepformer.translator.fast import fused_label_smoothed_loss, packed_dropout, swap_dropout  # noqa: E402
 from stepformer.translator.recipe import label_smoothed_loss  # noqa: E402
 from stepformer.translator.tokenizer import SubwordTokenizer  # noqa: E402
-from stepformer.translator.train import build_model, hardware, make_optimizer  # noqa: E402
+from stepformer.translator.train import build_model, commit, hardware, make_optimizer  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype | None, device: torch.device, size: int = 2048, repeats: int = 10) -> float:
@@ -91,7 +91,9 @@ def main() -> None:
     device = pick_device()
     config = Translator.load(args.checkpoint).config if args.checkpoint else preset("cpu")
     amp = autocast_dtype(config.precision, device)
-    report = {"hardware": hardware(device), "torch": torch.__version__, "autocast": str(amp)}
+    started_all = time.perf_counter()
+    report = {"hardware": hardware(device), "torch": torch.__version__, "autocast": str(amp), "commit": commit(),
+              "checkpoint": str(args.checkpoint) if args.checkpoint else None}
 
     peak = matmul_peak(amp, device)
     report["matmul_peak_tflops"] = round(peak / 1e12, 3)
@@ -186,6 +188,8 @@ def main() -> None:
         report["decoding"] = {"sentences": len(sources), "beam": 4, "seconds_with_cache": round(decoding[True][0], 1),
                               "seconds_without_cache": round(decoding[False][0], 1), "speedup": round(speedup, 2),
                               "identical": same}
+    report["wall_minutes"] = round((time.perf_counter() - started_all) / 60, 1)
+    print(f"\ncommit {report['commit']}; {report['wall_minutes']} minutes in all")
     if args.results:
         existing = json.loads(args.results.read_text()) if args.results.is_file() else {}
         existing["speed"] = report
