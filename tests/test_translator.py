@@ -27,7 +27,7 @@ from stepformer.translator.data import load_split
 from stepformer.translator.recipe import beam_step, inverse_sqrt_lr, label_smoothed_loss
 from stepformer.translator.search import beam_search, best_extensions, greedy_search
 from stepformer.translator.tokenizer import SubwordTokenizer
-from stepformer.translator.train import budget_fraction, scheduled_lr
+from stepformer.translator.train import budget_fraction, commit, scheduled_lr
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "stepformer.translator.cli"]
@@ -443,6 +443,35 @@ def test_collate_pads_with_the_padding_id():
     src, tgt = collate(data, [0, 1], pad_id=0, bos_id=1, eos_id=2)
     assert src.tolist() == [[5, 6, 7], [8, 0, 0]]
     assert tgt.tolist() == [[1, 9, 2, 0, 0], [1, 10, 11, 12, 2]]
+
+
+def test_commit_is_dirty_for_changed_or_new_files_but_not_for_written_results(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "book" / "results").mkdir(parents=True)
+    (tmp_path / "src" / "a.py").write_text("x = 1\n")
+    (tmp_path / "book" / "results" / "r.json").write_text("{}\n")
+    (tmp_path / ".gitignore").write_text("runs/\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "first")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    inside = tmp_path / "src"  # asked from a subfolder, as the package asks
+    assert commit(inside) == head
+    (tmp_path / "book" / "results" / "r.json").write_text('{"bleu": 1}\n')
+    (tmp_path / "book" / "results" / "new.json").write_text("{}\n")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "ignored.pt").write_text("")
+    assert commit(inside) == head, "results and ignored files are not changes to the code"
+    (tmp_path / "src" / "b.py").write_text("y = 2\n")
+    assert commit(inside) == head + "+dirty", "a new file that git does not ignore changes what runs"
+    (tmp_path / "src" / "b.py").unlink()
+    (tmp_path / "src" / "a.py").write_text("x = 2\n")
+    assert commit(inside) == head + "+dirty"
 
 
 def readme_row(r: dict) -> str:

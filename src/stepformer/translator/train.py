@@ -60,14 +60,20 @@ def make_optimizer(model: torch.nn.Module, config: TranslatorConfig, device: tor
                              weight_decay=config.weight_decay, fused=device.type in ("cpu", "cuda"))
 
 
-def commit() -> str:
-    """The course's git commit (``unknown`` outside a checkout), recorded with every result."""
-    folder = Path(__file__).resolve().parent
+def commit(folder: Path | None = None) -> str:
+    """The course's git commit (``unknown`` outside a checkout), recorded with every result.
+
+    ``+dirty`` marks a working tree that differs from it: a changed file, or a new one that git does
+    not ignore. Changes under ``book/results/`` do not count: they are what the benchmarks write,
+    and a benchmark that scores two runs one after the other would otherwise mark the second dirty
+    with the first one's results. ``folder``: any folder of the checkout (default: this package's).
+    """
+    folder = folder or Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder, capture_output=True, text=True,
                              timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=folder,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ":(top)", ":(top,exclude)book/results"],
+                               cwd=folder, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (out.stdout.strip() + ("+dirty" if dirty else "")) if out.returncode == 0 else "unknown"
