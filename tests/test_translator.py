@@ -115,7 +115,6 @@ def test_beam_step_keeps_the_k_best_of_all_extensions(seed):
     assert set(from_beam[0].tolist()) <= {0, 1}
 
 
-
 @pytest.mark.parametrize("seed", range(5))
 def test_best_extensions_from_each_beams_top_tokens_equal_beam_step_over_everything(seed):
     g = torch.Generator().manual_seed(seed)
@@ -135,6 +134,7 @@ def test_best_extensions_from_each_beams_top_tokens_equal_beam_step_over_everyth
     assert torch.equal(want_best, got_best)
     real = want_best > -torch.inf  # the -inf places of the first row are ties, in any order
     assert all(torch.equal(want[real], got[real]) for want, got in zip(want_pairs, got_pairs, strict=True))
+
 
 # --- subwords and batches -------------------------------------------------------------------
 

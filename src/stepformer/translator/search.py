@@ -62,17 +62,16 @@ class _Stepper:
         search reordering beams within each sentence) it is already right and stays as it is.
         (``index_select`` rather than ``tensor[rows]``: the same rows, copied about twice as fast on a CPU.)
         """
-        caches = [layer.self_attn for layer in self.cache or []]
-        for kv in caches:
-            if kv.keys is not None:
-                kv.keys, kv.values = kv.keys.index_select(0, rows), kv.values.index_select(0, rows)
+        def take(kvs, chosen: Tensor) -> None:
+            for kv in kvs:
+                if kv.keys is not None:
+                    kv.keys, kv.values = kv.keys.index_select(0, chosen), kv.values.index_select(0, chosen)
+
+        take((layer.self_attn for layer in self.cache or []), rows)
         if source_rows is not None:
             self.memory = self.memory.index_select(0, source_rows)
             self.src_mask = self.src_mask.index_select(0, source_rows)
-            for kv in (layer.cross_attn for layer in self.cache or []):
-                if kv.keys is not None:
-                    kv.keys = kv.keys.index_select(0, source_rows)
-                    kv.values = kv.values.index_select(0, source_rows)
+            take((layer.cross_attn for layer in self.cache or []), source_rows)
 
 
 @jaxtyped(typechecker=beartype)
@@ -179,7 +178,7 @@ def beam_search(
         history = rearrange(tokens, "(batch beam) length -> batch beam length", beam=beam)
         at_limit = (limits[alive] <= step).tolist()
         keep_rank = [[0] * beam for _ in range(rows)]
-        live = [[False] * beam for _ in range(rows)]  # early on, fewer than beam may exist
+        kept_counts = [0] * rows  # early on, fewer than beam may exist
         done = set()
         for r, sentence in enumerate(alive.tolist()):
             kept = 0
@@ -195,14 +194,16 @@ def beam_search(
                         finished[sentence].append((normalised, ids))
                     continue
                 if kept < beam:
-                    keep_rank[r][kept], live[r][kept] = rank, True
+                    keep_rank[r][kept] = rank
                     kept += 1
+            kept_counts[r] = kept
             if len(finished[sentence]) >= beam or at_limit[r] or kept == 0:
                 done.add(r)
         # The surviving beams: their scores, the beam each extends, the token it adds.
         keep_rank_t = torch.tensor(keep_rank, dtype=torch.long, device=device)
-        live_t = torch.tensor(live, dtype=torch.bool, device=device)
-        scores = best.gather(1, keep_rank_t).masked_fill(~live_t, -torch.inf)
+        counts = rearrange(torch.tensor(kept_counts, device=device), "batch -> batch 1")
+        live = torch.arange(beam, device=device) < counts
+        scores = best.gather(1, keep_rank_t).masked_fill(~live, -torch.inf)
         chosen_beam, chosen_token = from_beam.gather(1, keep_rank_t), token.gather(1, keep_rank_t)
         offsets = rearrange(torch.arange(rows, device=device) * beam, "batch -> batch 1")
         source_rows = rearrange(offsets + chosen_beam, "batch beam -> (batch beam)")
