@@ -23,17 +23,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from stepformer.transformer import Transformer
-from stepformer.translator.batching import Encoded, collate, encode_pairs, token_batches
+from stepformer.translator.batching import Encoded, PaddedTable, collate, encode_pairs, token_batches
 from stepformer.translator.config import TranslatorConfig, autocast_dtype, pick_device
 from stepformer.translator.data import load_split
-from stepformer.translator.fast import fused_label_smoothed_loss, packed_dropout
+from stepformer.translator.fast import fused_label_smoothed_loss, loss_for, packed_dropout
 from stepformer.translator.recipe import inverse_sqrt_lr
 from stepformer.translator.tokenizer import SubwordTokenizer
 
 CHECKPOINT_FORMAT = 1
+# Steps between two reads of the losses from the device: a read waits for the device to finish, so
+# reading every step would keep the host from queueing the next step while this one runs.
+LOG_EVERY = 50
 
 
 def build_model(config: TranslatorConfig, vocab_size: int, pad_id: int) -> Transformer:
@@ -61,7 +65,7 @@ def make_optimizer(model: torch.nn.Module, config: TranslatorConfig, device: tor
 
 
 def commit(folder: Path | None = None) -> str:
-    """The course's git commit (``unknown`` outside a checkout), recorded with every result.
+    """The course's git commit (outside a checkout: ``$STEPFORMER_COMMIT``, else ``unknown``), kept with results.
 
     ``+dirty`` marks a working tree that differs from it: a changed file, or a new one that git does
     not ignore. Changes under ``book/results/`` do not count: they are what the benchmarks write,
@@ -75,8 +79,11 @@ def commit(folder: Path | None = None) -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "--", ":(top)", ":(top,exclude)book/results"],
                                cwd=folder, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (out.stdout.strip() + ("+dirty" if dirty else "")) if out.returncode == 0 else "unknown"
+        out = None
+    if out is None or out.returncode != 0:
+        # A copy of the tree without its .git (a GPU machine the tree was sent to) says its commit this way.
+        return os.environ.get("STEPFORMER_COMMIT", "unknown")
+    return out.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def hardware(device: torch.device) -> str:
@@ -109,6 +116,14 @@ class Distributed:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.tolist()
+
+    def all_sum_tensor(self, value: Tensor) -> Tensor:
+        """A tensor summed over the processes, left on its device (itself with one process: no copy, no wait)."""
+        if self.world == 1:
+            return value
+        value = value.clone()
+        dist.all_reduce(value)
+        return value
 
     def mean(self, value: float) -> float:
         """The mean over the processes (the value itself with one process)."""
@@ -233,11 +248,14 @@ def train(
     seed_everything(config.seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, train_data, val_data, val_refs = prepare_data(config, out_dir, data_dir, progress and world.main, log)
+
+    # Warmup and cadences given in epochs become steps here; config.json keeps them as given.
+    steps_per_epoch = len(token_batches(train_data, config.max_tokens, config.seed, 0))
+    given, config = config, config.in_steps(steps_per_epoch)
+    model = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
     if world.main:
         (out_dir / "tokenizer.json").write_text(tokenizer.to_json())
-        (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-
-    model = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
+        (out_dir / "config.json").write_text(json.dumps(given.to_dict(), indent=2) + "\n")
     optimizer = make_optimizer(model, config, device)
     amp_dtype = autocast_dtype(config.precision, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
@@ -256,7 +274,13 @@ def train(
     parameters = sum(p.numel() for p in model.parameters())
     log(f"model: {parameters:,} parameters on {hardware(device)}; autocast {amp_dtype}; "
         f"{world.world} process(es); commit {commit()}")
-    log("settings: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items()))
+    log("settings: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items())
+        + f"; {steps_per_epoch} steps per epoch")
+    if device.type == "cuda":
+        # TF32 tensor cores for what stays float32 (10 mantissa bits, float32's range): the products
+        # autocast leaves in float32 and everything when precision=fp32.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
     forward = model
     if world.world > 1:
@@ -269,46 +293,70 @@ def train(
         jaxtyping.config.update("jaxtyping_disable", True)
         forward = torch.compile(forward, dynamic=True)
 
+    # The training split padded once, on the device: a batch is two gathers there (PaddedTable).
+    table = PaddedTable(train_data, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, device)
+    loss_fn = loss_for(device)
     bar = Progress(config, step, enabled=progress and world.main)
     metrics = open(out_dir / "metrics.jsonl", "a") if world.main else None  # noqa: SIM115 (closed below)
     started = time.perf_counter()
     recent: list[tuple[float, float]] = []  # (start time, tokens) of the last steps: tokens/s over a moving window
+    pending: list[dict] = []  # steps whose losses are still on the device
+
+    def flush() -> None:
+        """Read the pending steps' losses in one transfer, then log them."""
+        nonlocal recent
+        if not pending:
+            return
+        values = torch.stack([torch.stack([r.pop("loss_sum").float(), r.pop("n_tokens").float(),
+                                           r["grad_norm"].float()]) for r in pending]).tolist()
+        for record, (loss_sum, n_tokens, grad_norm) in zip(pending, values, strict=True):
+            recent = [*recent[-49:], (record.pop("started"), n_tokens)]
+            record.update(loss=loss_sum / n_tokens, tokens=int(n_tokens), grad_norm=grad_norm,
+                          tokens_per_s=sum(t for _, t in recent) / max(record.pop("ended") - recent[0][0], 1e-9))
+            record = {k: record[k] for k in ("step", "epoch", "loss", "lr", "tokens", "grad_norm", "tokens_per_s",
+                                             "elapsed_s")}
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+            bar.update(record["step"], record["elapsed_s"], record)
+        pending.clear()
+
     model.train()
     try:
         while not budget_spent(config, step, epoch, elapsed_before + time.perf_counter() - started):
             batches = token_batches(train_data, config.max_tokens, config.seed, epoch)
-            for indices in batches[batch_in_epoch:]:
-                mine = indices[world.rank::world.world]
+            mine = [indices[world.rank::world.world] for indices in batches[batch_in_epoch:]]
+            for indices, index in zip(mine, table.indices(mine), strict=True):
                 step_started = time.perf_counter()
                 spent = budget_fraction(config, step, epoch + batch_in_epoch / len(batches),
                                         world.mean(elapsed_before + step_started - started))
                 lr = scheduled_lr(config, step + 1, spent)
-                loss_sum, n_tokens, grad_norm = train_step(forward, model, optimizer, scaler, train_data, mine,
-                                                           tokenizer, config, lr, amp_dtype, device, world)
+                loss_sum, n_tokens, grad_norm = train_step(forward, model, optimizer, scaler, table, indices, index,
+                                                           tokenizer.pad_id, config, lr, amp_dtype, loss_fn, world)
                 step += 1
                 batch_in_epoch += 1
                 now = time.perf_counter()
-                recent = [*recent[-49:], (step_started, n_tokens)]
                 # Every process must see the same clock, or they would stop at different steps.
                 elapsed = world.mean(elapsed_before + now - started)
-                rate = sum(t for _, t in recent) / max(now - recent[0][0], 1e-9)
-                record = {"step": step, "epoch": epoch + 1, "loss": loss_sum / n_tokens,
-                          "lr": optimizer.param_groups[0]["lr"], "tokens": int(n_tokens), "grad_norm": grad_norm,
-                          "tokens_per_s": rate, "elapsed_s": elapsed}
-                if metrics is not None:
-                    metrics.write(json.dumps(record) + "\n")
-                bar.update(step, elapsed, record)
-                if step % config.eval_every == 0 and world.main:
+                pending.append({"step": step, "epoch": epoch + 1, "loss_sum": loss_sum, "n_tokens": n_tokens,
+                                "grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"], "elapsed_s": elapsed,
+                                "started": step_started, "ended": now})
+                evaluating = step % config.eval_every == 0 and world.main
+                checkpointing = step % config.checkpoint_every == 0
+                if step % LOG_EVERY == 0 or evaluating or checkpointing:
+                    flush()
+                else:
+                    bar.update(step, elapsed, None)
+                if evaluating:
                     evaluation = validate(model, tokenizer, val_data, val_refs, config, amp_dtype, device)
                     metrics.write(json.dumps({"step": step, "elapsed_s": elapsed, **evaluation}) + "\n")
                     log(f"step {step}: validation loss {evaluation['val_loss']:.3f}, greedy BLEU "
                         f"{evaluation['val_bleu']:.1f} on {config.eval_sentences} val sentences")
                     model.train()
-                if step % config.checkpoint_every == 0:
+                if checkpointing:
                     if metrics is not None:
                         metrics.flush()
                     if world.main:
-                        write_checkpoint(out_dir, model, optimizer, config, tokenizer, step, epoch, batch_in_epoch,
+                        write_checkpoint(out_dir, model, optimizer, given, tokenizer, step, epoch, batch_in_epoch,
                                          elapsed)
                 if budget_spent(config, step, epoch, elapsed):
                     break
@@ -316,6 +364,7 @@ def train(
                 epoch, batch_in_epoch = epoch + 1, 0
                 continue
             break
+        flush()
     finally:
         bar.close()
         if metrics is not None:
@@ -324,7 +373,7 @@ def train(
     if not world.main:
         return out_dir / "averaged.pt"
     if not checkpoint_paths(out_dir) or checkpoint_paths(out_dir)[-1].name != f"step_{step:07d}.pt":
-        write_checkpoint(out_dir, model, optimizer, config, tokenizer, step, epoch, batch_in_epoch, elapsed)
+        write_checkpoint(out_dir, model, optimizer, given, tokenizer, step, epoch, batch_in_epoch, elapsed)
     plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png")
     averaged = average_checkpoints(checkpoint_paths(out_dir)[-config.keep_checkpoints:], out_dir / "averaged.pt")
     log(f"done: {step} steps, {epoch + (batch_in_epoch > 0)} epochs (the last one partial if not a whole), "
@@ -333,32 +382,32 @@ def train(
     return averaged
 
 
-def train_step(forward, model, optimizer, scaler, data: Encoded, indices: list[int], tokenizer, config, lr: float,
-               amp_dtype, device, world: Distributed) -> tuple[float, float]:
+def train_step(forward, model, optimizer, scaler, table: PaddedTable, indices: list[int], index: Tensor,
+               pad_id: int, config, lr: float, amp_dtype, loss_fn, world: Distributed) -> tuple[Tensor, Tensor, Tensor]:
     """One optimiser step at learning rate ``lr`` on this process's share of a global batch.
 
-    Returns the whole batch's summed loss and target tokens, and the gradients' norm before clipping.
+    Returns the whole batch's summed loss and target tokens, and the gradients' norm before clipping,
+    as tensors on the device: nothing here waits for the device (the trainer reads them every
+    ``LOG_EVERY`` steps). ``loss_fn`` is :func:`.fast.loss_for`'s, ``index`` the batch's indices on the device.
     """
     for group in optimizer.param_groups:
         group["lr"] = lr
-    src, tgt = collate(data, indices, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
-    src, tgt = src.to(device), tgt.to(device)
-    local_tokens = float((tgt[:, 1:] != tokenizer.pad_id).sum())
-    (global_tokens,) = world.all_sum(local_tokens)
-    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        logits = forward(src, tgt[:, :-1])
-    # Chapter 11's label_smoothed_loss, computed in cache-sized blocks (equal, tested; fast.py says why).
-    loss_sum = fused_label_smoothed_loss(logits, tgt[:, 1:], tokenizer.pad_id, config.label_smoothing, "sum")
+    src, tgt_in, tgt_out = table.batch(indices, index)
+    tokens = (tgt_out != pad_id).sum()
+    global_tokens = world.all_sum_tensor(tokens)
+    with torch.autocast(table.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        logits = forward(src, tgt_in)
+    # Chapter 11's label_smoothed_loss: in cache-sized blocks on the CPU, one fused call elsewhere (both tested).
+    loss_sum = loss_fn(logits, tgt_out, pad_id, config.label_smoothing)
     # DDP averages gradients over the processes; times world / all tokens makes that the
     # gradient of (sum over the whole batch) / (its tokens), as one process would compute.
     scaler.scale(loss_sum * world.world / global_tokens).backward()
     scaler.unscale_(optimizer)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    total_loss, total_tokens = world.all_sum(float(loss_sum.detach()), local_tokens)
-    return total_loss, total_tokens, grad_norm
+    return world.all_sum_tensor(loss_sum.detach()), global_tokens, grad_norm.detach()
 
 
 @torch.no_grad()
@@ -489,13 +538,15 @@ class Progress:
                         "[{elapsed}<{remaining}{postfix}]")
         self.last_elapsed = 0.0
 
-    def update(self, step: int, elapsed: float, record: dict) -> None:
+    def update(self, step: int, elapsed: float, record: dict | None) -> None:
+        """Move the bar to ``step``; ``record`` (a logged step, or None between reads) updates the figures beside it."""
         if self.by_steps:
             self.bar.n = step
         else:
             self.bar.n = min(elapsed, self.bar.total or elapsed)
-        self.bar.set_postfix_str(f"step {step}, loss {record['loss']:.3f}, {record['tokens_per_s']:,.0f} tok/s, "
-                                 f"lr {record['lr']:.2e}", refresh=False)
+        if record is not None:
+            self.bar.set_postfix_str(f"step {record['step']}, loss {record['loss']:.3f}, "
+                                     f"{record['tokens_per_s']:,.0f} tok/s, lr {record['lr']:.2e}", refresh=False)
         self.bar.refresh()
 
     def close(self) -> None:
