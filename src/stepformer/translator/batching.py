@@ -119,6 +119,8 @@ class PaddedTable:
 
     def indices(self, batches: list[list[int]]) -> list[Tensor]:
         """Each batch's indices as a device tensor, copied in one transfer for the whole epoch."""
+        if not batches:
+            return []
         flat = torch.tensor([i for b in batches for i in b], dtype=torch.long)
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
