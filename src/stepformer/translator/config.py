@@ -150,11 +150,15 @@ def pick_device() -> torch.device:
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The dtype for ``torch.autocast`` (None: plain float32).
+    """The dtype for ``torch.autocast`` (None: plain float32); an explicit ``bf16``, ``fp16`` or ``fp32`` is obeyed.
 
-    ``auto`` picks bf16 on a CUDA GPU that has it (else fp16, with a gradient scaler) and on a
-    CPU with bf16 matrix units (AMX or AVX-512 bf16; measured ~6× float32's matmul rate on
-    this course's machine), else float32.
+    ``auto`` picks bf16 on a CUDA GPU whose tensor cores have it (Ampere and later), else fp16,
+    which the trainer pairs with a gradient scaler: a T4 or V100 can *emulate* bf16, and
+    ``torch.cuda.is_bf16_supported()`` says yes for that by default, but emulated bf16 is slower
+    than fp16 there. On a CPU with bf16 matrix units (AMX or AVX-512 bf16; measured ~6× float32's
+    matmul rate on this course's machine) it picks bf16. On Apple's MPS it stays in float32:
+    PyTorch's autocast there (fp16, and bf16 from macOS 14) is recent and has not been measured
+    on this model, so ``precision=fp16`` asks for it. Elsewhere float32.
     """
     if precision == "fp32":
         return None
@@ -163,7 +167,7 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     if precision == "fp16":
         return torch.float16
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     if device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return torch.bfloat16
     return None
