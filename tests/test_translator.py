@@ -371,6 +371,12 @@ def test_train_evaluate_translate_from_the_command_line(tmp_path, real_data):
     assert len(lines) == 40 and result["sentences"] == 40
     assert result["bleu"] == round(sacrebleu.corpus_bleu(lines, [refs]).score, 2)
     assert result["chrf"] == round(sacrebleu.corpus_chrf(lines, [refs]).score, 2)
+    for name, key in (("BLEU", "bleu"), ("chrF", "chrf")):
+        low, high = result[f"{key}_ci95"]
+        assert low <= result[key] <= high
+        assert f"{name} {result[key]:.2f}, 95% interval {low:.2f}–{high:.2f}" in printed.stdout
+    assert result["n_bootstrap"] == 1000 and result["bootstrap_seed"] == 12345
+    assert result["train_precision"] == "float32"
     assert result["averaged"] == ["step_0000100.pt", "step_0000120.pt"]
     assert result["steps"] == 120 and result["seed"] == 1234 and result["beam"] == 2
     translated = run_cli("translate", "--checkpoint", str(out / "averaged.pt"), "Ein Hund läuft.", "Zwei Männer.")
