@@ -11,7 +11,8 @@ For each direction (de→en, en→de) it runs ``stepformer-translate train --pre
 length penalty in ``LENGTH_PENALTIES``, keeps the best on val, and with it decodes ``test_2016_flickr``
 once; on the test set also greedy, the last checkpoint alone (no averaging) and beam
 search without the KV-cache (its decoding time). Every score line is what the command printed and
-saved: sacreBLEU and chrF with signatures, hardware, wall time, seed, commit. It adds the loss and
+saved: sacreBLEU and chrF with signatures and bootstrap 95% intervals, hardware, wall time, seed, commit;
+each row's translations go to ``translations/`` beside the results file (``hypotheses_file``). It adds the loss and
 validation curves, example translations chosen by a rule (the best, middle and worst by sentence
 chrF), and cross-attention maps of the averaged model on two test sentences chosen by a rule (the
 first of 8 and of 14 source tokens), all into ``--results`` (default ``book/results/translator.json``).
@@ -33,9 +34,12 @@ from pathlib import Path
 import sacrebleu
 import torch
 
+from stepformer.translator.evaluate import interval_text
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = [sys.executable, "-m", "stepformer.translator.cli"]
 LENGTH_PENALTIES = (0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0)
+TRANSLATIONS = "translations"  # beside the results file: the translations of every reported row
 
 
 def run(args: list[str]) -> str:
@@ -59,15 +63,27 @@ def train(out: Path, src: str, tgt: str, data: list[str], preset: str, extra: li
     return time.perf_counter() - started
 
 
-def evaluate(checkpoint: Path, split: str, data: list[str], options: list[str], hypotheses: Path | None = None) -> dict:
-    with_results = checkpoint.parent / f".eval-{time.time_ns()}.jsonl"
-    extra = ["--hypotheses", str(hypotheses)] if hypotheses else []
+def evaluate(checkpoint: Path, split: str, data: list[str], options: list[str]) -> dict:
+    """The command's result, with its translations under ``hypotheses`` (one string per sentence)."""
+    stem = checkpoint.parent / f".eval-{time.time_ns()}"
+    with_results, hypotheses = stem.with_suffix(".jsonl"), stem.with_suffix(".txt")
     try:
-        run(["evaluate", "--checkpoint", str(checkpoint), "--split", split, "--results", str(with_results), *data,
-             *options, *extra])
-        return json.loads(with_results.read_text())
+        run(["evaluate", "--checkpoint", str(checkpoint), "--split", split, "--results", str(with_results),
+             "--hypotheses", str(hypotheses), *data, *options])
+        translations = hypotheses.read_text(encoding="utf-8").splitlines()
+        return {**json.loads(with_results.read_text()), "hypotheses": translations}
     finally:
         with_results.unlink(missing_ok=True)
+        hypotheses.unlink(missing_ok=True)
+
+
+def keep_translations(row: dict, results: Path, name: str) -> dict:
+    """The row without its translations, which go to ``translations/NAME.txt`` beside the results file (one per
+    line; about 70 kB for a test set), named in the row, so that its scores and intervals can be computed again."""
+    path = results.parent / TRANSLATIONS / f"{name.replace(' ', '-').replace(',', '').lower()}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in row["hypotheses"]), encoding="utf-8")
+    return {k: v for k, v in row.items() if k != "hypotheses"} | {"hypotheses_file": f"{TRANSLATIONS}/{path.name}"}
 
 
 def curves(run_dir: Path, every: int = 25) -> dict:
@@ -147,7 +163,6 @@ def main() -> None:
         out = args.runs / f"{args.preset}-{src}-{tgt}"
         train(out, src, tgt, data, args.preset)
         averaged, last = out / "averaged.pt", sorted((out / "checkpoints").glob("step_*.pt"))[-1]
-        hyps = out / "test_hypotheses.txt"
         # The length penalty is chosen on val, never on the test set; then the test set is decoded once with it.
         on_val = {penalty: evaluate(averaged, "val", data, ["--beam", "4", "--length-penalty", str(penalty)])
                   for penalty in LENGTH_PENALTIES}
@@ -156,7 +171,7 @@ def main() -> None:
               + ", ".join(f"{lp}: {on_val[lp]['bleu']:.2f}" for lp in LENGTH_PENALTIES) + ")", flush=True)
         beam = ["--beam", "4", "--length-penalty", str(penalty)]
         rows = [
-            ("averaged, beam 4", evaluate(averaged, "test_2016_flickr", data, beam, hyps)),
+            ("averaged, beam 4", evaluate(averaged, "test_2016_flickr", data, beam)),
             ("averaged, beam 4", on_val[penalty]),
             ("averaged, greedy", evaluate(averaged, "test_2016_flickr", data, ["--beam", "1"])),
             ("last checkpoint, beam 4", evaluate(last, "test_2016_flickr", data, beam)),
@@ -166,15 +181,16 @@ def main() -> None:
             str(lp): round(on_val[lp]["bleu"], 2) for lp in LENGTH_PENALTIES}
         results["runs"] = [r for r in results["runs"] if not (r["preset"] == args.preset and
                                                               r["direction"] == f"{src}→{tgt}")]
+        test_translations = rows[0][1]["hypotheses"]
         for variant, row in rows:
-            row.pop("hypotheses", None)
-            results["runs"].append({"preset": args.preset, "variant": variant, **row})
+            name = f"{args.preset} {src}-{tgt} {row['split']} {variant}"
+            results["runs"].append({"preset": args.preset, "variant": variant, **keep_translations(row, args.results,
+                                                                                                   name)})
         from stepformer.translator.data import load_split
 
         sources, references = load_split("test_2016_flickr", src, tgt, args.data_dir, progress=False)
         results.setdefault("curves", {})[f"{src}→{tgt}"] = curves(out)
-        results.setdefault("examples", {})[f"{src}→{tgt}"] = examples(sources, references,
-                                                                     hyps.read_text().splitlines())
+        results.setdefault("examples", {})[f"{src}→{tgt}"] = examples(sources, references, test_translations)
         results.setdefault("attention", {})[f"{src}→{tgt}"] = cross_attention(averaged, sources, data)
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
@@ -185,18 +201,23 @@ def main() -> None:
             out = args.runs / f"ablation-{args.ablation_steps}steps-{name.replace(' ', '-')}"
             train(out, "de", "en", data, args.preset, ["--steps", str(args.ablation_steps), *extra])
             row = evaluate(out / "averaged.pt", "test_2016_flickr", data, ["--beam", "4"])
-            row.pop("hypotheses", None)
-            ablation.append({"variant": name, **row})
+            ablation.append({"variant": name, **keep_translations(row, args.results,
+                                                                  f"ablation {args.ablation_steps} steps {name}")})
         results["ablation"] = ablation
         args.results.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
-    print("\n| preset | direction | split | variant | BLEU | chrF | lc-tok BLEU | decode s | train min | steps |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| preset | direction | split | variant | BLEU | chrF | 95% interval (BLEU / chrF) | lc-tok BLEU | "
+          "decode s | train min | steps |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results["runs"]:
         print(f"| {r['preset']} | {r['direction']} | {r['split']} | {r['variant']} | {r['bleu']:.2f} | "
-              f"{r['chrf']:.2f} | {r['bleu_lowercased_moses_tokenized']:.2f} | {r['decode_seconds']} | "
-              f"{r['train_minutes']} | {r['steps']} |")
+              f"{r['chrf']:.2f} | {interval_text(r)} | {r['bleu_lowercased_moses_tokenized']:.2f} | "
+              f"{r['decode_seconds']} | {r['train_minutes']} | {r['steps']} |")
     if results["runs"]:
-        print(f"\n{results['runs'][0]['bleu_signature']}\n{results['runs'][0]['chrf_signature']}")
+        newest = results["runs"][-1]
+        print(f"\n{newest['bleu_signature']}\n{newest['chrf_signature']}")
+        if "n_bootstrap" in newest:
+            print(f"intervals: sacreBLEU's bootstrap, {newest['n_bootstrap']} resampled test sets, seed "
+                  f"{newest['bootstrap_seed']}")
 
 
 if __name__ == "__main__":

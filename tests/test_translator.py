@@ -371,6 +371,12 @@ def test_train_evaluate_translate_from_the_command_line(tmp_path, real_data):
     assert len(lines) == 40 and result["sentences"] == 40
     assert result["bleu"] == round(sacrebleu.corpus_bleu(lines, [refs]).score, 2)
     assert result["chrf"] == round(sacrebleu.corpus_chrf(lines, [refs]).score, 2)
+    for name, key in (("BLEU", "bleu"), ("chrF", "chrf")):
+        low, high = result[f"{key}_ci95"]
+        assert low <= result[key] <= high
+        assert f"{name} {result[key]:.2f}, 95% interval {low:.2f}–{high:.2f}" in printed.stdout
+    assert result["n_bootstrap"] == 1000 and result["bootstrap_seed"] == 12345
+    assert result["train_precision"] == "float32"
     assert result["averaged"] == ["step_0000100.pt", "step_0000120.pt"]
     assert result["steps"] == 120 and result["seed"] == 1234 and result["beam"] == 2
     translated = run_cli("translate", "--checkpoint", str(out / "averaged.pt"), "Ein Hund läuft.", "Zwei Männer.")
@@ -475,10 +481,24 @@ def test_commit_is_dirty_for_changed_or_new_files_but_not_for_written_results(tm
 
 
 def readme_row(r: dict) -> str:
-    """The README's results row for one result of ``book/results/translator.json``."""
-    return (f"| {r['preset']} | {r['direction']} | {r['bleu']:.2f} | {r['chrf']:.2f} | "
+    """The README's results row for one result of ``book/results/translator.json``, with or without an interval."""
+    from stepformer.translator.evaluate import interval_text
+
+    return (f"| {r['preset']} | {r['direction']} | {r['bleu']:.2f} | {r['chrf']:.2f} | {interval_text(r)} | "
             f"{r.get('train_hardware', 'not recorded')} | {r['train_minutes']:.1f} min, {r['steps']:,} steps | "
             f"{r['seed']} | {r['train_commit']} |")
+
+
+def test_a_readme_row_shows_the_interval_where_it_was_measured():
+    row = {"preset": "gpu", "direction": "de→en", "bleu": 44.12, "chrf": 64.0, "train_hardware": "NVIDIA H100",
+           "train_minutes": 4.5, "steps": 1234, "seed": 1, "train_commit": "abc1234"}
+    rerun = "python benchmarks/translator_quality.py --preset gpu --directions de-en"
+    assert readme_row(row).startswith(f"| gpu | de→en | 44.12 | 64.00 | interval not measured (translations not kept; "
+                                      f"rerun `{rerun}`) |")
+    measured = {**row, "bleu_ci95": [42.9, 45.31], "chrf_ci95": [63.1, 64.85], "n_bootstrap": 1000,
+                "bootstrap_seed": 12345}
+    assert readme_row(measured) == ("| gpu | de→en | 44.12 | 64.00 | 42.90–45.31 / 63.10–64.85 | NVIDIA H100 | "
+                                    "4.5 min, 1,234 steps | 1 | abc1234 |")
 
 
 def test_the_readme_quotes_the_results_file():

@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser(
         "evaluate", help="score a checkpoint on a split with sacreBLEU and chrF",
         description="Translate a whole split and score it against the raw references: sacreBLEU (13a, cased) and "
-        "chrF with their signatures, and the older lowercased tokenized BLEU for comparison.",
+        "chrF with their signatures and bootstrap 95% intervals, and the older lowercased tokenized BLEU for "
+        "comparison.",
     )
     evaluate.add_argument("--checkpoint", required=True, type=Path)
     evaluate.add_argument("--split", default="test_2016_flickr", choices=SPLITS)
@@ -148,13 +149,17 @@ def _evaluate(args: argparse.Namespace) -> int:
     hypotheses = result.pop("hypotheses")
     if args.limit is not None:
         print(f"only the first {result['sentences']} sentences of {result['split']}: not comparable with full scores")
-    print(f"{result['direction']} {result['split']}: BLEU {result['bleu']:.2f}  ({result['bleu_signature']})")
-    print(f"{result['direction']} {result['split']}: chrF {result['chrf']:.2f}  ({result['chrf_signature']})")
+    for name, key in (("BLEU", "bleu"), ("chrF", "chrf")):
+        low, high = result[f"{key}_ci95"]
+        print(f"{result['direction']} {result['split']}: {name} {result[key]:.2f}, 95% interval {low:.2f}–{high:.2f}  "
+              f"({result[f'{key}_signature']})")
+    print(f"  intervals: sacreBLEU's bootstrap, {result['n_bootstrap']} resampled test sets, seed "
+          f"{result['bootstrap_seed']}")
     print(f"  for comparison, lowercased Moses-tokenized BLEU: {result['bleu_lowercased_moses_tokenized']:.2f}")
     print(f"  beam {result['beam']}, length penalty {result['length_penalty']}, KV-cache {result['kv_cache']}, "
           f"{result['decode_seconds']} s on {result['decode_hardware']}; checkpoint {result['checkpoint']} "
-          f"(step {result['steps']}, {result['train_minutes']} min of training, seed {result['seed']}, "
-          f"commit {result['train_commit']})")
+          f"(step {result['steps']}, {result['train_minutes']} min of training in {result['train_precision']}, "
+          f"seed {result['seed']}, commit {result['train_commit']})")
     if args.results is not None:
         with open(args.results, "a", encoding="utf-8") as f:
             f.write(json.dumps(result, ensure_ascii=False) + "\n")

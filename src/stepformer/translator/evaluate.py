@@ -6,9 +6,18 @@ number. Older papers on Multi30k tokenized and lowercased both sides themselves 
 ``multi-bleu.perl``; that number is higher and depends on their tokenizer, so it is reported
 beside, labelled, for comparison only. chrF (Popović 2015) scores character n-grams, kinder to
 German's long compounds.
+
+A score of one test set is one draw: sacreBLEU's bootstrap resamples the test sentences (Koehn
+2004) and gives each score a 95% interval, which every reported score carries. Runs that differ
+only in their seed are summarised by the mean and sample standard deviation of their scores.
 """
 
+import contextlib
+import json
+import os
+import statistics
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,8 +76,14 @@ class Translator:
         return tok.decode(ids)
 
 
-def scores(hypotheses: list[str], references: list[str], target_language: str) -> dict:
-    """sacreBLEU BLEU and chrF with their signatures, and the older lowercased tokenized BLEU, labelled."""
+N_BOOTSTRAP = 1000  # resampled test sets per interval: sacreBLEU's default for --confidence
+BOOTSTRAP_SEED = 12345  # sacreBLEU's own default seed (its SACREBLEU_SEED)
+
+
+def scores(hypotheses: list[str], references: list[str], target_language: str, n_bootstrap: int = N_BOOTSTRAP,
+           seed: int = BOOTSTRAP_SEED) -> dict:
+    """sacreBLEU BLEU and chrF with their signatures and bootstrap 95% intervals, and the older lowercased
+    tokenized BLEU, labelled. The scores are plain ``corpus_score``: the intervals are beside them, not instead."""
     import sacrebleu
     from sacremoses import MosesTokenizer
 
@@ -85,11 +100,86 @@ def scores(hypotheses: list[str], references: list[str], target_language: str) -
     old_score = old_style.corpus_score(tokenized(hypotheses), [tokenized(references)])
     return {
         "bleu": round(bleu_score.score, 2), "bleu_signature": str(bleu.get_signature()),
+        "bleu_ci95": interval95("bleu", hypotheses, references, n_bootstrap, seed),
         "chrf": round(chrf_score.score, 2), "chrf_signature": str(chrf.get_signature()),
+        "chrf_ci95": interval95("chrf", hypotheses, references, n_bootstrap, seed),
+        "n_bootstrap": n_bootstrap, "bootstrap_seed": seed,
         "bleu_lowercased_moses_tokenized": round(old_score.score, 2),
         "bleu_lowercased_moses_tokenized_note": "lowercased, Moses-tokenized (sacremoses) both sides, then BLEU "
         "with tokenize=none: the convention of older Multi30k papers (multi-bleu.perl); for comparison only",
     }
+
+
+def interval95(metric: str, hypotheses: list[str], references: list[str], n_bootstrap: int = N_BOOTSTRAP,
+               seed: int = BOOTSTRAP_SEED) -> list[float]:
+    """sacreBLEU's bootstrap 95% interval ``[low, high]`` of a corpus BLEU or chrF (``metric``: ``bleu``, ``chrf``).
+
+    sacreBLEU scores ``n_bootstrap`` test sets drawn with replacement from the sentences and reports
+    μ ± h: the mean of those scores, and half the distance between their 2.5th and 97.5th
+    percentiles; the interval is [μ - h, μ + h]. The same seed draws the same test sets.
+    """
+    import sacrebleu
+
+    kinds = {"bleu": sacrebleu.metrics.BLEU, "chrf": sacrebleu.metrics.CHRF}
+    if metric not in kinds:
+        raise ValueError(f"metric must be one of {sorted(kinds)}, got {metric!r}")
+    if n_bootstrap < 2:
+        raise ValueError(f"an interval needs at least 2 resampled test sets, got n_bootstrap={n_bootstrap}")
+    scorer = kinds[metric]()
+    with _sacrebleu_seed(seed):
+        score = scorer.corpus_score(hypotheses, [references], n_bootstrap=n_bootstrap)
+    # sacreBLEU leaves the mean out when every resample scores 0 (then the interval is [0, 0]).
+    reported = json.loads(score.format(width=4, signature=str(scorer.get_signature()), is_json=True))
+    mean, half = reported.get("confidence_mean", 0.0), reported.get("confidence_var", 0.0)
+    return [round(mean - half, 2), round(mean + half, 2)]
+
+
+@contextlib.contextmanager
+def _sacrebleu_seed(seed: int) -> Iterator[None]:
+    """sacreBLEU takes its bootstrap's seed from the environment variable ``SACREBLEU_SEED``, read at each call."""
+    before = os.environ.get("SACREBLEU_SEED")
+    os.environ["SACREBLEU_SEED"] = str(seed)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["SACREBLEU_SEED"]
+        else:
+            os.environ["SACREBLEU_SEED"] = before
+
+
+def seed_summary(values: Sequence[float]) -> dict:
+    """``{"mean", "sd", "n"}`` of one score over runs that differ only in their training seed.
+
+    ``sd`` is the sample standard deviation (divided by n - 1), the spread one more seed would
+    show; None for a single run, which has no spread to show.
+    """
+    if not values:
+        raise ValueError("no scores to summarise")
+    return {"mean": round(statistics.mean(values), 2),
+            "sd": round(statistics.stdev(values), 2) if len(values) > 1 else None, "n": len(values)}
+
+
+def seed_summary_text(summary: dict) -> str:
+    """``44.10 ± 0.31 (mean ± sd of 3 seeds)``, as the book and the README print it."""
+    if summary["sd"] is None:
+        return f"{summary['mean']:.2f} (one seed: no spread measured)"
+    return f"{summary['mean']:.2f} ± {summary['sd']:.2f} (mean ± sd of {summary['n']} seeds)"
+
+
+def rerun_command(row: dict) -> str:
+    """The command that trains (or, where its run folder is kept, only scores again) the run of a results row."""
+    src, tgt = row["direction"].split("→")
+    return f"python benchmarks/translator_quality.py --preset {row['preset']} --directions {src}-{tgt}"
+
+
+def interval_text(row: dict, rerun: str | None = None) -> str:
+    """A results row's 95% intervals as text (``41.30–43.75 / 60.90–62.48``: BLEU / chrF), or, for a row scored
+    before they were measured, why it has none and the command (``rerun``, else :func:`rerun_command`) that would
+    give them."""
+    if "bleu_ci95" not in row:
+        return f"interval not measured (translations not kept; rerun `{rerun or rerun_command(row)}`)"
+    return " / ".join(f"{row[key][0]:.2f}–{row[key][1]:.2f}" for key in ("bleu_ci95", "chrf_ci95") if key in row)
 
 
 def evaluate(checkpoint: Path | str, split: str = "test_2016_flickr", data_dir: Path | str | None = None,
@@ -119,6 +209,7 @@ def evaluate(checkpoint: Path | str, split: str = "test_2016_flickr", data_dir: 
         "checkpoint": Path(checkpoint).name, "averaged": state.get("averaged", []), "steps": state["step"],
         "train_minutes": round(state["elapsed_s"] / 60, 1), "seed": config.seed, "train_commit": state["commit"],
         "train_hardware": state.get("hardware", "not recorded"), "train_load_average": state.get("load_average"),
+        "train_precision": state.get("precision", "not recorded"),
         "eval_commit": commit(), "torch": torch.__version__, "settings": config.to_dict(),
     })
     result["hypotheses"] = hypotheses

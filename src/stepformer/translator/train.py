@@ -271,7 +271,8 @@ def train(
         log(f"resuming from {existing[-1].name}: step {step}, epoch {epoch + 1}, {elapsed_before / 60:.1f} min done")
 
     parameters = sum(p.numel() for p in model.parameters())
-    log(f"model: {parameters:,} parameters on {hardware(device)}; autocast {amp_dtype}; "
+    log(f"model: {parameters:,} parameters on {hardware(device)}; precision "
+        f"{str(amp_dtype or torch.float32).removeprefix('torch.')}{' with a gradient scaler' * scaler.is_enabled()}; "
         f"{world.world} process(es); commit {commit()}")
     log("settings: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items())
         + f"; {steps_per_epoch} steps per epoch")
@@ -444,6 +445,8 @@ def write_checkpoint(out_dir: Path, model, optimizer, config, tokenizer, step, e
         "fingerprint": tokenizer.fingerprint, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
         "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "elapsed_s": elapsed, "rng": rng_state(),
         "commit": commit(), "torch": torch.__version__, "hardware": hardware(next(model.parameters()).device),
+        "precision": str(autocast_dtype(config.precision, next(model.parameters()).device)
+                         or torch.float32).removeprefix("torch."),
         # The machine's load when the checkpoint was written: a run that shared its cores says so.
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }, path)
