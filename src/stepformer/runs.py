@@ -473,7 +473,10 @@ def training_loop(
         pending.clear()
 
     try:
-        while not budget_spent(budget, position.step, position.epoch, clock()):
+        while True:
+            position.elapsed = clock()
+            if budget_spent(budget, position.step, position.epoch, position.elapsed):
+                break
             batches = epoch_batches(position.epoch)
             position.epoch_batches = len(batches)
             for batch in batches[position.batch_in_epoch:]:
