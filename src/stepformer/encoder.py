@@ -59,6 +59,11 @@ class Embedding(nn.Module):
         self.d_model, self.positional = d_model, positional
         self.tokens = nn.Embedding(vocab, d_model)
         self.positions = LearnedPositionalEmbedding(max_len, d_model) if positional == "learned" else None
+        # The code of the first max_len positions, computed once and moved with the model: rebuilding it
+        # on the CPU and copying it to the GPU at every call would cost a transfer per forward and per
+        # decoding step. Not persistent: it is a function of the shape, not a weight to save.
+        if positional == "sinusoidal":
+            self.register_buffer("sinusoids", sinusoidal_encoding(max_len, d_model), persistent=False)
         self.dropout = nn.Dropout(dropout)  # on the sum of tokens and positions, section 5.4 of the paper
 
     @jaxtyped(typechecker=beartype)
@@ -67,7 +72,11 @@ class Embedding(nn.Module):
         x = self.tokens(tokens) * math.sqrt(self.d_model)
         seq = tokens.shape[1]
         if self.positional == "sinusoidal":
-            x = x + sinusoidal_encoding(start + seq, self.d_model)[start:].to(x)
+            # Past max_len (the code is defined for any position) the table is extended for this call.
+            table = self.sinusoids
+            if start + seq > len(table):
+                table = sinusoidal_encoding(start + seq, self.d_model)
+            x = x + table[start : start + seq].to(x)
         elif self.positional == "learned":
             x = x + self.positions(torch.arange(start, start + seq, device=tokens.device))
         return self.dropout(x)

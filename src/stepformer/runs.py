@@ -33,7 +33,7 @@ CHECKPOINT_FORMAT = 1
 
 
 def commit(folder: Path | None = None) -> str:
-    """The course's git commit (``unknown`` outside a checkout), recorded with every result.
+    """The course's git commit (outside a checkout: ``$STEPFORMER_COMMIT``, else ``unknown``), kept with results.
 
     ``+dirty`` marks a working tree that differs from it: a changed file, or a new one that git does
     not ignore. Changes under ``book/results/`` do not count: they are what the benchmarks write,
@@ -47,8 +47,11 @@ def commit(folder: Path | None = None) -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "--", ":(top)", ":(top,exclude)book/results"],
                                cwd=folder, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (out.stdout.strip() + ("+dirty" if dirty else "")) if out.returncode == 0 else "unknown"
+        out = None
+    if out is None or out.returncode != 0:
+        # A copy of the tree without its .git (a GPU machine the tree was sent to) says its commit this way.
+        return os.environ.get("STEPFORMER_COMMIT", "unknown")
+    return out.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def hardware(device: torch.device) -> str:
@@ -136,6 +139,14 @@ class Distributed:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.tolist()
+
+    def all_sum_tensor(self, value: Tensor) -> Tensor:
+        """A tensor summed over the processes, left on its device (itself with one process: no copy, no wait)."""
+        if self.world == 1:
+            return value
+        value = value.clone()
+        dist.all_reduce(value)
+        return value
 
     def mean(self, value: float) -> float:
         """The mean over the processes (the value itself with one process), reduced on the host.

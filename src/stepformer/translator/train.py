@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from stepformer.runs import (
@@ -39,10 +40,10 @@ from stepformer.runs import (
     truncate_metrics,
 )
 from stepformer.transformer import Transformer
-from stepformer.translator.batching import Encoded, collate, encode_pairs, token_batches
+from stepformer.translator.batching import Encoded, PaddedTable, collate, encode_pairs, token_batches
 from stepformer.translator.config import TranslatorConfig, autocast_dtype, pick_device
 from stepformer.translator.data import load_split
-from stepformer.translator.fast import fused_label_smoothed_loss, packed_dropout
+from stepformer.translator.fast import fused_label_smoothed_loss, loss_for, packed_dropout
 from stepformer.translator.recipe import inverse_sqrt_lr
 from stepformer.translator.tokenizer import SubwordTokenizer
 
@@ -120,11 +121,14 @@ def train(
     if world.main:
         out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, train_data, val_data, val_refs = prepare_data(config, out_dir, data_dir, progress and world.main, log)
+
+    # Warmup and cadences given in epochs become steps here; config.json keeps them as given.
+    steps_per_epoch = len(token_batches(train_data, config.max_tokens, config.seed, 0))
+    given, config = config, config.in_steps(steps_per_epoch)
+    model = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
     if world.main:
         (out_dir / "tokenizer.json").write_text(tokenizer.to_json())
-        (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-
-    model = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
+        (out_dir / "config.json").write_text(json.dumps(given.to_dict(), indent=2) + "\n")
     optimizer = make_optimizer(model, config, device)
     amp_dtype = autocast_dtype(config.precision, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
@@ -144,7 +148,13 @@ def train(
     parameters = sum(p.numel() for p in model.parameters())
     log(f"model: {parameters:,} parameters on {hardware(device)}; autocast {amp_dtype}; "
         f"{world.world} process(es); commit {commit()}")
-    log("settings: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items()))
+    log("settings: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items())
+        + f"; {steps_per_epoch} steps per epoch")
+    if device.type == "cuda":
+        # TF32 tensor cores for what stays float32 (10 mantissa bits, float32's range): the products
+        # autocast leaves in float32 and everything when precision=fp32.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
     forward = model
     if world.world > 1:
@@ -157,13 +167,22 @@ def train(
         jaxtyping.config.update("jaxtyping_disable", True)
         forward = torch.compile(forward, dynamic=True)
 
+    # The training split padded once, on the device: a batch is two gathers there (PaddedTable).
+    table = PaddedTable(train_data, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, device)
+    loss_fn = loss_for(device)
     metrics = MetricsLog(open(out_dir / "metrics.jsonl", "a") if world.main else None)  # noqa: SIM115 (closed below)
 
-    def step(indices: list[int], lr: float) -> StepResult:
-        # Each process takes every world-th sentence of the global batch.
-        loss_sum, n_tokens, grad_norm = train_step(forward, model, optimizer, scaler, train_data,
-                                                   indices[world.rank::world.world], tokenizer, config, lr,
-                                                   amp_dtype, device, world)
+    def epoch_batches(epoch: int) -> list[tuple[list[int], Tensor]]:
+        # Each process takes every world-th sentence of each global batch; its indices go to the device
+        # in one transfer for the whole epoch.
+        mine = [indices[world.rank::world.world]
+                for indices in token_batches(train_data, config.max_tokens, config.seed, epoch)]
+        return list(zip(mine, table.indices(mine), strict=True))
+
+    def step(batch: tuple[list[int], Tensor], lr: float) -> StepResult:
+        indices, index = batch
+        loss_sum, n_tokens, grad_norm = train_step(forward, model, optimizer, scaler, table, indices, index,
+                                                   tokenizer.pad_id, config, lr, amp_dtype, loss_fn, world)
         return StepResult(loss_sum, n_tokens, grad_norm, loss_over=n_tokens)
 
     def evaluate(at: Position) -> None:
@@ -178,14 +197,13 @@ def train(
         metrics.flush()
         rng = gather_rng_states(world)  # every process's: each draws its own dropout masks
         if world.main:
-            write_checkpoint(out_dir, model, optimizer, config, tokenizer, at, rng)
+            write_checkpoint(out_dir, model, optimizer, given, tokenizer, at, rng)
 
     model.train()
     try:
         position = training_loop(
-            config, lambda epoch: token_batches(train_data, config.max_tokens, config.seed, epoch),
-            lambda number, spent: scheduled_lr(config, number, spent), step, metrics.write, position=position,
-            world=world, progress=Progress(config, position.step, enabled=progress and world.main),
+            config, epoch_batches, lambda number, spent: scheduled_lr(config, number, spent), step, metrics.write,
+            position=position, world=world, progress=Progress(config, position.step, enabled=progress and world.main),
             log_every=config.log_every, every=((config.eval_every, evaluate), (config.checkpoint_every, checkpoint)))
     finally:
         metrics.close()
@@ -193,7 +211,7 @@ def train(
     if not world.main:
         return out_dir / "averaged.pt"
     if not checkpoint_paths(out_dir) or checkpoint_paths(out_dir)[-1].name != f"step_{position.step:07d}.pt":
-        write_checkpoint(out_dir, model, optimizer, config, tokenizer, position, rng)
+        write_checkpoint(out_dir, model, optimizer, given, tokenizer, position, rng)
     plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png")
     averaged = average_checkpoints(checkpoint_paths(out_dir)[-config.keep_checkpoints:], out_dir / "averaged.pt")
     log(f"done: {position.step} steps, {position.epoch + (position.batch_in_epoch > 0)} epochs (the last one partial "
@@ -202,32 +220,32 @@ def train(
     return averaged
 
 
-def train_step(forward, model, optimizer, scaler, data: Encoded, indices: list[int], tokenizer, config, lr: float,
-               amp_dtype, device, world: Distributed) -> tuple[float, float]:
+def train_step(forward, model, optimizer, scaler, table: PaddedTable, indices: list[int], index: Tensor,
+               pad_id: int, config, lr: float, amp_dtype, loss_fn, world: Distributed) -> tuple[Tensor, Tensor, Tensor]:
     """One optimiser step at learning rate ``lr`` on this process's share of a global batch.
 
-    Returns the whole batch's summed loss and target tokens, and the gradients' norm before clipping.
+    Returns the whole batch's summed loss and target tokens, and the gradients' norm before clipping,
+    as tensors on the device: nothing here waits for the device (the loop reads them every
+    ``config.log_every`` steps). ``loss_fn`` is :func:`.fast.loss_for`'s, ``index`` the batch's indices on the device.
     """
     for group in optimizer.param_groups:
         group["lr"] = lr
-    src, tgt = collate(data, indices, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
-    src, tgt = src.to(device), tgt.to(device)
-    local_tokens = float((tgt[:, 1:] != tokenizer.pad_id).sum())
-    (global_tokens,) = world.all_sum(local_tokens)
-    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        logits = forward(src, tgt[:, :-1])
-    # Chapter 11's label_smoothed_loss, computed in cache-sized blocks (equal, tested; fast.py says why).
-    loss_sum = fused_label_smoothed_loss(logits, tgt[:, 1:], tokenizer.pad_id, config.label_smoothing, "sum")
+    src, tgt_in, tgt_out = table.batch(indices, index)
+    tokens = (tgt_out != pad_id).sum()
+    global_tokens = world.all_sum_tensor(tokens)
+    with torch.autocast(table.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        logits = forward(src, tgt_in)
+    # Chapter 11's label_smoothed_loss: in cache-sized blocks on the CPU, one fused call elsewhere (both tested).
+    loss_sum = loss_fn(logits, tgt_out, pad_id, config.label_smoothing)
     # DDP averages gradients over the processes; times world / all tokens makes that the
     # gradient of (sum over the whole batch) / (its tokens), as one process would compute.
     scaler.scale(loss_sum * world.world / global_tokens).backward()
     scaler.unscale_(optimizer)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    total_loss, total_tokens = world.all_sum(float(loss_sum.detach()), local_tokens)
-    return total_loss, total_tokens, grad_norm
+    return world.all_sum_tensor(loss_sum.detach()), global_tokens, grad_norm.detach()
 
 
 @torch.no_grad()
