@@ -51,7 +51,7 @@ from stepformer.runs import (
     StepResult,
     commit,
     hardware,
-    save_atomically,
+    save_text_atomically,
     training_loop,
 )
 from stepformer.translator.batching import Encoded, pad, token_batches
@@ -925,8 +925,7 @@ def _budgets(args: argparse.Namespace, run: RunConfig) -> dict[str, Budget]:
 
 def save_json(results: dict, path: Path) -> None:
     """``results`` as indented UTF-8 JSON, written atomically (:func:`stepformer.runs.save_atomically`)."""
-    text = json.dumps(results, indent=1, ensure_ascii=False) + "\n"
-    save_atomically(text, path, write=lambda obj, file: file.write(obj.encode("utf-8")))
+    save_text_atomically(json.dumps(results, indent=1, ensure_ascii=False) + "\n", path)
 
 
 if __name__ == "__main__":

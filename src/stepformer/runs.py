@@ -249,6 +249,11 @@ def save_atomically(state: object, path: Path, write=torch.save) -> None:
     os.replace(tmp, path)
 
 
+def save_text_atomically(text: str, path: Path) -> None:
+    """:func:`save_atomically` for UTF-8 text."""
+    save_atomically(text, path, write=lambda obj, file: file.write(obj.encode("utf-8")))
+
+
 def checkpoint_paths(out_dir: Path) -> list[Path]:
     """The run's step checkpoints, oldest first."""
     return sorted((out_dir / "checkpoints").glob("step_*.pt"))

@@ -35,6 +35,7 @@ from stepformer.runs import (
     load_checkpoint,
     restore_rng_states,
     save_checkpoint,
+    save_text_atomically,
     seed_everything,
     training_loop,
     truncate_metrics,
@@ -127,8 +128,9 @@ def train(
     given, config = config, config.in_steps(steps_per_epoch)
     model = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
     if world.main:
-        (out_dir / "tokenizer.json").write_text(tokenizer.to_json())
-        (out_dir / "config.json").write_text(json.dumps(given.to_dict(), indent=2) + "\n")
+        # Atomically: another process that finds tokenizer.json reads it instead of training its own.
+        save_text_atomically(tokenizer.to_json(), out_dir / "tokenizer.json")
+        save_text_atomically(json.dumps(given.to_dict(), indent=2) + "\n", out_dir / "config.json")
     optimizer = make_optimizer(model, config, device)
     amp_dtype = autocast_dtype(config.precision, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
