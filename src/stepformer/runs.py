@@ -449,7 +449,8 @@ def training_loop(
 ) -> Position:
     """Run ``step`` over the epochs' batches from ``position`` until ``budget`` is spent; where the run ended.
 
-    - ``epoch_batches(epoch)``: the epoch's batches (the same on every process);
+    - ``epoch_batches(epoch)``: the epoch's batches, as many on every process (each may hold that
+      process's share of one global batch);
     - ``schedule(step, spent)``: the learning rate of step ``step`` (from 1), with ``spent`` the
       fraction of the budget used before it (:func:`budget_fraction`);
     - ``step(batch, lr)``: one optimiser step; it returns a :class:`StepResult`;
