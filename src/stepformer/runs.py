@@ -33,13 +33,15 @@ CHECKPOINT_FORMAT = 1
 
 
 def commit(folder: Path | None = None) -> str:
-    """The course's git commit (outside a checkout: ``$STEPFORMER_COMMIT``, else ``unknown``), kept with results.
+    """The course's git commit (``$STEPFORMER_COMMIT`` if set; ``unknown`` outside a checkout), kept with results.
 
     ``+dirty`` marks a working tree that differs from it: a changed file, or a new one that git does
     not ignore. Changes under ``book/results/`` do not count: they are what the benchmarks write,
     and a benchmark that scores two runs one after the other would otherwise mark the second dirty
     with the first one's results. ``folder``: any folder of the checkout (default: this package's).
     """
+    if os.environ.get("STEPFORMER_COMMIT"):  # a copy of the tree sent elsewhere says which commit it was
+        return os.environ["STEPFORMER_COMMIT"]
     folder = folder or Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder, capture_output=True, text=True,
@@ -47,11 +49,8 @@ def commit(folder: Path | None = None) -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "--", ":(top)", ":(top,exclude)book/results"],
                                cwd=folder, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        out = None
-    if out is None or out.returncode != 0:
-        # A copy of the tree without its .git (a GPU machine the tree was sent to) says its commit this way.
-        return os.environ.get("STEPFORMER_COMMIT", "unknown")
-    return out.stdout.strip() + ("+dirty" if dirty else "")
+        return "unknown"
+    return (out.stdout.strip() + ("+dirty" if dirty else "")) if out.returncode == 0 else "unknown"
 
 
 def hardware(device: torch.device) -> str:

@@ -147,10 +147,10 @@ PRESETS: dict[str, TranslatorConfig] = {
     # 500: 2.82 against 3.14, same batches).
     "cpu": TranslatorConfig(peak_lr=2e-3),
     # One GPU: the cpu preset's model, which is the right size for 29,000 sentence pairs, with more
-    # dropout for the many more epochs a GPU gives in minutes; batches of 8k tokens, compiled; warmup
+    # dropout for the many more epochs a GPU gives in minutes; batches of 16k tokens, compiled; warmup
     # and checkpoints in epochs; the last 10 checkpoints (one per epoch) averaged.
     "gpu": TranslatorConfig(
-        dropout=0.3, peak_lr=2e-3, warmup_epochs=4.0, max_tokens=8192, max_minutes=5.0, max_epochs=150,
+        dropout=0.3, peak_lr=3e-3, warmup_epochs=4.0, max_tokens=16384, max_minutes=5.0, max_epochs=150,
         checkpoint_every_epochs=1.0, eval_every_epochs=20.0, keep_checkpoints=10, compile=True, length_penalty=1.4,
     ),
 }
