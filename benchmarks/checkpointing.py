@@ -39,8 +39,8 @@ from tqdm import tqdm  # noqa: E402
 
 from stepformer.encoder import Encoder  # noqa: E402
 from stepformer.lm import save_json  # noqa: E402
+from stepformer.runs import commit, hardware  # noqa: E402
 from stepformer.scale import LiveBytes, checkpointed_encoder  # noqa: E402
-from stepformer.translator.train import commit, hardware  # noqa: E402
 
 WAYS = {"plain": lambda encoder, x: encoder(x), "checkpointed": checkpointed_encoder}
 

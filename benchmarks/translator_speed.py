@@ -34,6 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training_step import TorchModel  # noqa: E402
 
+from stepformer.runs import commit, hardware  # noqa: E402
 from stepformer.translator.batching import collate, encode_pairs, token_batches  # noqa: E402
 from stepformer.translator.config import autocast_dtype, pick_device, preset  # noqa: E402
 from stepformer.translator.data import load_split  # noqa: E402
@@ -41,7 +42,7 @@ from stepformer.translator.evaluate import Translator  # noqa: E402
 from stepformer.translator.fast import fused_label_smoothed_loss, packed_dropout, swap_dropout  # noqa: E402
 from stepformer.translator.recipe import label_smoothed_loss  # noqa: E402
 from stepformer.translator.tokenizer import SubwordTokenizer  # noqa: E402
-from stepformer.translator.train import build_model, commit, hardware, make_optimizer  # noqa: E402
+from stepformer.translator.train import build_model, make_optimizer  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype | None, device: torch.device, size: int = 2048, repeats: int = 10) -> float:

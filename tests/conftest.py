@@ -60,6 +60,8 @@ HEAVY_TESTS = {
     "test_a_killed_run_resumes_to_the_same_weights": 80,
     "test_two_processes_give_the_losses_of_one_on_the_same_global_batch": 35,
     "test_train_evaluate_translate_from_the_command_line": 20,
+    "test_two_processes_killed_and_resumed_end_with_the_weights_of_two_that_never_stopped": 25,
+    "test_a_wall_clock_budget_that_runs_out_while_rank_0_writes_a_checkpoint_ends_both_processes": 15,  # each of 2
 }
 
 
@@ -83,7 +85,9 @@ def _group(item: pytest.Item) -> str | None:
 
 def _weight(item: pytest.Item, group: str | None) -> float:
     if group is None:
-        return NOTEBOOK_RUN if item.name.startswith("test_solution_notebook_runs") else HEAVY_TESTS.get(item.name, 0)
+        if item.name.startswith("test_solution_notebook_runs"):
+            return NOTEBOOK_RUN
+        return HEAVY_TESTS.get(getattr(item, "originalname", item.name), 0)  # a parametrized test's every case
     return CHAPTER_GRADING if group.startswith("mistakes-") else WEIGHTS[group]
 
 

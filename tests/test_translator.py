@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from stepformer.runs import budget_fraction, commit
 from stepformer.transformer import Transformer, generate
 from stepformer.translator.batching import Encoded, collate, encode_pairs, token_batches
 from stepformer.translator.config import preset
@@ -27,7 +28,7 @@ from stepformer.translator.data import load_split
 from stepformer.translator.recipe import beam_step, inverse_sqrt_lr, label_smoothed_loss
 from stepformer.translator.search import beam_search, best_extensions, greedy_search
 from stepformer.translator.tokenizer import SubwordTokenizer
-from stepformer.translator.train import budget_fraction, commit, scheduled_lr
+from stepformer.translator.train import scheduled_lr
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "stepformer.translator.cli"]
@@ -401,8 +402,9 @@ def test_command_line_errors_are_one_clear_line(tmp_path):
 
 
 def test_a_checkpoint_refuses_another_vocabulary(tmp_path, tokenizer):
+    from stepformer.runs import average_checkpoints, save_atomically
     from stepformer.translator.evaluate import Translator
-    from stepformer.translator.train import average_checkpoints, build_model, save_atomically
+    from stepformer.translator.train import build_model
 
     config = preset("tiny")
     small = SubwordTokenizer.train(["ein hund", "a dog", "zwei hunde", "two dogs"] * 50, 300)
@@ -420,7 +422,7 @@ def test_a_checkpoint_refuses_another_vocabulary(tmp_path, tokenizer):
 
 
 def test_averaging_is_the_mean_of_the_weights(tmp_path):
-    from stepformer.translator.train import average_checkpoints, save_atomically
+    from stepformer.runs import average_checkpoints, save_atomically
 
     states = []
     for i in range(3):

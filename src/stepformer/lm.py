@@ -1,7 +1,7 @@
 """Chapter 12, trained here: a LLaMA-style language model, BERT's masked-LM objective and LoRA, on Multi30k captions.
 
-The models are :mod:`stepformer.models`'s; this module gives them data and a training loop and
-measures what chapter 12 says about them:
+The models are :mod:`stepformer.models`'s; this module gives them data and a training step, which
+the loop chapter 11 shares (:mod:`stepformer.runs`) runs, and measures what chapter 12 says about them:
 
 - the data: the English (and German) captions through chapter 11's data layer, one caption a
   sequence, ``<s> caption </s>``, with chapter 11's byte-level BPE trained on the training split
@@ -43,11 +43,21 @@ from tqdm.auto import tqdm
 from stepformer.kvcache import cache_bytes, new_cache
 from stepformer.models import EncoderModel, LanguageModel, add_lora, generate, merge_lora, next_token_loss
 from stepformer.parts import ModelConfig
+from stepformer.runs import (
+    Budget,
+    MetricsLog,
+    Position,
+    Progress,
+    StepResult,
+    commit,
+    hardware,
+    save_text_atomically,
+    training_loop,
+)
 from stepformer.translator.batching import Encoded, pad, token_batches
 from stepformer.translator.config import pick_device
 from stepformer.translator.data import SPLITS, DataError, load_split
 from stepformer.translator.tokenizer import SubwordTokenizer
-from stepformer.translator.train import Progress, budget_fraction, budget_spent, commit, hardware, save_atomically
 
 MASK = "<mask>"
 
@@ -102,6 +112,7 @@ class RunConfig:
     full_lr: float = 5e-4
     adapt_steps: int = 200
     adapt_max_tokens: int = 1024  # smaller batches than pre-training: more steps in the same time
+    log_every: int = 50  # steps between reads of the losses from the device; every step is logged
     # measurements
     sample_tokens: int = 40  # new tokens per sample
     speed_batch: int = 8
@@ -118,26 +129,6 @@ PRESETS = {
     # This course's 2-core machine or a laptop: the numbers of results/lm.
     "cpu": RunConfig(),
 }
-
-
-@dataclass(frozen=True)
-class Budget:
-    """When a training phase stops: whichever of the limits comes first (``None``: no limit of that kind).
-
-    Its fields are those that chapter 11's ``budget_spent``, ``budget_fraction`` and ``Progress`` read.
-    """
-
-    max_steps: int | None = None
-    max_minutes: float | None = None
-    max_epochs: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_steps is None and self.max_minutes is None and self.max_epochs is None:
-            raise ValueError("a training phase needs a budget: steps, minutes or epochs")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"the budget in steps must be at least 1, got {self.max_steps}")
-        if self.max_minutes is not None and not self.max_minutes > 0:
-            raise ValueError(f"the budget in minutes must be positive, got {self.max_minutes}")
 
 
 def llama_config(vocab: int, run: RunConfig = PRESETS["cpu"]) -> ModelConfig:
@@ -373,8 +364,8 @@ def fill_mask_examples(model: EncoderModel, tokenizer: SubwordTokenizer, texts: 
 def cosine_lr(step: int, spent: float, peak_lr: float, warmup: int, min_lr: float) -> float:
     """Linear warmup over the first ``warmup`` steps, then a half cosine from ``peak_lr`` to ``min_lr · peak_lr``.
 
-    ``step`` counts from 1; ``spent`` is the fraction of the budget used (chapter 11's
-    ``budget_fraction``), so the cosine ends where the budget does, in steps or in minutes.
+    ``step`` counts from 1; ``spent`` is the fraction of the budget used
+    (:func:`stepformer.runs.budget_fraction`), so the cosine ends where the budget does, in steps or in minutes.
     """
     if step < 1:
         raise ValueError(f"steps count from 1, got {step}")
@@ -420,7 +411,8 @@ def train_loop(
     progress: bool = True,
     measure_memory: bool = False,
 ) -> dict:
-    """Train ``model`` on ``train`` until ``budget`` is spent; its record: steps, time, the loss curve.
+    """Train ``model`` on ``train`` until ``budget`` is spent (:func:`stepformer.runs.training_loop`); its record:
+    steps, time, the loss curve.
 
     ``step_loss(model, tokens, generator)`` gives a batch's loss; ``generator`` is seeded from
     ``run.seed`` (BERT's masking draws from it), as are the batches and their order, so the same
@@ -432,71 +424,55 @@ def train_loop(
     warmup = run.warmup if warmup is None else warmup
     optimizer = make_optimizer(model, peak_lr, run)
     generator = torch.Generator().manual_seed(run.seed)
-    bar = Progress(budget, 0, enabled=progress)
-    step, epoch, curve, evaluations, memory, recent = 0, 0, [], [], None, []
-    tokens_seen, epochs_done, evaluating_s = 0, 0.0, 0.0
+    log = MetricsLog(metrics, phase=phase)
+    curve, evaluations, seen = [], [], {"tokens": 0, "evaluating_s": 0.0, "memory": None}
 
-    def log(record: dict) -> None:
-        if metrics is not None:
-            metrics.write(json.dumps({"phase": phase, **record}) + "\n")
+    def step(indices: list[int], lr: float) -> StepResult:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = collate_captions(train, indices, pad_id)
+        count = int((batch != pad_id).sum())  # tokens read, for tokens/s (counted before the copy to the device)
+        tokens = batch.to(device)
+        if measure_memory and seen["memory"] is None:
+            loss, grad_norm, seen["memory"] = _step_bytes(model, optimizer, tokens, step_loss, generator,
+                                                          run.clip_norm, device)
+        else:
+            loss = step_loss(model, tokens, generator)
+            loss.backward()
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), run.clip_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss.detach(), count, grad_norm)
+
+    def write(record: dict) -> None:
+        curve.append([record["step"], record["loss"]])
+        seen["tokens"] += record["tokens"]
+        log.write(record)
+
+    def held_out(at: Position) -> None:
+        evaluation_started = time.perf_counter()
+        evaluations.append({"step": at.step, **evaluate()})
+        log.write(evaluations[-1])
+        model.train()
+        seen["evaluating_s"] += time.perf_counter() - evaluation_started
 
     model.train()
     started = time.perf_counter()
-    try:
-        while not budget_spent(budget, step, epoch, time.perf_counter() - started):
-            batches = caption_batches(train, run.max_tokens, run.seed, epoch)
-            for number, indices in enumerate(batches):
-                step_started = time.perf_counter()
-                spent = budget_fraction(budget, step, epoch + number / len(batches), step_started - started)
-                lr = cosine_lr(step + 1, spent, peak_lr, warmup, run.min_lr)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                tokens = collate_captions(train, indices, pad_id).to(device)
-                count = int((tokens != pad_id).sum())  # tokens read, for tokens/s
-                if measure_memory and step == 0:
-                    loss, grad_norm, memory = _step_bytes(model, optimizer, tokens, step_loss, generator,
-                                                          run.clip_norm, device)
-                else:
-                    loss = step_loss(model, tokens, generator)
-                    loss.backward()
-                    grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), run.clip_norm))
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                step += 1
-                tokens_seen += count
-                epochs_done = epoch + (number + 1) / len(batches)
-                now = time.perf_counter()
-                recent = [*recent[-49:], (step_started, count)]
-                record = {"step": step, "epoch": epoch + 1, "loss": float(loss.detach()), "lr": lr, "tokens": count,
-                          "grad_norm": grad_norm, "tokens_per_s": sum(c for _, c in recent) / (now - recent[0][0]),
-                          "elapsed_s": now - started}
-                curve.append([step, record["loss"]])
-                log(record)
-                bar.update(step, now - started, record)
-                if evaluate is not None and step % run.eval_every == 0:
-                    evaluation_started = time.perf_counter()
-                    evaluations.append({"step": step, **evaluate()})
-                    log(evaluations[-1])
-                    model.train()
-                    evaluating_s += time.perf_counter() - evaluation_started
-                if budget_spent(budget, step, epoch, time.perf_counter() - started):
-                    break
-            else:
-                epoch += 1
-                continue
-            break
-    finally:
-        bar.close()
+    end = training_loop(
+        budget, lambda epoch: caption_batches(train, run.max_tokens, run.seed, epoch),
+        lambda number, spent: cosine_lr(number, spent, peak_lr, warmup, run.min_lr), step, write,
+        progress=Progress(budget, 0, enabled=progress), log_every=run.log_every,
+        every=((run.eval_every, held_out),) if evaluate is not None else ())
     wall = time.perf_counter() - started
-    if evaluate is not None and (not evaluations or evaluations[-1]["step"] != step):
-        evaluations.append({"step": step, **evaluate()})
-        log(evaluations[-1])
+    if evaluate is not None and (not evaluations or evaluations[-1]["step"] != end.step):
+        evaluations.append({"step": end.step, **evaluate()})
+        log.write(evaluations[-1])
     # The budget is wall-clock, evaluations included; the speed is the training steps' own.
-    return {"steps": step, "epochs": round(epochs_done, 3), "wall_s": round(wall, 2),
-            "evaluating_s": round(evaluating_s, 2), "tokens": tokens_seen,
-            "tokens_per_s": round(tokens_seen / max(wall - evaluating_s, 1e-9), 1),
+    return {"steps": end.step, "epochs": round(end.epochs, 3), "wall_s": round(wall, 2),
+            "evaluating_s": round(seen["evaluating_s"], 2), "tokens": seen["tokens"],
+            "tokens_per_s": round(seen["tokens"] / max(wall - seen["evaluating_s"], 1e-9), 1),
             "peak_lr": peak_lr, "warmup": warmup, "loss_curve": _thin(curve), "evaluations": evaluations,
-            "trainable_parameters": trainable_parameters(model), "step_memory": memory}
+            "trainable_parameters": trainable_parameters(model), "step_memory": seen["memory"]}
 
 
 def _thin(curve: list[list], points: int = 100) -> list[list]:
@@ -948,9 +924,8 @@ def _budgets(args: argparse.Namespace, run: RunConfig) -> dict[str, Budget]:
 
 
 def save_json(results: dict, path: Path) -> None:
-    """``results`` as indented UTF-8 JSON, written atomically with chapter 11's ``save_atomically``."""
-    text = json.dumps(results, indent=1, ensure_ascii=False) + "\n"
-    save_atomically(text, path, write=lambda obj, file: file.write(obj.encode("utf-8")))
+    """``results`` as indented UTF-8 JSON, written atomically (:func:`stepformer.runs.save_atomically`)."""
+    save_text_atomically(json.dumps(results, indent=1, ensure_ascii=False) + "\n", path)
 
 
 if __name__ == "__main__":

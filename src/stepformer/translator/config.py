@@ -54,6 +54,7 @@ class TranslatorConfig:
     eval_every_epochs: float | None = None  # in epochs instead (None: eval_every)
     eval_sentences: int = 300
     keep_checkpoints: int = 5  # the last N are kept and averaged at the end
+    log_every: int = 50  # steps between reads of the losses from the device (each a wait for it); every step is logged
     # --- speed
     precision: str = "auto"  # auto: bf16 where the hardware has it (CUDA, or a CPU with AMX/AVX-512 bf16), else fp32
     compile: bool = False

@@ -23,13 +23,14 @@ from pathlib import Path
 
 import torch
 
+from stepformer.runs import load_checkpoint
 from stepformer.transformer import Transformer
 from stepformer.translator.batching import Encoded, encode_pairs
 from stepformer.translator.config import TranslatorConfig, pick_device
 from stepformer.translator.data import load_split
 from stepformer.translator.search import translate_encoded
 from stepformer.translator.tokenizer import SubwordTokenizer
-from stepformer.translator.train import build_model, load_checkpoint
+from stepformer.translator.train import build_model
 
 
 @dataclass
@@ -187,7 +188,7 @@ def evaluate(checkpoint: Path | str, split: str = "test_2016_flickr", data_dir: 
              progress: bool = True, device: torch.device | None = None, limit: int | None = None) -> dict:
     """Translate a split (its first ``limit`` sentences, for a quick look) with a checkpoint and score it
     against the raw references; everything a result needs."""
-    from stepformer.translator.train import commit, hardware
+    from stepformer.runs import commit, hardware
 
     translator = Translator.load(checkpoint, device)
     config = translator.config
