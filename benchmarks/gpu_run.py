@@ -73,10 +73,11 @@ def profile_step(config, data_dir: Path | None, device: torch.device, steps: int
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode
 
+    from stepformer.runs import Distributed
     from stepformer.translator.batching import PaddedTable, token_batches
     from stepformer.translator.config import autocast_dtype
     from stepformer.translator.fast import loss_for
-    from stepformer.translator.train import Distributed, build_model, make_optimizer, prepare_data, train_step
+    from stepformer.translator.train import build_model, make_optimizer, prepare_data, train_step
 
     torch.manual_seed(config.seed)
     tokenizer, train_data, _, _ = prepared or prepare_data(config, Path("/nonexistent"), data_dir, False,
@@ -133,7 +134,7 @@ def profile_step(config, data_dir: Path | None, device: torch.device, steps: int
         "host_ms_per_step": round(issued / steps * 1e3, 3),
         "device_ms_per_step": None if device_s is None else round(device_s / steps * 1e3, 3),
         "device_busy": None if device_s is None else round(device_s / wall, 4),
-        "tokens_per_s": round(tokens / wall, 1), "target_tokens_per_step": round(mean_tokens, 1),
+        "tokens_per_s": round(tokens / unprofiled, 1), "target_tokens_per_step": round(mean_tokens, 1),
         # FLOPs of one counted step, scaled to the profiled steps' mean target tokens.
         "flops_per_step": flops_one * mean_tokens / max(step_tokens, 1),
         "parameters": sum(p.numel() for p in model.parameters()), "precision": str(amp_dtype or torch.float32),
@@ -170,9 +171,9 @@ def bleu_with_interval(hypotheses: list[str], references: list[str]) -> dict:
 
 def run_one(args: argparse.Namespace) -> None:
     """One (direction, seed, variant): train with the command line, then score; its JSON into ``args.out``."""
+    from stepformer.runs import average_checkpoints, checkpoint_paths, load_checkpoint
     from stepformer.translator.data import load_split
     from stepformer.translator.evaluate import Translator
-    from stepformer.translator.train import average_checkpoints, checkpoint_paths, load_checkpoint
 
     src, tgt = args.direction.split("-")
     folder = Path(args.out)
@@ -240,7 +241,7 @@ def summarise(runs: list[dict], key: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the runs and gpu_run.json")
+    parser.add_argument("--out", type=Path, help="folder for the runs and gpu_run.json")
     parser.add_argument("--data-dir", type=Path, help="a local Multi30k folder instead of the download")
     parser.add_argument("--preset", default=None, help="default: gpu (tiny with --dry-run)")
     parser.add_argument("--directions", default="de-en,en-de")
@@ -248,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for every run")
     parser.add_argument("--sweep", action="store_true", help="one seed per --variant, scored on val only")
     parser.add_argument("--variant", action="append", default=[], help='e.g. \'{"dropout": 0.3}\' (with --sweep)')
+    parser.add_argument("--import-report", type=Path, metavar="GPU_RUN_JSON",
+                        help="make a device run's report a results file of the book (--results), scored here")
+    parser.add_argument("--results", type=Path, default=ROOT / "book" / "results" / "gpu.json")
     parser.add_argument("--report", type=Path, help="where gpu_run.json goes (default: --out), rewritten as runs end")
     parser.add_argument("--parallel", type=int, default=6, help="runs at once")
     parser.add_argument("--no-profile", action="store_true")
@@ -263,9 +267,15 @@ def main(argv: list[str] | None = None) -> int:
         args.out, args.seed = Path(args.out), int(args.seed)
         run_one(args)
         return 0
+    if args.import_report:
+        import_report(args.import_report, args.results, args.data_dir)
+        print(f"wrote {args.results}")
+        return 0
 
+    if args.out is None:
+        parser.error("--out is required (except with --import-report)")
+    from stepformer.runs import commit, hardware
     from stepformer.translator.config import pick_device, preset
-    from stepformer.translator.train import commit, hardware
 
     device = torch.device("cpu") if args.dry_run else pick_device()
     name = args.preset or ("tiny" if args.dry_run else "gpu")
@@ -301,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["profile"]["compiled" if compiled else "eager"] = {"error": repr(error)}
                 log(f"profile failed: {error!r}")
                 continue
-            profile["mfu"] = round(profile["flops_per_step"] / (profile["wall_ms_per_step"] / 1e3)
+            profile["mfu"] = round(profile["flops_per_step"] / (profile["unprofiled_ms_per_step"] / 1e3)
                                    / report["peak"]["flops"], 4)
             report["profile"]["compiled" if compiled else "eager"] = profile
             log("profile: " + ", ".join(f"{k}={v}" for k, v in profile.items()))
@@ -380,6 +390,52 @@ def write_report(report: dict, results: list[dict], failures: list[dict], starte
     report["wall_minutes"] = round((time.perf_counter() - started) / 60, 2)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, ensure_ascii=False, indent=1) + "\n")
+
+
+def import_report(report_path: Path, results: Path, data_dir: Path | None) -> dict:
+    """A device run's report made a results file of the book: every score recomputed here from the run's kept
+    translations with :func:`.evaluate.scores` (bootstrap 95% intervals included), the translations of the
+    averaged checkpoint written to ``translations/`` beside ``results`` (``hypotheses_file``), the others
+    dropped after scoring, and each direction's mean ± sd over its seeds."""
+    from stepformer.translator.data import load_split
+    from stepformer.translator.evaluate import scores, seed_summary
+
+    report = json.loads(report_path.read_text())
+    if report.get("schema") != SCHEMA:
+        raise ValueError(f"{report_path} is not a gpu_run report of schema {SCHEMA}")
+    folder = results.parent / "translations"
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = results.stem
+    for run in report["runs"]:
+        src, tgt = run["direction"].split("→")
+        for key, score in run["scores"].items():
+            split = key.split("/")[1]
+            hypotheses = score.pop("hypotheses")
+            references = load_split(split, src, tgt, data_dir, progress=False)[1][: score["sentences"]]
+            for ad_hoc in ("bleu_bootstrap_mean", "bleu_ci95_halfwidth", "bleu_bootstrap_signature"):
+                score.pop(ad_hoc, None)
+            score.update(scores(hypotheses, references, tgt))
+            cached_key = key.replace("/no_cache", "")
+            if key != cached_key:
+                # Decoding without the cache must give the same translations: kept as a check, not a file.
+                kept = (folder.parent / run["scores"][cached_key]["hypotheses_file"]).read_text(encoding="utf-8")
+                score["same_translations_as_cached"] = kept.splitlines() == hypotheses
+            elif key.startswith("averaged/"):
+                name = f"{stem}-{run['tag']}-{split}.txt"
+                (folder / name).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+                score["hypotheses_file"] = f"translations/{name}"
+    for split in ("test_2016_flickr", "val"):
+        report["summary"][split] = {}
+        for direction in sorted({r["direction"] for r in report["runs"]}):
+            rows = [r["scores"][f"averaged/{split}"] for r in report["runs"]
+                    if r["direction"] == direction and f"averaged/{split}" in r["scores"]]
+            if rows:
+                report["summary"][split][direction] = {metric: {**seed_summary([r[metric] for r in rows]),
+                                                                "values": [r[metric] for r in rows]}
+                                                       for metric in ("bleu", "chrf")}
+    report["imported_from"] = report_path.name
+    results.write_text(json.dumps(report, ensure_ascii=False, indent=1) + "\n")
+    return report
 
 
 def print_table(report: dict) -> None:

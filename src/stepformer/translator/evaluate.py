@@ -215,3 +215,31 @@ def evaluate(checkpoint: Path | str, split: str = "test_2016_flickr", data_dir: 
     })
     result["hypotheses"] = hypotheses
     return result
+
+
+def gpu_rows(report: dict, split: str = "test_2016_flickr") -> list[dict]:
+    """One row per direction of a ``benchmarks/gpu_run.py`` results file (``book/results/gpu.json``):
+    BLEU and chrF as mean ± sd over the seeds, each seed's BLEU interval, and the run's provenance."""
+    rows = []
+    for direction, summary in report["summary"].get(split, {}).items():
+        runs = [r for r in report["runs"] if r["direction"] == direction and f"averaged/{split}" in r["scores"]]
+        scored = [r["scores"][f"averaged/{split}"] for r in runs]
+        rows.append({
+            "direction": direction, "split": split, "hardware": report["hardware"], "torch": report["torch"],
+            "commit": report["commit"], "seeds": [r["seed"] for r in runs], "bleu": summary["bleu"],
+            "chrf": summary["chrf"], "bleu_ci95": [s["bleu_ci95"] for s in scored],
+            "bleu_signature": scored[0]["bleu_signature"], "chrf_signature": scored[0]["chrf_signature"],
+            "train_minutes": max(r["train_minutes"] for r in runs), "epochs": [r["epochs"] for r in runs],
+            "steps": [r["steps"] for r in runs], "length_penalty": scored[0]["length_penalty"],
+            "beam": scored[0]["beam"], "overrides": report.get("overrides", {}),
+        })
+    return rows
+
+
+def gpu_readme_row(row: dict) -> str:
+    """The README's table row for one :func:`gpu_rows` row."""
+    intervals = ", ".join(f"{low:.2f}–{high:.2f}" for low, high in row["bleu_ci95"])
+    epochs = f"{min(row['epochs'])}–{max(row['epochs'])}" if len(set(row["epochs"])) > 1 else f"{row['epochs'][0]}"
+    return (f"| gpu | {row['direction']} | {seed_summary_text(row['bleu'])} | "
+            f"{row['chrf']['mean']:.2f} ± {row['chrf']['sd']:.2f} | BLEU per seed: {intervals} | {row['hardware']} | "
+            f"{row['train_minutes']:g} min, {epochs} epochs | {', '.join(map(str, row['seeds']))} | {row['commit']} |")
