@@ -236,3 +236,41 @@ def test_the_device_scripts_dry_run_writes_what_chapter_11_reads(tmp_path, real_
     (row,) = gpu_rows(book)
     assert row["direction"] == "de→en" and row["seeds"] == [1, 2] and row["bleu"]["n"] == 2
     assert gpu_readme_row(row).startswith("| gpu | de→en | ")
+
+
+@pytest.mark.slow
+def test_the_compiled_model_takes_every_batch_shape_without_compiling_again():
+    import torch._dynamo
+
+    from stepformer.translator.batching import token_batches
+    from stepformer.translator.fast import swap_dropout
+    from stepformer.translator.train import compile_model
+
+    torch.manual_seed(0)
+    config = preset("tiny").with_overrides({"d_model": "16", "d_ff": "32", "vocab_size": "60"})
+    # The model as it runs on a GPU: PyTorch's dropout (PackedDropout's in-place draw breaks the graph on a CPU).
+    model = swap_dropout(build_model(config, 60, PAD), torch.nn.Dropout)
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 30, (2, 300), generator=generator).tolist()
+    data = Encoded([torch.randint(4, 60, (n,), generator=generator).tolist() for n in lengths[0]],
+                   [torch.randint(4, 60, (n,), generator=generator).tolist() for n in lengths[1]])
+    table = PaddedTable(data, PAD, 1, 2)
+    batches = token_batches(data, 256, 0, 0)
+    shapes = {tuple(t.shape for t in table.batch(b)[:2]) for b in batches}
+    assert len(shapes) > 10, "the batches should differ in size and length"
+    import jaxtyping
+    from torch.fx.experimental import _config as shape_config
+
+    before = jaxtyping.config.jaxtyping_disable, shape_config.use_duck_shape
+    compiled = compile_model(model)
+    try:
+        compiled(*table.batch(batches[0])[:2]).sum().backward()  # the one compilation, forward and backward
+        torch._dynamo.config.error_on_recompile = True
+        for batch in batches[1:]:
+            src, tgt_in, _ = table.batch(batch)
+            compiled(src, tgt_in).sum().backward()
+    finally:  # compile_model sets these for its whole process: a test gives them back
+        torch._dynamo.config.error_on_recompile = False
+        torch._dynamo.reset()
+        jaxtyping.config.update("jaxtyping_disable", before[0])
+        shape_config.use_duck_shape = before[1]

@@ -66,6 +66,22 @@ def build_model(config: TranslatorConfig, vocab_size: int, pad_id: int) -> Trans
     return packed_dropout(model) if config.fast else model
 
 
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile`` for batches of any shape: one compilation, no recompiles as batch sizes and lengths vary.
+
+    The shape checks are Python around every call, which the compiler cannot trace through, so they
+    are switched off (for this process). Every size is symbolic from the first call (``dynamic=True``),
+    and sizes that happen to be equal in the first batch (say 15 sentences of 15 tokens) are not
+    assumed equal ever after (PyTorch's "duck sizing", which would compile again at the next batch).
+    """
+    import jaxtyping
+    from torch.fx.experimental import _config as shape_config
+
+    jaxtyping.config.update("jaxtyping_disable", True)
+    shape_config.use_duck_shape = False
+    return torch.compile(model, dynamic=True)
+
+
 def make_optimizer(model: torch.nn.Module, config: TranslatorConfig, device: torch.device) -> torch.optim.AdamW:
     """The trainer's AdamW (the learning rate is set before every step by the schedule)."""
     # The fused update is one kernel over all parameters instead of several per tensor (CPU and CUDA).
@@ -164,11 +180,7 @@ def train(
         forward = torch.nn.parallel.DistributedDataParallel(model, device_ids=None if device.type != "cuda"
                                                             else [device.index])
     if config.compile:
-        import jaxtyping
-
-        # The shape checks are Python around every call, which the compiler cannot trace through.
-        jaxtyping.config.update("jaxtyping_disable", True)
-        forward = torch.compile(forward, dynamic=True)
+        forward = compile_model(forward)
 
     # The training split padded once, on the device: a batch is two gathers there (PaddedTable).
     table = PaddedTable(train_data, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, device)
