@@ -13,11 +13,14 @@ The parts, in order:
    compiled if the preset compiles), after warm-up, under ``torch.profiler``: the wall time, the time
    the host spent issuing the steps, the device's busy time (its kernels' time over the wall time),
    tokens per second and model FLOP utilisation (FLOPs counted by ``torch.utils.flop_counter`` on one step).
-3. **Training**: one process per (direction, seed), all at once on the one GPU (a model of this size
-   leaves most of an H100 idle, so several runs share it), each the trainer's command line with the
-   preset, its own seed and ``--set`` overrides, then scored on ``val`` and ``test_2016_flickr`` with the
-   preset's beam search; the first run of each direction also decodes without the KV-cache. Every
-   run keeps its hypotheses, so each score and its bootstrap interval can be recomputed from the JSON.
+3. **Training**: one process per seed, all at once on the one GPU (a model of this size leaves most
+   of a GPU idle, so several runs share it); each trains its seed in every direction one after the
+   other with the trainer (:func:`.train.train`, the preset with its own seed and the ``--set``
+   overrides), so it compiles the model once: a second model of the same shape reuses the compiled
+   code, where six processes compiling at once spent most of a short budget on it. Each run is
+   scored on ``val`` and ``test_2016_flickr`` with the preset's beam search; the first seed also
+   decodes without the KV-cache. Every run keeps its translations, so each score and its bootstrap
+   interval can be recomputed from the JSON (``--import-report``).
 
 ``--sweep`` instead trains one seed of each ``--variant`` (a JSON object of settings) in one
 direction and scores ``val`` only, averaging the last 1, 5 and all kept (10) checkpoints: how the preset's
@@ -169,25 +172,31 @@ def bleu_with_interval(hypotheses: list[str], references: list[str]) -> dict:
             "chrf_signature": str(chrf.get_signature())}
 
 
-def run_one(args: argparse.Namespace) -> None:
-    """One (direction, seed, variant): train with the command line, then score; its JSON into ``args.out``."""
+def run_group(args: argparse.Namespace) -> None:
+    """One seed (and variant) in each of ``args.direction``'s directions, one after another in this process,
+    so that the model is compiled once: a second model of the same shape reuses the compiled code. Each run's
+    JSON goes to ``<result>-<src>-<tgt>.json``."""
+    for direction in args.direction.split(","):
+        run_one(args, direction, Path(f"{args.out}-{direction}"), Path(f"{args.result}-{direction}.json"))
+
+
+def run_one(args: argparse.Namespace, direction: str, folder: Path, result_path: Path) -> None:
+    """One (direction, seed, variant): train with the trainer, then score; its JSON into ``result_path``."""
     from stepformer.runs import average_checkpoints, checkpoint_paths, load_checkpoint
+    from stepformer.translator.config import preset
     from stepformer.translator.data import load_split
     from stepformer.translator.evaluate import Translator
+    from stepformer.translator.train import train
 
-    src, tgt = args.direction.split("-")
-    folder = Path(args.out)
-    command = [sys.executable, "-m", "stepformer.translator.cli", "train", "--preset", args.preset, "--src", src,
-               "--tgt", tgt, "--out", str(folder), "--no-progress", "--set", f"seed={args.seed}"]
-    command += [x for key, value in json.loads(args.settings).items() for x in ("--set", f"{key}={value}")]
-    if args.data_dir:
-        command += ["--data-dir", str(args.data_dir)]
+    src, tgt = direction.split("-")
+    settings = json.loads(args.settings)
+    config = preset(args.preset).with_overrides({**settings, "src_lang": src, "tgt_lang": tgt, "seed": str(args.seed)})
     started = time.perf_counter()
-    with open(folder.with_suffix(".log"), "w") as train_log:
-        subprocess.run(command, check=True, stderr=train_log, stdout=train_log, cwd=ROOT)
+    with open(folder.with_suffix(".log"), "w") as train_log, contextlib.redirect_stderr(train_log):
+        train(config, folder, args.data_dir, progress=False)
     train_wall = time.perf_counter() - started
     state = load_checkpoint(folder / "averaged.pt")
-    result = {"direction": f"{src}→{tgt}", "seed": args.seed, "settings_given": json.loads(args.settings),
+    result = {"direction": f"{src}→{tgt}", "seed": args.seed, "settings_given": settings,
               "settings": state["config"], "steps": state["step"],
               "train_minutes": round(state["elapsed_s"] / 60, 2), "train_wall_minutes": round(train_wall / 60, 2),
               "train_commit": state["commit"], "hardware": state["hardware"], "torch": state["torch"],
@@ -224,7 +233,7 @@ def run_one(args: argparse.Namespace) -> None:
                                          "length_penalty": penalty or translator.config.length_penalty,
                                          "kv_cache": use_cache, "decode_seconds": round(seconds, 2),
                                          "hypotheses": hypotheses}
-    Path(args.result).write_text(json.dumps(result, ensure_ascii=False) + "\n")
+    result_path.write_text(json.dumps(result, ensure_ascii=False) + "\n")
 
 
 def summarise(runs: list[dict], key: str) -> dict:
@@ -253,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="make a device run's report a results file of the book (--results), scored here")
     parser.add_argument("--results", type=Path, default=ROOT / "book" / "results" / "gpu.json")
     parser.add_argument("--report", type=Path, help="where gpu_run.json goes (default: --out), rewritten as runs end")
-    parser.add_argument("--parallel", type=int, default=6, help="runs at once")
+    parser.add_argument("--parallel", type=int, default=6, help="processes at once")
+    parser.add_argument("--group", choices=("seed", "run"), default="seed",
+                        help="seed: one process per seed, its directions one after another, compiled once "
+                        "(default); run: one process per run")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="tiny preset, few steps, few sentences, on the CPU")
     parser.add_argument("--limit", type=int, help="score only the first N sentences of each split")
@@ -264,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                                                              ("--worker", "--no-cache-too") else {}))
     args = parser.parse_args(argv)
     if args.worker:
-        args.out, args.seed = Path(args.out), int(args.seed)
-        run_one(args)
+        args.seed = int(args.seed)
+        run_group(args)
         return 0
     if args.import_report:
         import_report(args.import_report, args.results, args.data_dir)
@@ -318,28 +330,31 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    jobs = []
+    # A job is one process: its seed's runs in each of its directions, one after another (one compilation).
     directions = args.directions.split(",")
     if args.sweep:
         variants = [json.loads(v) for v in args.variant] or [{}]
-        jobs = [(directions[0], int(args.seeds.split(",")[0]), v, i) for i, v in enumerate(variants)]
+        jobs = [((directions[0],), int(args.seeds.split(",")[0]), v, i) for i, v in enumerate(variants)]
+    elif args.group == "seed":
+        jobs = [(tuple(directions), int(s), {}, 0) for s in args.seeds.split(",")]
     else:
-        jobs = [(d, int(s), {}, 0) for d in directions for s in args.seeds.split(",")]
+        jobs = [((d,), int(s), {}, 0) for d in directions for s in args.seeds.split(",")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     if args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""
     running, results, failures = [], [], []
-    first_of_direction = set()
+    uncached = set()  # the directions whose first run also decodes without the cache
     queue = list(jobs)
-    log(f"{len(jobs)} runs, {args.parallel} at a time")
+    log(f"{sum(len(j[0]) for j in jobs)} runs in {len(jobs)} processes, {args.parallel} at a time")
     while queue or running:
         while queue and len(running) < args.parallel:
-            direction, seed, variant, number = queue.pop(0)
-            tag = f"{direction}-s{seed}" + (f"-v{number}" if args.sweep else "")
+            job_directions, seed, variant, number = queue.pop(0)
+            group = f"s{seed}" + (f"-v{number}" if args.sweep else "") + ("" if args.group == "seed" and not
+                                                                            args.sweep else f"-{job_directions[0]}")
             settings = {**common, **{k: str(v) for k, v in variant.items()}}
-            command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(args.out / tag),
-                       "--direction", direction, "--seed", str(seed), "--settings", json.dumps(settings),
-                       "--result", str(args.out / f"{tag}.json"), "--preset", name]
+            command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(args.out / group),
+                       "--direction", ",".join(job_directions), "--seed", str(seed), "--settings",
+                       json.dumps(settings), "--result", str(args.out / group), "--preset", name]
             if args.data_dir:
                 command += ["--data-dir", str(args.data_dir)]
             if args.limit:
@@ -348,31 +363,33 @@ def main(argv: list[str] | None = None) -> int:
                 command.append("--sweep")
                 if args.length_penalties:
                     command += ["--length-penalties", args.length_penalties]
-            if direction not in first_of_direction and not args.sweep:
+            elif not set(job_directions) <= uncached:
                 command.append("--no-cache-too")
-                first_of_direction.add(direction)
-            worker_log = open(args.out / f"{tag}.worker.log", "w")  # noqa: SIM115 (closed when the run ends)
-            running.append((tag, subprocess.Popen(command, env=env, stdout=worker_log, stderr=worker_log,
-                                                  cwd=ROOT), worker_log, time.perf_counter()))
-            log(f"started {tag} {settings}")
+                uncached |= set(job_directions)
+            worker_log = open(args.out / f"{group}.worker.log", "w")  # noqa: SIM115 (closed when the job ends)
+            running.append((group, job_directions, seed, number, subprocess.Popen(
+                command, env=env, stdout=worker_log, stderr=worker_log, cwd=ROOT), worker_log, time.perf_counter()))
+            log(f"started {group}: {', '.join(job_directions)}, seed {seed}, {settings}")
         time.sleep(1)
         for item in list(running):
-            tag, process, worker_log, began = item
+            group, job_directions, seed, number, process, worker_log, began = item
             if process.poll() is None:
                 continue
             running.remove(item)
             worker_log.close()
-            if process.returncode == 0:
-                result = json.loads((args.out / f"{tag}.json").read_text())
-                result["tag"], result["wall_minutes"] = tag, round((time.perf_counter() - began) / 60, 2)
-                results.append(result)
-                main_scores = {k: v["bleu"] for k, v in result["scores"].items()}
-                log(f"done {tag} in {result['wall_minutes']} min: {result['steps']} steps, {result['epochs']} "
-                    f"epochs; BLEU {main_scores}")
-            else:
-                tail = "".join((args.out / f"{tag}.worker.log").read_text().splitlines(True)[-15:])
+            for direction in job_directions:
+                tag = f"{direction}-s{seed}" + (f"-v{number}" if args.sweep else "")
+                result_file = args.out / f"{group}-{direction}.json"
+                if result_file.is_file():
+                    result = json.loads(result_file.read_text())
+                    result["tag"], result["process_minutes"] = tag, round((time.perf_counter() - began) / 60, 2)
+                    results.append(result)
+                    log(f"done {tag}: {result['steps']} steps, {result['epochs']} epochs in {result['train_minutes']} "
+                        f"min; BLEU {({k: v['bleu'] for k, v in result['scores'].items()})}")
+                    continue
+                tail = "".join((args.out / f"{group}.worker.log").read_text().splitlines(True)[-15:])
                 with contextlib.suppress(OSError):
-                    tail += "".join((args.out / tag).with_suffix(".log").read_text().splitlines(True)[-15:])
+                    tail += "".join((args.out / f"{group}-{direction}.log").read_text().splitlines(True)[-15:])
                 failures.append({"tag": tag, "returncode": process.returncode, "log_tail": tail})
                 log(f"FAILED {tag} ({process.returncode}):\n{tail}")
             write_report(report, results, failures, started, args.report or args.out / "gpu_run.json")
