@@ -1,6 +1,6 @@
 """The `cpu` preset's training throughput, the baseline commit against this tree, side by side in one run.
 
-    .venv/bin/python benchmarks/cpu_step_speed.py --data-dir ../shared/data/multi30k --out # 540 steps a side, 10-20 min
+    .venv/bin/python benchmarks/cpu_step_speed.py --data-dir ../shared/data/multi30k --out --minutes 25 # or all rounds
     .venv/bin/python benchmarks/cpu_step_speed.py --data-dir ../shared/data/multi30k --rounds 2 --warmup-rounds 1 \
         --block 3                                                                          # a quick look
 
@@ -33,7 +33,9 @@ averaging), so a few runs of each give a few samples minutes apart, each under a
 a machine that others use; blocks of seconds give many paired samples on the same batches, a
 few seconds apart, and the setup is done once per side, outside the timing.
 
-The first ``--warmup-rounds`` rounds are left out. Per side: tokens/s of each round (target tokens,
+The first ``--warmup-rounds`` rounds are left out: a process's first steps are slower than the
+rest. ``--minutes`` bounds the run on a busy machine: no round starts after that many minutes of
+rounds, and the table says how many were run. Per side: tokens/s of each round (target tokens,
 without padding, as the trainer's ``tokens_per_s``), their median and interquartile range, and the
 CPU seconds the process used per wall second (near the thread count when it had the cores to itself).
 The ratio new/old is that of the medians, with a 95% bootstrap interval (the rounds resampled in
@@ -48,6 +50,7 @@ import inspect
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -182,7 +185,12 @@ def measure(args: argparse.Namespace, baseline_root: Path, tmp: Path) -> tuple[d
         ready = {name: sides[name].read() for name in SIDES}  # both set up (data, tokenizer, model) at once
         rounds = []
         total = args.warmup_rounds + args.rounds
+        first_go = time.perf_counter()
         for r in range(total):
+            spent = time.perf_counter() - first_go
+            if args.minutes is not None and r > args.warmup_rounds and spent > 60 * args.minutes:
+                print(f"--minutes {args.minutes:g} spent: {r - args.warmup_rounds} timed rounds", flush=True)
+                break
             order = SIDES if r % 2 == 0 else SIDES[::-1]
             row = {"round": r + 1, "warmup": r < args.warmup_rounds, "first": order[0]}
             for name in order:
@@ -265,9 +273,11 @@ def main() -> None:
                         help="the commit to compare with (default: the trainer before the refactor)")
     parser.add_argument("--preset", default="cpu")
     parser.add_argument("--data-dir", default=None, help="Multi30k's files (default: the library's own download)")
-    parser.add_argument("--block", type=int, default=10, help="steps per side per turn")
-    parser.add_argument("--rounds", type=int, default=24, help="timed rounds (a block of each side per round)")
-    parser.add_argument("--warmup-rounds", type=int, default=3, help="rounds run first and left out")
+    parser.add_argument("--block", type=int, default=5, help="steps per side per turn")
+    parser.add_argument("--rounds", type=int, default=40, help="timed rounds (a block of each side per round)")
+    parser.add_argument("--warmup-rounds", type=int, default=4, help="rounds run first and left out")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="start no round after this many minutes of rounds (at least one timed round is run)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per side (default: torch's own)")
     parser.add_argument("--seed", type=int, default=0, help="the bootstrap's seed")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
@@ -288,6 +298,8 @@ def main() -> None:
     from stepformer.lm import save_json
     from stepformer.runs import commit, hardware
 
+    # A plain kill runs the clean-up too: the workers are stopped and the temporary folder removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))
     baseline = subprocess.run(["git", "rev-parse", "--short", f"{args.baseline}^{{commit}}"], cwd=REPO, check=True,
                               capture_output=True, text=True).stdout.strip()
     started, load_before = time.perf_counter(), os.getloadavg()
@@ -311,7 +323,8 @@ def main() -> None:
         "preset": args.preset, "load_before": load_before[0], "load_after": load_after[0],
         "load_before_1_5_15": list(load_before), "load_after_1_5_15": list(load_after),
         "wall_s": round(time.perf_counter() - started, 1),
-        "settings": {"block": args.block, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
+        "settings": {"block": args.block, "rounds": sum(not r["warmup"] for r in rounds),
+                     "rounds_asked": args.rounds, "minutes": args.minutes, "warmup_rounds": args.warmup_rounds,
                      "threads": args.threads, "order": "old first in odd rounds, new first in even ones"},
         "sides": {name: {"commit": baseline if name == "old" else commit(REPO), **ready[name]} for name in SIDES},
         "summary": summarise(rounds, args.seed, args.resamples),
