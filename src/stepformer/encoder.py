@@ -61,9 +61,12 @@ class Embedding(nn.Module):
         self.positions = LearnedPositionalEmbedding(max_len, d_model) if positional == "learned" else None
         # The code of the first max_len positions, computed once and moved with the model: rebuilding it
         # on the CPU and copying it to the GPU at every call would cost a transfer per forward and per
-        # decoding step. Not persistent: it is a function of the shape, not a weight to save.
-        if positional == "sinusoidal":
-            self.register_buffer("sinusoids", sinusoidal_encoding(max_len, d_model), persistent=False)
+        # decoding step. Not persistent: it is a function of the shape, not a weight to save. (An odd
+        # d_model has no code; a model that never embeds with it, as when it is compared layer by layer
+        # with PyTorch's, may still be built.)
+        has_code = positional == "sinusoidal" and d_model % 2 == 0
+        self.register_buffer("sinusoids", sinusoidal_encoding(max_len, d_model) if has_code else None,
+                             persistent=False)
         self.dropout = nn.Dropout(dropout)  # on the sum of tokens and positions, section 5.4 of the paper
 
     @jaxtyped(typechecker=beartype)
@@ -74,7 +77,7 @@ class Embedding(nn.Module):
         if self.positional == "sinusoidal":
             # Past max_len (the code is defined for any position) the table is extended for this call.
             table = self.sinusoids
-            if start + seq > len(table):
+            if table is None or start + seq > len(table):
                 table = sinusoidal_encoding(start + seq, self.d_model)
             x = x + table[start : start + seq].to(x)
         elif self.positional == "learned":
