@@ -10,12 +10,15 @@ process takes every N-th sentence of the same global batch, and the loss is divi
 batch's token count, so the gradients (and the losses) are those of one process on the whole batch.
 """
 
+import contextlib
 import json
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import jaxtyping
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -164,10 +167,6 @@ def train(
         forward = torch.nn.parallel.DistributedDataParallel(model, device_ids=None if device.type != "cuda"
                                                             else [device.index])
     if config.compile:
-        import jaxtyping
-
-        # The shape checks are Python around every call, which the compiler cannot trace through.
-        jaxtyping.config.update("jaxtyping_disable", True)
         forward = torch.compile(forward, dynamic=True)
 
     # The training split padded once, on the device: a batch is two gathers there (PaddedTable).
@@ -182,10 +181,17 @@ def train(
                 for indices in token_batches(train_data, config.max_tokens, config.seed, epoch)]
         return list(zip(mine, table.indices(mine), strict=True))
 
+    checked = config.compile  # a compiled model is never checked: the compiler cannot trace through the checks
+
     def step(batch: tuple[list[int], Tensor], lr: float) -> StepResult:
+        nonlocal checked
         indices, index = batch
-        loss_sum, n_tokens, grad_norm = train_step(forward, model, optimizer, scaler, table, indices, index,
-                                                   tokenizer.pad_id, config, lr, amp_dtype, loss_fn, world)
+        # The first step of an eager run is checked, so a model that does not fit its data fails with the
+        # axis's name; later steps run the same code on the same kinds of tensors.
+        with shape_checks(not checked):
+            loss_sum, n_tokens, grad_norm = train_step(forward, model, optimizer, scaler, table, indices, index,
+                                                       tokenizer.pad_id, config, lr, amp_dtype, loss_fn, world)
+        checked = True
         return StepResult(loss_sum, n_tokens, grad_norm, loss_over=n_tokens)
 
     def evaluate(at: Position) -> None:
@@ -203,11 +209,15 @@ def train(
             write_checkpoint(out_dir, model, optimizer, given, tokenizer, at, rng)
 
     model.train()
+    # The runtime shape checks (beartype over every call's signature) cost an eager step a fifth of its host
+    # time (benchmarks/step_overhead.py): off in the loop and its validations, as they were afterwards.
     try:
-        position = training_loop(
-            config, epoch_batches, lambda number, spent: scheduled_lr(config, number, spent), step, metrics.write,
-            position=position, world=world, progress=Progress(config, position.step, enabled=progress and world.main),
-            log_every=config.log_every, every=((config.eval_every, evaluate), (config.checkpoint_every, checkpoint)))
+        with shape_checks(False):
+            position = training_loop(
+                config, epoch_batches, lambda number, spent: scheduled_lr(config, number, spent), step, metrics.write,
+                position=position, world=world, log_every=config.log_every,
+                progress=Progress(config, position.step, enabled=progress and world.main),
+                every=((config.eval_every, evaluate), (config.checkpoint_every, checkpoint)))
     finally:
         metrics.close()
     rng = gather_rng_states(world)
@@ -221,6 +231,21 @@ def train(
         f"if not a whole), {position.elapsed / 60:.1f} min; averaged the last "
         f"{min(len(checkpoint_paths(out_dir)), config.keep_checkpoints)} checkpoints into {averaged}")
     return averaged
+
+
+@contextlib.contextmanager
+def shape_checks(enabled: bool) -> Iterator[None]:
+    """jaxtyping's runtime shape checks on or off inside the block, and as they were after it.
+
+    jaxtyping reads its setting at every call of a checked function: with it off, the call is the
+    function's own plus one test of the setting (no beartype, no shape memo).
+    """
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", not enabled)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
 
 
 def train_step(forward, model, optimizer, scaler, table: PaddedTable, indices: list[int], index: Tensor,
@@ -244,7 +269,9 @@ def train_step(forward, model, optimizer, scaler, table: PaddedTable, indices: l
     # gradient of (sum over the whole batch) / (its tokens), as one process would compute.
     scaler.scale(loss_sum * world.world / global_tokens).backward()
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
+    # The optimiser's list is model.parameters() in its order (make_optimizer), without walking the modules again.
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.clip_norm)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
