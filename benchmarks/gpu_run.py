@@ -76,7 +76,14 @@ def profile_step(config, data_dir: Path | None, device: torch.device, steps: int
     from stepformer.translator.batching import PaddedTable, token_batches
     from stepformer.translator.config import autocast_dtype
     from stepformer.translator.fast import loss_for
-    from stepformer.translator.train import Distributed, build_model, make_optimizer, prepare_data, train_step
+    from stepformer.translator.train import (
+        Distributed,
+        build_model,
+        compile_model,
+        make_optimizer,
+        prepare_data,
+        train_step,
+    )
 
     torch.manual_seed(config.seed)
     tokenizer, train_data, _, _ = prepared or prepare_data(config, Path("/nonexistent"), data_dir, False,
@@ -87,7 +94,7 @@ def profile_step(config, data_dir: Path | None, device: torch.device, steps: int
     optimizer = make_optimizer(model, config, device)
     amp_dtype = autocast_dtype(config.precision, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
-    forward = torch.compile(model, dynamic=True) if config.compile else model
+    forward = compile_model(model) if config.compile else model
     table = PaddedTable(train_data, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, device)
     batches = token_batches(train_data, config.max_tokens, config.seed, 0)
     needed = warmup_steps + steps

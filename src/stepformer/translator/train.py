@@ -167,7 +167,7 @@ def train(
         forward = torch.nn.parallel.DistributedDataParallel(model, device_ids=None if device.type != "cuda"
                                                             else [device.index])
     if config.compile:
-        forward = torch.compile(forward, dynamic=True)
+        forward = compile_model(forward)
 
     # The training split padded once, on the device: a batch is two gathers there (PaddedTable).
     table = PaddedTable(train_data, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, device)
@@ -248,6 +248,16 @@ def shape_checks(enabled: bool) -> Iterator[None]:
         jaxtyping.config.update("jaxtyping_disable", before)
 
 
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile`` for :func:`train_step`, which marks the batch's size and lengths dynamic: one graph for all.
+
+    Only those sizes vary between steps. ``dynamic=True`` made every number symbolic, the dropout rates and
+    norm epsilons too, and Dynamo then traced the model a second time to make them constants again; with the
+    sizes marked, it traces once (benchmarks/step_overhead.py: the compile's time, cold and from the cache).
+    """
+    return torch.compile(model)
+
+
 def train_step(forward, model, optimizer, scaler, table: PaddedTable, indices: list[int], index: Tensor,
                pad_id: int, config, lr: float, amp_dtype, loss_fn, world: Distributed) -> tuple[Tensor, Tensor, Tensor]:
     """One optimiser step at learning rate ``lr`` on this process's share of a global batch.
@@ -259,6 +269,10 @@ def train_step(forward, model, optimizer, scaler, table: PaddedTable, indices: l
     for group in optimizer.param_groups:
         group["lr"] = lr
     src, tgt_in, tgt_out = table.batch(indices, index)
+    if config.compile:
+        for tensor in (src, tgt_in):  # (batch, length): see compile_model
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
     tokens = (tgt_out != pad_id).sum()
     global_tokens = world.all_sum_tensor(tokens)
     with torch.autocast(table.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
