@@ -3,12 +3,14 @@ the blocked label-smoothed loss (value and gradient) and dropout drawn from pack
 
 import math
 
+import jaxtyping
 import pytest
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from stepformer.translator import train as trainer
 from stepformer.translator.config import preset
 from stepformer.translator.fast import PackedDropout, fused_label_smoothed_loss, packed_dropout
 from stepformer.translator.recipe import label_smoothed_loss
@@ -134,3 +136,24 @@ def test_the_translator_uses_packed_dropout_exactly_when_fast(fast):
     replaced = packed_dropout(plain)
     assert [type(m) for m in replaced.modules() if isinstance(m, nn.Dropout)] == [PackedDropout, PackedDropout]
     assert [m.p for m in replaced.modules() if isinstance(m, nn.Dropout)] == [0.4, 0.1]
+
+
+def test_the_trainer_checks_shapes_in_its_first_step_only_and_leaves_the_setting_as_it_was(
+    tmp_path, real_data, monkeypatch
+):
+    seen = []
+    plain_step = trainer.train_step
+
+    def spy(*args, **kwargs):
+        seen.append(not jaxtyping.config.jaxtyping_disable)
+        return plain_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", spy)
+    before = jaxtyping.config.jaxtyping_disable
+    config = preset("tiny").with_overrides({"max_steps": "3", "checkpoint_every": "3", "eval_every": "1000",
+                                            "max_tokens": "1024", "keep_checkpoints": "1"})
+    trainer.train(config, tmp_path / "run", real_data, progress=False, device=torch.device("cpu"))
+    assert seen == [True, False, False], (
+        f"checks on in the steps: {seen}; expected the first step checked (a wrong shape names its axis), "
+        "the later ones not (the checks are a fifth of an eager step's host time)")
+    assert jaxtyping.config.jaxtyping_disable == before, "train() must leave jaxtyping's setting as it found it"

@@ -10,12 +10,15 @@ process takes every N-th sentence of the same global batch, and the loss is divi
 batch's token count, so the gradients (and the losses) are those of one process on the whole batch.
 """
 
+import contextlib
 import json
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import jaxtyping
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -64,22 +67,6 @@ def build_model(config: TranslatorConfig, vocab_size: int, pad_id: int) -> Trans
         kv_heads=config.kv_heads, fast=config.fast,
     )
     return packed_dropout(model) if config.fast else model
-
-
-def compile_model(model: torch.nn.Module) -> torch.nn.Module:
-    """``torch.compile`` for batches of any shape: one compilation, no recompiles as batch sizes and lengths vary.
-
-    The shape checks are Python around every call, which the compiler cannot trace through, so they
-    are switched off (for this process). Every size is symbolic from the first call (``dynamic=True``),
-    and sizes that happen to be equal in the first batch (say 15 sentences of 15 tokens) are not
-    assumed equal ever after (PyTorch's "duck sizing", which would compile again at the next batch).
-    """
-    import jaxtyping
-    from torch.fx.experimental import _config as shape_config
-
-    jaxtyping.config.update("jaxtyping_disable", True)
-    shape_config.use_duck_shape = False
-    return torch.compile(model, dynamic=True)
 
 
 def make_optimizer(model: torch.nn.Module, config: TranslatorConfig, device: torch.device) -> torch.optim.AdamW:
@@ -194,10 +181,17 @@ def train(
                 for indices in token_batches(train_data, config.max_tokens, config.seed, epoch)]
         return list(zip(mine, table.indices(mine), strict=True))
 
+    checked = config.compile  # a compiled model is never checked: the compiler cannot trace through the checks
+
     def step(batch: tuple[list[int], Tensor], lr: float) -> StepResult:
+        nonlocal checked
         indices, index = batch
-        loss_sum, n_tokens, grad_norm = train_step(forward, model, optimizer, scaler, table, indices, index,
-                                                   tokenizer.pad_id, config, lr, amp_dtype, loss_fn, world)
+        # The first step of an eager run is checked, so a model that does not fit its data fails with the
+        # axis's name; later steps run the same code on the same kinds of tensors.
+        with shape_checks(not checked):
+            loss_sum, n_tokens, grad_norm = train_step(forward, model, optimizer, scaler, table, indices, index,
+                                                       tokenizer.pad_id, config, lr, amp_dtype, loss_fn, world)
+        checked = True
         return StepResult(loss_sum, n_tokens, grad_norm, loss_over=n_tokens)
 
     def evaluate(at: Position) -> None:
@@ -215,11 +209,15 @@ def train(
             write_checkpoint(out_dir, model, optimizer, given, tokenizer, at, rng)
 
     model.train()
+    # The runtime shape checks (beartype over every call's signature) cost an eager step a fifth of its host
+    # time (benchmarks/step_overhead.py): off in the loop and its validations, as they were afterwards.
     try:
-        position = training_loop(
-            config, epoch_batches, lambda number, spent: scheduled_lr(config, number, spent), step, metrics.write,
-            position=position, world=world, progress=Progress(config, position.step, enabled=progress and world.main),
-            log_every=config.log_every, every=((config.eval_every, evaluate), (config.checkpoint_every, checkpoint)))
+        with shape_checks(False):
+            position = training_loop(
+                config, epoch_batches, lambda number, spent: scheduled_lr(config, number, spent), step, metrics.write,
+                position=position, world=world, log_every=config.log_every,
+                progress=Progress(config, position.step, enabled=progress and world.main),
+                every=((config.eval_every, evaluate), (config.checkpoint_every, checkpoint)))
     finally:
         metrics.close()
     rng = gather_rng_states(world)
@@ -233,6 +231,47 @@ def train(
         f"if not a whole), {position.elapsed / 60:.1f} min; averaged the last "
         f"{min(len(checkpoint_paths(out_dir)), config.keep_checkpoints)} checkpoints into {averaged}")
     return averaged
+
+
+@contextlib.contextmanager
+def shape_checks(enabled: bool) -> Iterator[None]:
+    """jaxtyping's runtime shape checks on or off inside the block, and as they were after it.
+
+    jaxtyping reads its setting at every call of a checked function: with it off, the call is the
+    function's own plus one test of the setting (no beartype, no shape memo).
+    """
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", not enabled)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+
+
+def compile_model(model: torch.nn.Module):
+    """``model`` compiled for batches of every shape: one graph, no recompiles as batch sizes and lengths vary.
+
+    The returned ``forward(src, tgt_in)`` marks the batch's size and its two lengths dynamic before each
+    call, since only those vary between steps; ``dynamic=True`` would make every number symbolic, the
+    dropout rates and norm epsilons too, and Dynamo would then trace the model a second time to make
+    them constants again (benchmarks/step_overhead.py: the compile's time, cold and from the cache).
+    Sizes that happen to be equal in the first batch (15 sentences of 15 tokens) are not assumed equal
+    ever after: PyTorch's "duck sizing" is switched off for this process, or the next batch would
+    compile again. The shape checks are off inside the compiled call: the compiler cannot trace them.
+    """
+    from torch.fx.experimental import _config as shape_config
+
+    shape_config.use_duck_shape = False
+    compiled = torch.compile(model)
+
+    def forward(src: Tensor, tgt_in: Tensor) -> Tensor:
+        for tensor in (src, tgt_in):  # (batch, length)
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        with shape_checks(False):
+            return compiled(src, tgt_in)
+
+    return forward
 
 
 def train_step(forward, model, optimizer, scaler, table: PaddedTable, indices: list[int], index: Tensor,
@@ -256,7 +295,9 @@ def train_step(forward, model, optimizer, scaler, table: PaddedTable, indices: l
     # gradient of (sum over the whole batch) / (its tokens), as one process would compute.
     scaler.scale(loss_sum * world.world / global_tokens).backward()
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
+    # The optimiser's list is model.parameters() in its order (make_optimizer), without walking the modules again.
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.clip_norm)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
