@@ -9,7 +9,7 @@ a minuscule model of the same structure (3 + 3 layers, 4 heads, tied embeddings,
 ``d_model=16``, ``d_ff=32``, vocabulary 1,000) and batches of a few short sentences. Each step is the
 trainer's own (:func:`stepformer.translator.train.train_step`: the batch from a :class:`PaddedTable`,
 autocast, the loss, backward, clipping, fused AdamW), on the GPU's path by default (``--path gpu``:
-PyTorch's dropout and ``F.cross_entropy``; ``--path cpu``: the CPU trainer's packed dropout and blocked
+PyTorch's dropout and ``cross_entropy_sum``; ``--path cpu``: the CPU trainer's packed dropout and blocked
 loss). On a CPU some arithmetic remains (dropout's random numbers, attention's unfused math path), so
 the numbers are an upper bound of the host's share.
 
