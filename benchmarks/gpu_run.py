@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -157,21 +156,6 @@ def busy_seconds(prof) -> float:
     return busy / 1e6
 
 
-def bleu_with_interval(hypotheses: list[str], references: list[str]) -> dict:
-    """sacreBLEU (13a, cased) and chrF with their signatures, and BLEU's paired-bootstrap 95% interval."""
-    import sacrebleu
-
-    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
-    plain = bleu.corpus_score(hypotheses, [references])
-    boot_metric = sacrebleu.metrics.BLEU()
-    boot = boot_metric.corpus_score(hypotheses, [references], n_bootstrap=1000)
-    return {"bleu": round(plain.score, 2), "bleu_signature": str(bleu.get_signature()),
-            "bleu_bootstrap_mean": round(boot._mean, 2), "bleu_ci95_halfwidth": round(boot._ci, 2),
-            "bleu_bootstrap_signature": str(boot_metric.get_signature()),
-            "chrf": round(chrf.corpus_score(hypotheses, [references]).score, 2),
-            "chrf_signature": str(chrf.get_signature())}
-
-
 def run_group(args: argparse.Namespace) -> None:
     """One seed (and variant) in each of ``args.direction``'s directions, one after another in this process,
     so that the model is compiled once: a second model of the same shape reuses the compiled code. Each run's
@@ -185,7 +169,7 @@ def run_one(args: argparse.Namespace, direction: str, folder: Path, result_path:
     from stepformer.runs import average_checkpoints, checkpoint_paths, load_checkpoint
     from stepformer.translator.config import preset
     from stepformer.translator.data import load_split
-    from stepformer.translator.evaluate import Translator
+    from stepformer.translator.evaluate import Translator, scores
     from stepformer.translator.train import train
 
     src, tgt = direction.split("-")
@@ -228,7 +212,7 @@ def run_one(args: argparse.Namespace, direction: str, folder: Path, result_path:
                 seconds = time.perf_counter() - decode_started
                 key = (f"{name}/{split}" + ("" if use_cache else "/no_cache")
                        + ("" if penalty is None else f"/lp{penalty}"))
-                result["scores"][key] = {**bleu_with_interval(hypotheses, references), "sentences": len(sources),
+                result["scores"][key] = {**scores(hypotheses, references, tgt), "sentences": len(sources),
                                          "beam": translator.config.beam,
                                          "length_penalty": penalty or translator.config.length_penalty,
                                          "kv_cache": use_cache, "decode_seconds": round(seconds, 2),
@@ -237,14 +221,15 @@ def run_one(args: argparse.Namespace, direction: str, folder: Path, result_path:
 
 
 def summarise(runs: list[dict], key: str) -> dict:
-    """Mean ± sample standard deviation of a score over the seeds of one direction."""
+    """Per direction, BLEU and chrF of ``key`` (e.g. ``averaged/val``) over the seeds: mean, sample sd, n, values."""
+    from stepformer.translator.evaluate import seed_summary
+
     out = {}
     for direction in sorted({r["direction"] for r in runs}):
-        values = [r["scores"][key]["bleu"] for r in runs if r["direction"] == direction and key in r["scores"]]
-        if values:
-            out[direction] = {"n": len(values), "mean": round(statistics.mean(values), 2),
-                              "sd": round(statistics.stdev(values), 2) if len(values) > 1 else None,
-                              "values": values}
+        rows = [r["scores"][key] for r in runs if r["direction"] == direction and key in r["scores"]]
+        if rows:
+            out[direction] = {metric: {**seed_summary([r[metric] for r in rows]), "values": [r[metric] for r in rows]}
+                              for metric in ("bleu", "chrf")}
     return out
 
 
@@ -415,7 +400,7 @@ def import_report(report_path: Path, results: Path, data_dir: Path | None) -> di
     averaged checkpoint written to ``translations/`` beside ``results`` (``hypotheses_file``), the others
     dropped after scoring, and each direction's mean ± sd over its seeds."""
     from stepformer.translator.data import load_split
-    from stepformer.translator.evaluate import scores, seed_summary
+    from stepformer.translator.evaluate import scores
 
     report = json.loads(report_path.read_text())
     if report.get("schema") != SCHEMA:
@@ -429,6 +414,7 @@ def import_report(report_path: Path, results: Path, data_dir: Path | None) -> di
             split = key.split("/")[1]
             hypotheses = score.pop("hypotheses")
             references = load_split(split, src, tgt, data_dir, progress=False)[1][: score["sentences"]]
+            # Reports written before the device scored with evaluate.scores carry its own interval fields.
             for ad_hoc in ("bleu_bootstrap_mean", "bleu_ci95_halfwidth", "bleu_bootstrap_signature"):
                 score.pop(ad_hoc, None)
             score.update(scores(hypotheses, references, tgt))
@@ -441,15 +427,7 @@ def import_report(report_path: Path, results: Path, data_dir: Path | None) -> di
                 name = f"{stem}-{run['tag']}-{split}.txt"
                 (folder / name).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
                 score["hypotheses_file"] = f"translations/{name}"
-    for split in ("test_2016_flickr", "val"):
-        report["summary"][split] = {}
-        for direction in sorted({r["direction"] for r in report["runs"]}):
-            rows = [r["scores"][f"averaged/{split}"] for r in report["runs"]
-                    if r["direction"] == direction and f"averaged/{split}" in r["scores"]]
-            if rows:
-                report["summary"][split][direction] = {metric: {**seed_summary([r[metric] for r in rows]),
-                                                                "values": [r[metric] for r in rows]}
-                                                       for metric in ("bleu", "chrf")}
+    report["summary"] = {split: summarise(report["runs"], f"averaged/{split}") for split in ("test_2016_flickr", "val")}
     report["imported_from"] = report_path.name
     results.write_text(json.dumps(report, ensure_ascii=False, indent=1) + "\n")
     return report
@@ -466,12 +444,14 @@ def print_table(report: dict) -> None:
               f"{p['device_busy']}, {p['tokens_per_s']:,.0f} tok/s, MFU {p['mfu']:.1%}, warmup "
               f"{p['warmup_and_compile_s']} s")
     for r in report["runs"]:
-        scores = "  ".join(f"{k} {v['bleu']:.2f}±{v['bleu_ci95_halfwidth']:.2f} ({v['decode_seconds']}s)"
+        scores = "  ".join(f"{k} {v['bleu']:.2f} [{v['bleu_ci95'][0]:.2f}, {v['bleu_ci95'][1]:.2f}] "
+                           f"({v['decode_seconds']}s)"
                            for k, v in r["scores"].items())
         print(f"{r['tag']:>18} {r['train_minutes']:5.2f} min {r['steps']:6d} steps ep {r['epochs']:4d}  {scores}")
     for split, summary in report["summary"].items():
         for direction, s in summary.items():
-            print(f"{split} {direction}: {s['mean']} ± {s['sd']} over {s['n']} seeds {s['values']}")
+            print(f"{split} {direction}: BLEU {s['bleu']['mean']} ± {s['bleu']['sd']} over {s['bleu']['n']} seeds "
+                  f"{s['bleu']['values']}")
 
 
 if __name__ == "__main__":

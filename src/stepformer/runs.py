@@ -131,14 +131,6 @@ class Distributed:
     def main(self) -> bool:
         return self.rank == 0
 
-    def all_sum(self, *values: float) -> list[float]:
-        """Sums over the processes (the values themselves with one process)."""
-        if self.world == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.tolist()
-
     def all_sum_tensor(self, value: Tensor) -> Tensor:
         """A tensor summed over the processes, left on its device (itself with one process: no copy, no wait)."""
         if self.world == 1:
