@@ -9,7 +9,7 @@ SUBMISSIONS ?=
 OUT ?= grades
 # Extra options for `make grade`, e.g. GRADE_FLAGS="--workers 8 --roster roster.csv"
 GRADE_FLAGS ?=
-# `make translator`: a local copy of Multi30k instead of the download (DATA_DIR=../shared/data/multi30k),
+# `make translator` and `make book`: a local copy of Multi30k instead of the download (DATA_DIR=../shared/data/multi30k),
 # the preset (cpu or gpu) and the run's folder.
 DATA_DIR ?=
 PRESET ?= cpu
@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP) ## create .venv and install the course and its tools
 
 book: $(STAMP) ## build the site into _build/html (EDITION=class: without the answers, into _build/class/_build/html)
-	STEPFORMER_EDITION=$(EDITION) $(BIN)/jupyter-book build . --warningiserror --keep-going $(BOOK_OUT)
+	STEPFORMER_EDITION=$(EDITION) $(if $(DATA_DIR),STEPFORMER_DATA_DIR=$(abspath $(DATA_DIR)),) $(BIN)/jupyter-book build . --warningiserror --keep-going $(BOOK_OUT)
 	@echo "Open: file://$(CURDIR)/$(BOOK_HTML)/index.html"
 
 # `make lab`: the folder it opens, and options for jupyter lab (tests/test_lab.py: --no-browser, a port, a token).
