@@ -455,7 +455,8 @@ def _collect(root: Path, workdir: Path, state: Path, assignment: str, intakes: l
                     submission = gb.find_submission(assignment, intake.student)
                     # From today's score, not the penalty nbgrader stored at autograde (before manual points).
                     notebook_scores = [float(nb.score or 0.0) for nb in submission.notebooks]
-                    penalty = late_penalty(plugin, intake.student, notebook_scores, float(submission.total_seconds_late))
+                    penalty = late_penalty(plugin, intake.student, notebook_scores,
+                                           float(submission.total_seconds_late))
                     if submission.total_seconds_late > 0:
                         result.detail = "; ".join(filter(None, [
                             result.detail, f"late by {_duration(submission.total_seconds_late)}: penalty {penalty:g}"]))
