@@ -25,6 +25,7 @@ nbgrader itself fixes the penalty when it autogrades, before any manual points e
 
 import csv
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,7 +233,7 @@ def write(path: Path, fmt: str, assignments: list[tuple[str, float]], students: 
 
 
 def notes(fmt: str, assignments: list[tuple[str, float]], students: list[Student],
-          left_out: list[Student] = ()) -> list[str]:
+          left_out: Sequence[Student] = ()) -> list[str]:
     """What the export could not say in its cells: one line per gap, per student and assignment."""
     lms = fmt != "csv"
     lines = []
