@@ -72,8 +72,8 @@ sync: $(STAMP) ## copy library functions into the solution cells, then regenerat
 release: $(STAMP) ## regenerate exercises/ from solutions/ with nbgrader
 	$(BIN)/stepformer-course release
 
-export: $(STAMP) ## every student x assignment: make export FORMAT=csv|canvas|moodle [ROSTER=roster.csv]
-	$(BIN)/stepformer-course export --format $(or $(FORMAT),csv) --out "$(OUT)/course-$(or $(FORMAT),csv).csv" $(if $(ROSTER),--roster "$(ROSTER)",)
+export: $(STAMP) ## every student x assignment: make export FORMAT=csv|canvas|moodle [ROSTER=roster.csv [ALL_STUDENTS=1]]
+	$(BIN)/stepformer-course export --format $(or $(FORMAT),csv) --out "$(OUT)/course-$(or $(FORMAT),csv).csv" $(if $(ROSTER),--roster "$(ROSTER)",) $(if $(ALL_STUDENTS),--all-students,)
 
 new-assignment: $(STAMP) ## start an assignment of your own: make new-assignment NAME=12_tokenizers
 	@test -n "$(NAME)" || { echo "usage: make new-assignment NAME=<two digits>_<topic>"; exit 2; }

@@ -70,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="the grader's work folder (default: autograder/work/grading)")
     where.add_argument("--course", type=Path, default=None, metavar="DIR", help="an nbgrader course folder")
     export_cmd.add_argument("--roster", type=Path, default=None,
-                            help="CSV with a 'student' column (and first_name, last_name, email, lms_user_id)")
+                            help="CSV with a 'student' column (and first_name, last_name, email, lms_user_id): "
+                                 "only its students are exported")
+    export_cmd.add_argument("--all-students", action="store_true",
+                            help="with --roster, export the graded students who are not on it too")
 
     args = parser.parse_args(argv)
     try:
@@ -136,25 +139,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "export":
-        from stepformer.course.export import ExportError, gaps, read_gradebook, read_roster, write
+        from stepformer.course.export import ExportError, notes, read_gradebook, read_roster, write
         from stepformer.course.worker import course_config
 
         folder = (args.course or args.workdir or root / "autograder" / "work" / "grading").resolve()
-        directory = course_config(root, folder).CourseDirectory
+        config = course_config(root, folder)
+        directory = config.CourseDirectory
         if not args.course and not (folder / "gradebook.db").is_file() and "STEPFORMER_DB_URL" not in os.environ:
             print(f"error: no gradebook in {folder}: grade something first, or say where (--workdir, --course)",
                   file=sys.stderr)
             return 2
+        if args.all_students and not args.roster:
+            print("error: --all-students only means something with --roster", file=sys.stderr)
+            return 2
         try:
-            assignments_, students = read_gradebook(directory.db_url, directory.course_id,
-                                                    read_roster(args.roster) if args.roster else None)
-            write(args.out, args.format, assignments_, students)
+            assignments_, students, left_out = read_gradebook(
+                directory.db_url, directory.course_id, read_roster(args.roster) if args.roster else None,
+                config=config, all_students=args.all_students)
+            written = write(args.out, args.format, assignments_, students)
         except ExportError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        for line in gaps(assignments_, students):
+        for line in notes(args.format, assignments_, students, left_out):
             print(f"note: {line}", file=sys.stderr)
-        print(f"{len(students)} students x {len(assignments_)} assignments -> {args.out} ({args.format})")
+        print(f"{len(students)} students x {len(assignments_)} assignments ({args.format}):")
+        print("\n".join(f"  {path}" for path in written))
         return 0
 
     from stepformer.course.grade import grade_command

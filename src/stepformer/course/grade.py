@@ -419,6 +419,10 @@ def _collect(root: Path, workdir: Path, state: Path, assignment: str, intakes: l
              kept: dict[str, list[str]]) -> list[StudentResult]:
     from nbgrader.api import MissingEntry
 
+    from stepformer.course.export import late_penalty, late_plugin
+    from stepformer.course.worker import course_config
+
+    plugin = late_plugin(course_config(root, workdir))
     results = []
     with _gradebook(root, workdir) as gb:
         nbgrader_assignment = gb.find_assignment(assignment)
@@ -449,7 +453,10 @@ def _collect(root: Path, workdir: Path, state: Path, assignment: str, intakes: l
             if done["status"] == "graded":
                 with contextlib.suppress(MissingEntry):
                     submission = gb.find_submission(assignment, intake.student)
-                    penalty = float(submission.late_submission_penalty or 0.0)
+                    # From today's score, not the penalty nbgrader stored at autograde (before manual points).
+                    notebook_scores = [float(nb.score or 0.0) for nb in submission.notebooks]
+                    penalty = late_penalty(plugin, intake.student, notebook_scores,
+                                           float(submission.total_seconds_late))
                     if submission.total_seconds_late > 0:
                         result.detail = "; ".join(filter(None, [
                             result.detail, f"late by {_duration(submission.total_seconds_late)}: penalty {penalty:g}"]))
