@@ -46,7 +46,8 @@ def problems(heading: str, body: str, known_labels: set[str]) -> list[str]:
         found.append("no {doc} link to the chapter that builds the thing")
     found += [f"{{doc}}`{doc}` names no page of the book" for doc in DOC.findall(body)
               if not (BOOK / f"{doc}.md").is_file()]
-    found += [f"{{ref}}`{label}` names no label of the book" for label in REF.findall(body) if label not in known_labels]
+    found += [f"{{ref}}`{label}` names no label of the book" for label in REF.findall(body)
+              if label not in known_labels]
     return found
 
 
