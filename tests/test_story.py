@@ -43,7 +43,8 @@ def test_the_intro_names_the_whole_arc():
     text = (BOOK / "intro.md").read_text(encoding="utf-8")
     arc = text.split("\n## ", 1)[0]
     for chapter in (CHAPTERS[0], "11", LAST):
-        assert re.search(rf"[Cc]hapters? (?:\d\d[–-])?{chapter}\b", arc), f"intro.md's opening does not name chapter {chapter}"
+        assert re.search(rf"[Cc]hapters? (?:\d\d[–-])?{chapter}\b", arc), \
+            f"intro.md's opening does not name chapter {chapter}"
 
 
 @pytest.mark.parametrize(("text", "wrong"), [
