@@ -323,7 +323,8 @@ class LoRALinear(nn.Module):
     y = base(x) + (alpha / r) · B(A(dropout(x))), with ``lora_a`` (``in → r``) drawn as
     ``nn.Linear`` draws its weights and ``lora_b`` (``r → out``) zero, so that the layer starts
     equal to ``base``. Only ``lora_a`` and ``lora_b`` train: r · (in + out) numbers instead of
-    in · out. :func:`merge_lora` folds the update back into one ``nn.Linear``.
+    in · out. After training, the update can be folded back into one ``nn.Linear`` of weight
+    W + (alpha / r) · B A, which costs nothing at inference.
     """
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0) -> None:
