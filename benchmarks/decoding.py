@@ -1,6 +1,7 @@
 """Decoding speed: tokens/s with and without the KV-cache, for MHA, GQA and MQA, and the cache's bytes.
 
     .venv/bin/python benchmarks/decoding.py [--lengths 128 512] [--repeats 5] [--d-model 256] [--device cpu]
+        [--results book/results/decoding.json]
 
 A randomly initialised ``stepformer.Transformer`` (untrained: speed does not depend on the
 weights) generates exactly ``length`` tokens greedily for a batch, once recomputing the whole
@@ -8,7 +9,8 @@ prefix at every step (``stepformer.transformer.generate``) and once with the KV-
 (``stepformer.decoding.generate_cached``); the two must give the same tokens, which the script
 checks. Attention runs with ``kv_heads`` = heads (MHA), a middle value (GQA) and 1 (MQA). The
 cache's bytes are measured on the actual tensors after decoding and compared with the formula
-2 · layers · kv_heads · d_head · length · batch · bytes per element. Not a test: it prints a table.
+2 · layers · kv_heads · d_head · length · batch · bytes per element. Not a test: it prints a table,
+and with ``--results`` writes its rows, settings and provenance where chapter 09 reads them.
 
 Each model is warmed up first (a short run of both paths). The cached path is timed
 ``--repeats`` times and the median kept; the uncached one, minutes long at 512 tokens, runs
@@ -19,9 +21,14 @@ CPU is as much as a cached step itself and would hide the cache's speed-up. The 
 """
 
 import argparse
+import datetime
+import json
 import os
+import shlex
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("JAXTYPING_DISABLE", "1")  # before stepformer is imported: jaxtyping reads it then
 
@@ -30,6 +37,7 @@ import torch  # noqa: E402
 
 from stepformer.decoding import generate_cached  # noqa: E402
 from stepformer.kvcache import cache_bytes, new_cache  # noqa: E402
+from stepformer.runs import commit, hardware  # noqa: E402
 from stepformer.transformer import Transformer, generate  # noqa: E402
 
 BOS, NEVER = 1, -1  # an end-of-sequence id that argmax cannot produce: every run makes `length` tokens
@@ -75,7 +83,9 @@ def main() -> None:
     parser.add_argument("--uncached-repeats", type=int, default=1, help="timed runs of the uncached path")
     parser.add_argument("--no-uncached", action="store_true", help="skip the (slow) runs without a cache")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--results", type=Path, default=None, help="also write the rows as JSON here")
     args = parser.parse_args()
+    rows = []
 
     torch.manual_seed(0)
     src = torch.randint(2, args.vocab, (args.batch, args.src_len), device=args.device)
@@ -112,6 +122,24 @@ def main() -> None:
             formula = cache_bytes(args.layers, kv_heads, d_head, length, args.batch, 4)
             print(f"| {label} | {kv_heads} | {length} | {plain} | {produced / cached_s:.0f} | {speedup} | "
                   f"{measured:,} | {formula:,} |")
+            rows.append({"attention": label, "kv_heads": kv_heads, "tokens": length,
+                         "no_cache_tokens_per_s": None if args.no_uncached else round(produced / plain_s),
+                         "cache_tokens_per_s": round(produced / cached_s),
+                         "speedup": None if args.no_uncached else round(plain_s / cached_s, 1),
+                         "cache_bytes": measured})
+    if args.results:
+        record = {
+            "source": "benchmarks/decoding.py " + shlex.join(sys.argv[1:]), "commit": commit(),
+            "date": datetime.date.today().isoformat(),
+            "hardware": hardware(torch.device(args.device)),
+            "torch": torch.__version__,
+            "settings": {"d_model": args.d_model, "heads": args.heads, "layers": f"{args.layers} + {args.layers}",
+                         "batch": args.batch, "dtype": "float32", "shape_checks": False,
+                         "cached_repeats": args.repeats, "uncached_repeats": args.uncached_repeats},
+            "rows": rows,
+        }
+        args.results.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {args.results}")
 
 
 if __name__ == "__main__":
