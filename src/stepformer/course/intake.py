@@ -265,11 +265,6 @@ def _when(intake: Intake) -> str:
     return f"{intake.handed_in_from} {when:%Y-%m-%d %H:%M:%S} UTC"
 
 
-def _roster_keys(name: str) -> set[str]:
-    """What a roster entry may be matched by: its id, and its Canvas squeeze ("Smith, Jane" -> smithjane)."""
-    return {safe_id(name).casefold(), _canvas_squeeze(name)}
-
-
 def _canvas_squeeze(name: str) -> str:
     """A name as Canvas writes it into a download's file names: lower case, only letters, digits and ``_``."""
     return re.sub(r"[^a-z0-9_]", "", anyascii(unicodedata.normalize("NFC", name)).lower())
@@ -279,17 +274,18 @@ def _apply_roster(intakes: list[Intake], roster: list[str] | None) -> None:
     """Match submissions to roster entries through the same id normalisation (and Canvas's user id or name)."""
     if roster is None:
         return
-    by_key: dict[str, str] = {}
+    by_id: dict[str, str] = {}
+    by_canvas_name: dict[str, str] = {}  # "Smith, Jane" -> smithjane, as Canvas names files
     for name in roster:
-        for key in _roster_keys(name):
-            by_key.setdefault(key, name)
+        by_id.setdefault(safe_id(name).casefold(), name)
+        by_canvas_name.setdefault(_canvas_squeeze(name), name)
     seen = set()
     for intake in intakes:
-        keys = [intake.student.casefold()]
+        found = [by_id.get(intake.student.casefold())]
         if intake.lms.get("layout") == "canvas":
             # Canvas names a student by a squeezed sortable name and a user id; a roster may hold either.
-            keys += [intake.lms["name"], intake.lms.get("user_id", "")]
-        listed = next((by_key[key] for key in keys if key in by_key), None)
+            found += [by_canvas_name.get(intake.lms["name"]), by_id.get(intake.lms.get("user_id", ""))]
+        listed = next((name for name in found if name is not None), None)
         if listed is None:
             intake.status = "not-on-roster"
             intake.problems.append("not on the roster")
@@ -596,6 +592,9 @@ class _Reader:
         folder = Path(tempfile.mkdtemp(prefix=f"{safe_id(key)}-", dir=self.unpacked))
         for path, name in files:
             target = folder / (name or path.name)
+            n = 1
+            while target.exists():  # two files of one name (the LMS's prefixes told them apart): keep both
+                target, n = target.with_name(f"{Path(name or path.name).stem}-{n}{target.suffix}"), n + 1
             if path.is_dir():
                 shutil.copytree(path, target, dirs_exist_ok=True, symlinks=True)
                 continue
