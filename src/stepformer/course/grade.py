@@ -287,6 +287,9 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
         if intake.student not in reasons:
             continue
         if intake.notebooks:
+            # The earlier record goes first: a grading that dies before writing its own must read as unfinished,
+            # never as the earlier grading of the new hand-in.
+            (state / "done" / f"{intake.student}.json").unlink(missing_ok=True)
             _submit(root, workdir, assignment, intake)
             pending.append(intake.student)
         else:
