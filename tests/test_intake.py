@@ -460,6 +460,10 @@ def test_the_same_notebook_gives_the_same_digest_every_run(tmp_path):
     assert first.notebooks[NB] != second.notebooks[NB]  # each run writes its own copies
     write_nb(src / "pat" / NB, "changed")
     assert run(tmp_path, src)[0]["pat"].digests != first.digests
+    # An old format converted to v4: the conversion's cell ids are made the same every run too.
+    old = v3.new_notebook(worksheets=[v3.new_worksheet(cells=[v3.new_code_cell(input="# old")])])
+    (src / "pat" / NB).write_text(v3.writes_json(old), encoding="utf-8")
+    assert run(tmp_path, src)[0]["pat"].digests == run(tmp_path, src)[0]["pat"].digests
 
 
 # --- LMS downloads ---------------------------------------------------------------------------------------

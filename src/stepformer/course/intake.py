@@ -799,6 +799,10 @@ class _Reader:
             if _number_cells(data):
                 text = json.dumps(data)
             notebook = nbformat.reads(text, as_version=4)
+            if version != 4:
+                # Converting an old format invents random cell ids; ids from the position keep the digest stable.
+                for index, cell in enumerate(notebook.cells):
+                    cell["id"] = f"cell-{index}"
             _, notebook = nbformat.validator.normalize(notebook)
             notebook = nbformat.from_dict(notebook)
             nbformat.validate(notebook)
