@@ -2,7 +2,9 @@
 
 import io
 import json
+import os
 import struct
+import time
 import zipfile
 from pathlib import Path
 
@@ -13,9 +15,11 @@ from nbformat import v3
 from stepformer.course.intake import (
     Intake,
     SubmissionsError,
+    infer_assignment,
     load_roster,
     read_submissions,
     safe_id,
+    write_lms_feedback,
 )
 
 A = "01_attention"
@@ -264,25 +268,60 @@ def test_utf8_names_without_flag_are_recovered(tmp_path):
     assert zoe.status == "ok" and "folder name 'Zoë' changed" in problems(zoe)
 
 
-def test_ids_are_made_safe_and_collisions_kept_apart(tmp_path):
+def test_duplicate_hand_ins_of_one_student_newest_wins(tmp_path):
+    """kim/, Kim/ and kim.zip are one student (ids compare without case): the newest is graded, the rest named."""
+    src = tmp_path / "subs"
+    old, new = 1_700_000_000, 1_700_090_000
+    os.utime(write_nb(src / "kim" / NB, "oldest"), (old, old))
+    os.utime(write_nb(src / "Kim" / NB, "newest"), (new, new))
+    info = zipfile.ZipInfo(NB, date_time=time.localtime(old + 3600)[:6])
+    with zipfile.ZipFile(src / "kim.zip", "w") as archive:
+        archive.writestr(info, notebook_text("zipped"))
+    intakes, warnings = run(tmp_path, src)
+    assert list(intakes) == ["kim"]  # the folder already named as its id gives the spelling
+    kim = intakes["kim"]
+    assert kim.status == "ok" and marker(kim.notebooks[NB]) == "# newest"
+    assert "3 hand-ins give the id 'kim' (ids compare without case): graded the newest, 'Kim/' (file modification " \
+           "time 2023-11-15 23:13:20 UTC); set aside 'kim.zip' (file modification time 2023-11-14 23:13:20 UTC)" \
+        in problems(kim)
+    assert "'kim/' (file modification time 2023-11-14 22:13:20 UTC)" in problems(kim)
+    assert warnings == ["kim: 3 hand-ins; graded 'Kim/', the newest; set aside 'kim.zip', 'kim/'"]
+
+
+def test_timestamp_txt_decides_between_duplicates_over_file_times(tmp_path):
+    src = tmp_path / "subs"
+    write_nb(src / "lee" / NB, "stamped")  # its file is newer than the other's, but its hand-in time is older
+    (src / "lee" / "timestamp.txt").write_text("2020-01-01 12:00:00 UTC")
+    os.utime(write_nb(src / "LEE" / NB, "file time"), (1_700_000_000,) * 2)
+    lee = run(tmp_path, src)[0]["lee"]
+    assert marker(lee.notebooks[NB]) == "# file time"
+    assert "graded the newest, 'LEE/' (file modification time 2023-11-14 22:13:20 UTC); set aside 'lee/' " \
+           "(timestamp.txt 2020-01-01 12:00:00 UTC)" in problems(lee)
+
+
+def test_a_hand_in_with_no_notebook_never_wins(tmp_path):
+    src = tmp_path / "subs"
+    os.utime(write_nb(src / "mia" / NB, "work"), (1_700_000_000,) * 2)
+    (src / "Mia").mkdir()
+    (src / "Mia" / "notes.txt").write_text("newer, but no notebook")
+    mia = run(tmp_path, src)[0]["mia"]
+    assert mia.status == "ok" and marker(mia.notebooks[NB]) == "# work" and "'Mia/' (no notebook)" in problems(mia)
+
+
+def test_ids_are_made_safe_and_letters_transliterated(tmp_path):
     src = tmp_path / "subs"
     write_nb(src / "ann lee" / NB, "space")
-    write_nb(src / "ann_lee" / NB, "underscore")
-    write_nb(src / "ANN LEE" / NB, "capital")
     write_nb(src / "李雷" / NB, "hanzi")
+    write_nb(src / "Đặng Văn" / NB, "vietnamese")
     intakes, _ = run(tmp_path, src)
-    assert marker(intakes["ann_lee"].notebooks[NB]) == "# underscore"  # the folder already named so keeps it
-    others = {marker(i.notebooks[NB]) for s, i in intakes.items() if s.casefold().startswith("ann_lee-")}
-    assert others == {"# space", "# capital"}
-    assert sorted(intakes) == ["ANN_LEE-2", "ann_lee", "ann_lee-3", "student-" + sorted(intakes)[-1][8:]]
-    assert "folder 'ann lee' gives the same id as 'ann_lee'; listed as 'ann_lee-3'" in problems(intakes["ann_lee-3"])
-    assert "another folder" in problems(intakes["ann_lee"])
-    (hanzi,) = [i for s, i in intakes.items() if s.startswith("student-")]
-    assert marker(hanzi.notebooks[NB]) == "# hanzi"
+    assert sorted(intakes) == ["Dang_Van", "LiLei", "ann_lee"]
+    assert marker(intakes["LiLei"].notebooks[NB]) == "# hanzi"
+    assert "folder name 'Đặng Văn' changed to the id 'Dang_Van'" in problems(intakes["Dang_Van"])
 
 
 @pytest.mark.parametrize("name, expected", [("a/../b", "a_._b"), ("..", None), (" bob@uni.edu ", "bob@uni.edu"),
-                                            ("x:y*z?", "x_y_z"), ("Renée", "Renee")])
+                                            ("x:y*z?", "x_y_z"), ("Renée", "Renee"),
+                                            ("Đặng", "Dang"), ("José Núñez", "Jose_Nunez"), ("🙂", None)])
 def test_safe_id(name, expected):
     result = safe_id(name)
     assert all(c.isascii() and (c.isalnum() or c in "-_.@") for c in result) and ".." not in result
@@ -364,6 +403,18 @@ def test_roster_marks_unknown_and_absent_students(tmp_path):
     assert intakes["tess"].line() == "tess: missing - no submission found"
 
 
+def test_roster_ids_are_normalised_like_folder_names(tmp_path):
+    src = tmp_path / "subs"
+    write_nb(src / "José Núñez" / NB, "jose")
+    write_nb(src / "Đặng Văn" / NB, "dang")
+    intakes, _ = run(tmp_path, src, roster=["José Núñez", "Đặng Văn", "Zoë"])
+    assert sorted(intakes) == ["Dang_Van", "Jose_Nunez", "Zoe"]
+    assert intakes["Jose_Nunez"].status == "ok" and intakes["Dang_Van"].status == "ok"
+    assert "not on the roster" not in problems(intakes["Jose_Nunez"]) + problems(intakes["Dang_Van"])
+    assert intakes["Zoe"].status == "missing"
+    assert intakes["Zoe"].problems == ["no submission found", "roster id 'Zoë' is 'Zoe' here"]
+
+
 def test_load_roster_formats(tmp_path):
     (tmp_path / "a.csv").write_text("name,student,email\nA,alice,a@x\nB,bob,b@x\n")
     (tmp_path / "b.csv").write_text("\ufeffid;section\ncarol;1\n")
@@ -382,3 +433,123 @@ def test_scratch_can_be_reused(tmp_path):
     run(tmp_path, source)
     again = run(tmp_path, source)[0]["uma"]
     assert again.status == "ok" and marker(again.notebooks[NB]) == "# uma"
+
+
+# --- hand-in times, digests ------------------------------------------------------------------------------
+
+
+def test_timestamp_txt_inside_a_zip_is_read(tmp_path):
+    source = tmp_path / "subs.zip"
+    source.write_bytes(zip_bytes({f"ola/{A}/{NB}": notebook_text("ola"),
+                                  f"ola/{A}/timestamp.txt": "2026-12-02 09:30:00.000000 UTC"}))
+    ola = run(tmp_path, source)[0]["ola"]
+    assert ola.timestamp == "2026-12-02 09:30:00.000000 UTC" and ola.problems == []
+    assert ola.handed_in_from == "timestamp.txt"
+
+
+def test_the_same_notebook_gives_the_same_digest_every_run(tmp_path):
+    """Cells without ids (allowed before nbformat 4.5) get the same ids every run, so a digest is stable."""
+    src = tmp_path / "subs"
+    data = json.loads(notebook_text("stable"))
+    data["cells"][0].pop("id")
+    (src / "pat").mkdir(parents=True)
+    (src / "pat" / NB).write_text(json.dumps(data), encoding="utf-8")
+    first = run(tmp_path, src)[0]["pat"]
+    second = run(tmp_path, src)[0]["pat"]
+    assert first.digests == second.digests and len(first.digests[NB]) == 64
+    assert first.notebooks[NB] != second.notebooks[NB]  # each run writes its own copies
+    write_nb(src / "pat" / NB, "changed")
+    assert run(tmp_path, src)[0]["pat"].digests != first.digests
+    # An old format converted to v4: the conversion's cell ids are made the same every run too.
+    old = v3.new_notebook(worksheets=[v3.new_worksheet(cells=[v3.new_code_cell(input="# old")])])
+    (src / "pat" / NB).write_text(v3.writes_json(old), encoding="utf-8")
+    assert run(tmp_path, src)[0]["pat"].digests == run(tmp_path, src)[0]["pat"].digests
+
+
+# --- LMS downloads ---------------------------------------------------------------------------------------
+
+
+def canvas_zip(path: Path) -> Path:
+    """A Canvas "Download Submissions" zip, named as canvas-lms's ContentZipper names its members."""
+    path.write_bytes(zip_bytes({
+        f"smithjane_LATE_1201_90001_{NB}": notebook_text("jane"),
+        "doejohn_1202_90002_Attention-1.ipynb": notebook_text("john"),  # a resubmission: Canvas adds -1
+        "doejohn_1202_90003_notes.txt": "notes",
+        "nunezjose_1203_90004_attention.ipynb": notebook_text("jose"),
+        f"LATE_anon_Xy7Kq_90005_{NB}": notebook_text("anonymous"),
+        "leeann_1204_text.html": "<p>a text entry</p>",
+    }))
+    return path
+
+
+def test_a_canvas_download_is_read_with_its_ids_and_late_marks(tmp_path):
+    intakes, warnings = run(tmp_path, canvas_zip(tmp_path / "submissions.zip"))
+    assert sorted(intakes) == ["anon_Xy7Kq", "doejohn", "leeann", "nunezjose", "smithjane"]
+    jane, john = intakes["smithjane"], intakes["doejohn"]
+    assert jane.status == "ok" and marker(jane.notebooks[NB]) == "# jane"
+    assert "read as a Canvas download" in problems(jane)
+    assert "marked late by Canvas (the download gives no hand-in time, so no late penalty is applied)" in problems(jane)
+    assert jane.lms == {"layout": "canvas", "name": "smithjane", "user_id": "1201",
+                        "prefix": "smithjane_LATE_1201_90001", "late": "yes"}
+    assert john.status == "ok" and marker(john.notebooks[NB]) == "# john" and "marked late" not in problems(john)
+    assert "ignored 1 extra file" in problems(john) and john.lms["prefix"] == "doejohn_1202_90002"
+    assert "marked late by Canvas" in problems(intakes["anon_Xy7Kq"])
+    assert intakes["leeann"].status == "missing"
+    assert warnings == ["recognised a Canvas download: 5 students"]
+    # A roster may name Canvas students by their name as Canvas shows it, or by Canvas's user id.
+    rostered, _ = run(tmp_path, canvas_zip(tmp_path / "again.zip"), roster=["Smith, Jane", "1202", "Núñez, José"])
+    assert rostered["Smith_Jane"].status == "ok" and rostered["1202"].status == "ok"
+    assert rostered["Nunez_Jose"].status == "ok" and rostered["leeann"].status == "not-on-roster"
+
+
+def test_a_canvas_download_infers_the_assignment(tmp_path):
+    source = canvas_zip(tmp_path / "submissions.zip")
+    assert infer_assignment(source, {A: [NB], "03_multihead": ["multihead.ipynb"]}, tmp_path / "scratch") == A
+
+
+def test_a_moodle_download_is_read_with_folders_or_without(tmp_path):
+    src = tmp_path / "moodle"
+    write_nb(src / "Jane Smith_2201_assignsubmission_file_" / NB, "jane")
+    (src / "Jane Smith_2201_assignsubmission_onlinetext_").mkdir()
+    (src / "Jane Smith_2201_assignsubmission_onlinetext_" / "onlinetext.html").write_text("<p>hi</p>")
+    write_nb(src / "José Núñez_2202_assignsubmission_file" / "sub" / NB, "jose")  # Moodle 4.1+: no final "_"
+    write_nb(src / "Wei Zhang_2203_assignsubmission_file_" / NB, "wei one")
+    write_nb(src / "Wei Zhang_2204_assignsubmission_file_" / NB, "wei two")
+    write_nb(src / f"Ann Lee_2205_assignsubmission_file_{NB}", "ann")  # "download submissions in folders" off
+    intakes, warnings = run(tmp_path, src)
+    assert sorted(intakes) == ["Ann_Lee", "Jane_Smith", "Jose_Nunez", "Wei_Zhang_2203", "Wei_Zhang_2204"]
+    assert all(i.status == "ok" for i in intakes.values()), {s: i.problems for s, i in intakes.items()}
+    jane = intakes["Jane_Smith"]
+    assert marker(jane.notebooks[NB]) == "# jane" and "read as a Moodle download" in problems(jane)
+    assert "ignored 'Jane Smith_2201_assignsubmission_onlinetext_'" in problems(jane)
+    assert jane.lms == {"layout": "moodle", "name": "Jane Smith", "participant": "2201",
+                        "folder": "Jane Smith_2201_assignsubmission_file_"}
+    assert intakes["Jose_Nunez"].lms["folder"] == "José Núñez_2202_assignsubmission_file"
+    assert marker(intakes["Wei_Zhang_2204"].notebooks[NB]) == "# wei two"
+    assert intakes["Ann_Lee"].lms["folder"] == "Ann Lee_2205_assignsubmission_file_"
+    assert warnings == ["recognised a Moodle download: 5 students"]
+
+
+def test_a_lone_moodle_student_is_not_unwrapped(tmp_path):
+    source = tmp_path / "one.zip"
+    source.write_bytes(zip_bytes({f"Jane Smith_2201_assignsubmission_file_/{A}/{NB}": notebook_text("jane")}))
+    assert list(run(tmp_path, source)[0]) == ["Jane_Smith"]
+
+
+def test_feedback_is_written_in_each_lms_bulk_upload_layout(tmp_path):
+    out = tmp_path / "out"
+    for student in ("Jane_Smith", "smithjane", "absent"):
+        (out / "feedback" / student / A).mkdir(parents=True)
+    for student in ("Jane_Smith", "smithjane"):
+        (out / "feedback" / student / A / "attention.html").write_text(f"<p>{student}</p>")
+    moodle = {"layout": "moodle", "folder": "Jane Smith_2201_assignsubmission_file_", "participant": "2201"}
+    canvas = {"layout": "canvas", "prefix": "smithjane_LATE_1201_90001", "user_id": "1201"}
+    written = write_lms_feedback(out, A, [("Jane_Smith", moodle), ("smithjane", canvas), ("absent", canvas),
+                                          ("plain", {})])
+    assert written == [out / "feedback-moodle.zip", out / "feedback-canvas.zip"]
+    with zipfile.ZipFile(out / "feedback-moodle.zip") as archive:
+        assert archive.namelist() == ["Jane Smith_2201_assignsubmission_file_/attention.html"]
+        assert archive.read(archive.namelist()[0]) == b"<p>Jane_Smith</p>"
+    with zipfile.ZipFile(out / "feedback-canvas.zip") as archive:
+        # Canvas reads the first two all-digit parts of the name as the user and the submitted file.
+        assert archive.namelist() == ["smithjane_LATE_1201_90001_attention.html"]

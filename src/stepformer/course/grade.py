@@ -4,8 +4,10 @@
 grades every student in a worker process of its own (``worker``: nbgrader autograde in the
 sandbox kernel, the grader's re-check, feedback), W at a time, and writes ``grades.csv``,
 each student's feedback and a summary table. A run that is stopped half-way resumes where it
-was: a student whose ``done/<student>.json`` exists is not graded again, and nbgrader's
-gradebook keeps one grade per student and cell, so nothing is lost or counted twice.
+was: a student whose ``done/<student>.json`` records the same notebooks (by sha256) and hand-in
+time is not graded again, and nbgrader's gradebook keeps one grade per student and cell, so
+nothing is lost or counted twice. A changed, new or newly timed hand-in is graded again, and
+says so (:func:`_regrade_reason`).
 """
 
 import contextlib
@@ -27,7 +29,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from stepformer.course.intake import Intake, SubmissionsError, infer_assignment, load_roster, read_submissions
+from stepformer.course.intake import (
+    Intake,
+    SubmissionsError,
+    infer_assignment,
+    load_roster,
+    read_submissions,
+    write_lms_feedback,
+)
 from stepformer.course.paths import assignments, notebook_names
 from stepformer.course.sandbox import Limits, install_kernelspec, sandbox_problem
 
@@ -124,13 +133,14 @@ def _gradebook(root: Path, workdir: Path):
     return Gradebook(directory.db_url, course_id=directory.course_id)
 
 
-def _set_overrides_aside(root: Path, workdir: Path, assignment: str) -> None:
+def _set_overrides_aside(root: Path, workdir: Path, assignment: str, students: list[str] | None = None) -> None:
     """Save every manual score, extra credit and manual comment of ``assignment``, then forget its submissions.
 
     The gradebook cannot take a changed assignment while it holds submissions (nbgrader refuses to add or
     remove cells then), so they go; their manual parts are saved to ``overrides/<time>.json`` (kept for
     good) and to ``overrides/pending-<assignment>.json``, from which each student's are put back once
-    graded again.
+    graded again. With ``students``, only theirs (a changed hand-in graded again from a clean slate, so
+    that an old hand-in time or a cell's old flags do not linger).
     """
     from nbgrader.api import MissingEntry
 
@@ -139,6 +149,10 @@ def _set_overrides_aside(root: Path, workdir: Path, assignment: str) -> None:
         try:
             submissions = gb.find_assignment(assignment).submissions
         except MissingEntry:
+            return
+        if students is not None:
+            submissions = [s for s in submissions if s.student.id in students]
+        if not submissions:
             return
         for submission in submissions:
             for notebook in submission.notebooks:
@@ -151,13 +165,15 @@ def _set_overrides_aside(root: Path, workdir: Path, assignment: str) -> None:
                     if comment.manual_comment:
                         saved.append({"student": submission.student.id, "notebook": notebook.name,
                                       "cell": comment.name, "manual_comment": comment.manual_comment})
-        students = [s.student.id for s in submissions]
-        for student in students:
+        for student in [s.student.id for s in submissions]:
             gb.remove_submission(assignment, student)
     folder = workdir / "overrides"
     folder.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    (folder / f"{assignment}-{stamp}.json").write_text(json.dumps(saved, indent=1) + "\n")
+    archive, n = folder / f"{assignment}-{stamp}.json", 1
+    while archive.exists():  # two set-asides in one second: never overwrite the first
+        archive, n = folder / f"{assignment}-{stamp}-{n}.json", n + 1
+    archive.write_text(json.dumps(saved, indent=1) + "\n")
     pending = folder / f"pending-{assignment}.json"
     earlier = json.loads(pending.read_text()) if pending.is_file() else []
     pending.write_text(json.dumps(earlier + saved, indent=1) + "\n")
@@ -247,21 +263,110 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
     if due is not None:
         with _gradebook(root, workdir) as gb:
             gb.update_or_create_assignment(assignment, duedate=due)
+    from stepformer.course.worker import write_done
+
+    reasons = {}
+    for intake in intakes:
+        _earlier_spelling(state, intake)
+        reason = _regrade_reason(state, intake, fresh)
+        if reason is None:
+            if not intake.notebooks and _done(state, intake.student).get("status") == "graded":
+                intake.problems.append(f"no notebook in this download; the grading of "
+                                       f"{_graded_when(state, intake.student)} is kept")
+            continue
+        reasons[intake.student] = reason
+        if reason != FIRST_GRADING:
+            intake.problems.insert(0, f"graded again: {reason}")
+            print(f"graded again: {intake.student}: {reason}", file=sys.stderr)
+    again = [s for s, r in reasons.items() if r != FIRST_GRADING]
+    if again:
+        # A clean slate for each, its manual scores and comments put back after (as for a change of checks).
+        _set_overrides_aside(root, workdir, assignment, again)
     pending = []
     for intake in intakes:
-        if not _finished(state, intake.student):
-            if intake.notebooks:
-                _submit(root, workdir, assignment, intake)
-                pending.append(intake.student)
-            else:
-                from stepformer.course.worker import write_done
-
-                write_done(state, {"student": intake.student, "status": intake.status, "detail": "", "notes": []})
+        if intake.student not in reasons:
+            continue
+        if intake.notebooks:
+            # The earlier record goes first: a grading that dies before writing its own must read as unfinished,
+            # never as the earlier grading of the new hand-in.
+            (state / "done" / f"{intake.student}.json").unlink(missing_ok=True)
+            _submit(root, workdir, assignment, intake)
+            pending.append(intake.student)
+        else:
+            write_done(state, {"student": intake.student, "status": intake.status, "detail": "", "notes": []})
     _run_all(root, workdir, state, assignment, pending, limits, kernel, workers, progress)
+    graded_at = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    for intake in intakes:
+        if intake.student in reasons and (done := _done(state, intake.student)):
+            # What was graded, so that the next run can tell a changed hand-in from the same one.
+            write_done(state, {**done, "digests": intake.digests, "timestamp": intake.timestamp,
+                               "graded_at": graded_at, "lms": intake.lms, "reason": reasons[intake.student]})
     kept = _restore_overrides(root, workdir, assignment, pending)
     results = _collect(root, workdir, state, assignment, intakes, kept)
     _write_outputs(workdir, assignment, results, out)
+    for path in write_lms_feedback(out, assignment, [(i.student, i.lms) for i in intakes if i.lms]):
+        print(f"feedback for the LMS's bulk upload: {path}", file=sys.stderr)
     return results
+
+
+FIRST_GRADING = "not graded before"
+
+
+def _regrade_reason(state: Path, intake: Intake, fresh: bool) -> str | None:
+    """Why ``intake``'s student is to be graded now (a sentence for the detail), or None to keep the earlier grading.
+
+    Compared with ``done/<student>.json``: the sha256 of each normalised notebook and the hand-in time
+    (``timestamp.txt``). A record from before these were kept is compared with what its grading left in
+    ``submitted/``. A student with nothing to grade now keeps what was graded before.
+    """
+    if fresh:
+        return "--fresh"
+    done = _done(state, intake.student)
+    if not done:
+        return FIRST_GRADING
+    when = _graded_when(state, intake.student)
+    status = done.get("status")
+    if status == "error":
+        return f"its grading on {when} failed"
+    if not intake.notebooks:
+        return None
+    if status != "graded":
+        return f"new submission (was {status} on {when})"
+    submitted = state.parents[1] / "submitted" / intake.student / state.name
+    earlier = done.get("digests")
+    if earlier is None:
+        earlier = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(submitted.glob("*.ipynb"))}
+        if not earlier:
+            return f"no record of what was graded on {when}"
+    if earlier != intake.digests:
+        changes = [f"{name} changed" for name in sorted(earlier.keys() & intake.digests.keys())
+                   if earlier[name] != intake.digests[name]]
+        changes += [f"{name} new" for name in sorted(intake.digests.keys() - earlier.keys())]
+        changes += [f"{name} no longer handed in" for name in sorted(earlier.keys() - intake.digests.keys())]
+        return f"submission changed since it was graded on {when} ({', '.join(changes)})"
+    stamp = done["timestamp"] if "timestamp" in done else _read_timestamp(submitted)
+    if stamp != intake.timestamp:
+        return (f"new hand-in time {intake.timestamp or '(none)'} (was {stamp or '(none)'} when graded on {when}), "
+                "same notebooks")
+    return None
+
+
+def _graded_when(state: Path, student: str) -> str:
+    """When the student's recorded grading ended (the record's own time for a record that does not say)."""
+    if recorded := _done(state, student).get("graded_at"):
+        return recorded
+    mtime = (state / "done" / f"{student}.json").stat().st_mtime
+    return datetime.datetime.fromtimestamp(mtime, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _earlier_spelling(state: Path, intake: Intake) -> None:
+    """Ids compare without case: a student graded before as ``Kim`` stays ``Kim`` when handed in as ``kim``."""
+    if (state / "done" / f"{intake.student}.json").exists():
+        return
+    earlier = [p.stem for p in (state / "done").glob("*.json") if p.stem.casefold() == intake.student.casefold()]
+    if len(earlier) == 1:
+        intake.problems.append(f"id {intake.student!r} taken as {earlier[0]!r}, its id when graded before")
+        intake.student = earlier[0]
 
 
 def grade_course(root: Path, course: Path, assignment: str, out: Path, *, workers: int | None = None,

@@ -8,23 +8,36 @@ Accepted layouts (``S`` is a student id, ``A`` the assignment)::
 
     S/A/<nb>.ipynb   S/<nb>.ipynb   S/submission.zip   S.zip
 
-optionally wrapped in one or more top-level folders or zips. Everything extracted or rewritten goes under
-``scratch``; ``source`` is only read.
+optionally wrapped in one or more top-level folders or zips, and the bulk downloads of two LMSs, recognised
+by their names (formats read from the LMSs' own source, canvas-lms ``lib/content_zipper.rb`` and Moodle's
+``mod/assign`` download and ``assignfeedback_file`` zip import)::
+
+    Canvas "Download Submissions":  <name>[_LATE]_<user id>_<file id>_<file name>   (flat files)
+                                    [LATE_]anon_<anonymous id>_<file id>_<file name> (anonymous grading)
+    Moodle "Download all submissions":  <full name>_<participant id>_assignsubmission_file[_]/<file name>
+                                        (or the same prefix before each file's name, without folders)
+
+Everything extracted or rewritten goes under ``scratch``; ``source`` is only read.
 """
 
 from __future__ import annotations
 
 import csv
+import datetime
 import hashlib
 import json
+import os
 import re
+import shutil
 import tempfile
+import time
 import unicodedata
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import nbformat
+from anyascii import anyascii
 
 MB = 1024 * 1024
 MAX_NOTEBOOK_BYTES = 20 * MB
@@ -46,6 +59,14 @@ class Intake:
     problems: list[str] = field(default_factory=list)
     status: str = "missing"  # "ok" | "partial" | "missing" | "not-on-roster"
     timestamp: str | None = None  # when it was handed in, from nbgrader collect's timestamp.txt
+    # sha256 of each normalised notebook, by name: what decides whether a graded student changed
+    digests: dict[str, str] = field(default_factory=dict)
+    # The hand-in time that decides between duplicate hand-ins (epoch seconds), and where it came from
+    handed_in: float | None = None
+    handed_in_from: str = ""
+    # What the LMS needs to take feedback back: {"layout": "canvas", "prefix": ..., "user_id": ..., "late": "yes"}
+    # or {"layout": "moodle", "folder": ..., "participant": ...}; empty for a plain folder
+    lms: dict[str, str] = field(default_factory=dict)
 
     def line(self) -> str:
         """One line for the report."""
@@ -92,25 +113,28 @@ def read_submissions(source: Path, assignment: str, expected: list[str], scratch
                      for name in names}
     top = _open_source(source, reader)
     level = reader.find_student_level(top)
-    students = []  # (folder or zip, raw name)
+    entries, rest = _lms_entries(_visible(level), reader)
     stray = []
-    for entry in _visible(level):
+    for entry in rest:
         if entry.is_dir():
-            students.append((entry, entry.name))
+            entries.append(_Entry(entry, entry.name, safe_id(entry.name)))
         elif entry.suffix.lower() == ".zip":
-            students.append((entry, entry.stem))
+            entries.append(_Entry(entry, entry.stem, safe_id(entry.stem)))
         else:
             stray.append(entry.name)
     if stray:
         reader.warnings.append(f"ignored {_count(len(stray), 'file')} outside any student folder: {_few(stray)}")
-    if not students:
+    if not entries:
         reader.warnings.append(f"no student folders found in {source.name} (expected <student_id>/...)")
 
-    intakes = []
-    for (entry, _), student in zip(students, _assign_ids([raw for _, raw in students]), strict=True):
-        intake = Intake(student.id, problems=list(student.problems))
-        reader.read_student(entry, intake, expected)
-        intakes.append(intake)
+    read = []
+    for entry in entries:
+        intake = Intake(entry.id, problems=list(entry.notes), lms=dict(entry.lms))
+        if entry.raw != entry.id and not entry.lms:
+            intake.problems.append(f"folder name {entry.raw!r} changed to the id {entry.id!r}")
+        reader.read_student(entry.path, intake, expected)
+        read.append((entry, intake))
+    intakes = _newest_of_duplicates(read, reader.warnings)
     _apply_roster(intakes, roster)
     intakes.sort(key=lambda i: i.student)
     return intakes, reader.warnings
@@ -148,7 +172,10 @@ def infer_assignment(source: Path, notebooks: dict[str, list[str]], scratch: Pat
         folder, depth = pending.pop()
         for path in _files_under(folder):
             if path.suffix.lower() == ".ipynb":
-                found.setdefault(owner.get(_norm_stem(path.name), ""), set()).add(path.name)
+                # In a flat LMS download the notebook's own name follows the LMS's prefix.
+                match = _CANVAS.match(path.name) or _CANVAS_ANON.match(path.name) or _MOODLE_FILE.match(path.name)
+                name = match["file"] if match else path.name
+                found.setdefault(owner.get(_norm_stem(name), ""), set()).add(name)
             elif path.suffix.lower() == ".zip":
                 unpacked, _ = reader.open_zip(path, depth=depth)
                 if unpacked is not None:
@@ -168,71 +195,243 @@ def infer_assignment(source: Path, notebooks: dict[str, list[str]], scratch: Pat
 # Student ids
 
 
-@dataclass
-class _Id:
-    id: str
-    problems: list[str]
-
-
 def safe_id(name: str) -> str:
-    """A student id nbgrader can use as a folder name and database key: ASCII letters, digits, ``-_.@``."""
-    # NFKD splits accents off (José -> Jose) so names stay readable instead of collapsing to "_".
-    ascii_name = unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode()
+    """The one id normalisation (folders, zip names, LMS names, rosters): ASCII letters, digits, ``-_.@``.
+
+    Letters are transliterated, never dropped (José Núñez -> Jose_Nunez, Đặng -> Dang, 李雷 -> LiLei), so an id
+    stays readable and a roster's spelling and a folder's give the same id. The result is safe for nbgrader as
+    a folder name and a database key.
+    """
+    ascii_name = anyascii(unicodedata.normalize("NFC", name))
     cleaned = re.sub(r"[^A-Za-z0-9._@-]+", "_", ascii_name).strip("._-")
     cleaned = re.sub(r"\.{2,}", ".", cleaned)  # ".." would read as a parent folder
     if not cleaned:
-        # Nothing usable (e.g. a name in a non-Latin script): a stable id derived from the name.
+        # Nothing usable (no letters or digits at all): a stable id derived from the name.
         cleaned = "student-" + hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:8]
     return cleaned
 
 
-def _assign_ids(names: list[str]) -> list[_Id]:
-    ids = [_Id(safe_id(name), []) for name in names]
-    for name, sid in zip(names, ids, strict=True):
-        if sid.id != name:
-            sid.problems.append(f"folder name {name!r} changed to the id {sid.id!r}")
-    # Case-insensitive: nbgrader's folders would collide on macOS and Windows file systems.
-    groups: dict[str, list[int]] = {}
-    for index, sid in enumerate(ids):
-        groups.setdefault(sid.id.casefold(), []).append(index)
-    taken = {sid.id.casefold() for sid in ids}
-    for indices in groups.values():
-        if len(indices) < 2:
+@dataclass
+class _Entry:
+    """One hand-in found at the student level: a folder or zip, and the id it gives."""
+
+    path: Path
+    raw: str  # the name as found (folder, zip stem, or the LMS's name)
+    id: str
+    lms: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _newest_of_duplicates(read: list[tuple[_Entry, Intake]], warnings: list[str]) -> list[Intake]:
+    """One Intake per student: of hand-ins whose ids are equal but for case, the newest is graded.
+
+    Newest by hand-in time (``timestamp.txt`` when there is one, else the newest notebook's modification time,
+    which a zip keeps for its members); a copy with no notebook never wins over one with. The others are set
+    aside, named in the student's detail and in the run's warnings; nothing of theirs is graded.
+    """
+    groups: dict[str, list[tuple[_Entry, Intake]]] = {}
+    for entry, intake in read:
+        groups.setdefault(intake.student.casefold(), []).append((entry, intake))
+    kept = []
+    for group in groups.values():
+        if len(group) == 1:
+            kept.append(group[0][1])
             continue
-        # The folder whose name already is the id keeps it; the others get a suffix.
-        indices.sort(key=lambda i: (names[i] != ids[i].id, names[i]))
-        keeper = indices[0]
-        for n, index in enumerate(indices[1:], start=2):
-            base, suffix = ids[index].id, n
-            while f"{base}-{suffix}".casefold() in taken:
-                suffix += 1
-            new = f"{base}-{suffix}"
-            taken.add(new.casefold())
-            ids[index].problems.append(f"folder {names[index]!r} gives the same id as {names[keeper]!r}; "
-                                       f"listed as {new!r}")
-            ids[keeper].problems.append(f"another folder ({names[index]!r}) gives the same id; listed as {new!r}")
-            ids[index].id = new
-    return ids
+        # The id's spelling does not depend on which copy is newest: a name that already is its id, in lower
+        # case if there is one, else the first in sorted order.
+        spelling = min(group, key=lambda pair: (pair[0].raw != pair[0].id, pair[0].id != pair[0].id.lower(),
+                                                pair[0].raw))[1].student
+        group.sort(key=lambda pair: (bool(pair[1].notebooks), pair[1].handed_in or 0.0), reverse=True)
+        (winner_entry, winner), others = group[0], group[1:]
+        winner.student = spelling
+        winner.problems.append(
+            f"{len(group)} hand-ins give the id {spelling!r} (ids compare without case): graded the newest, "
+            f"{_label(winner_entry)} ({_when(winner)}); set aside "
+            + ", ".join(f"{_label(e)} ({_when(i)})" for e, i in others))
+        warnings.append(f"{spelling}: {len(group)} hand-ins; graded {_label(winner_entry)}, the newest; set aside "
+                        + ", ".join(_label(e) for e, _ in others))
+        kept.append(winner)
+    return kept
+
+
+def _label(entry: _Entry) -> str:
+    return repr(entry.path.name + ("/" if entry.path.is_dir() and not entry.lms else ""))
+
+
+def _when(intake: Intake) -> str:
+    if intake.handed_in is None:
+        return "no notebook" if not intake.notebooks else "no time known"
+    when = datetime.datetime.fromtimestamp(intake.handed_in, datetime.UTC)
+    return f"{intake.handed_in_from} {when:%Y-%m-%d %H:%M:%S} UTC"
+
+
+def _canvas_squeeze(name: str) -> str:
+    """A name as Canvas writes it into a download's file names: lower case, only letters, digits and ``_``."""
+    return re.sub(r"[^a-z0-9_]", "", anyascii(unicodedata.normalize("NFC", name)).lower())
 
 
 def _apply_roster(intakes: list[Intake], roster: list[str] | None) -> None:
+    """Match submissions to roster entries through the same id normalisation (and Canvas's user id or name)."""
     if roster is None:
         return
-    by_fold = {name.casefold(): name for name in roster}
+    by_id: dict[str, str] = {}
+    by_canvas_name: dict[str, str] = {}  # "Smith, Jane" -> smithjane, as Canvas names files
+    for name in roster:
+        by_id.setdefault(safe_id(name).casefold(), name)
+        by_canvas_name.setdefault(_canvas_squeeze(name), name)
     seen = set()
     for intake in intakes:
-        listed = by_fold.get(intake.student.casefold())
+        found = [by_id.get(intake.student.casefold())]
+        if intake.lms.get("layout") == "canvas":
+            # Canvas names a student by a squeezed sortable name and a user id; a roster may hold either.
+            found += [by_canvas_name.get(intake.lms["name"]), by_id.get(intake.lms.get("user_id", ""))]
+        listed = next((name for name in found if name is not None), None)
         if listed is None:
             intake.status = "not-on-roster"
             intake.problems.append("not on the roster")
             continue
-        if listed != intake.student:
+        if safe_id(listed) != intake.student:
             intake.problems.append(f"id {intake.student!r} matched to roster id {listed!r}")
-            intake.student = listed
+            intake.student = safe_id(listed)
         seen.add(listed)
     for name in roster:
         if name not in seen:
-            intakes.append(Intake(name, {}, ["no submission found"], "missing"))
+            problems = ["no submission found"]
+            if safe_id(name) != name:
+                problems.append(f"roster id {name!r} is {safe_id(name)!r} here")
+            intakes.append(Intake(safe_id(name), {}, problems, "missing"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LMS downloads
+
+_CANVAS = re.compile(r"^(?P<name>[^_].*?)(?P<late>_LATE)?_(?P<user_id>\d+)_(?P<file_id>\d+)_(?P<file>.+)$")
+_CANVAS_ANON = re.compile(r"^(?P<late>LATE_)?anon_(?P<name>[A-Za-z0-9]+)_(?P<file_id>\d+)_(?P<file>.+)$")
+# A text entry or URL submission: no file id, and nothing to grade, but the student is there.
+_CANVAS_TEXT = re.compile(r"^(?P<name>[^_].*?)(?P<late>_LATE)?_(?P<user_id>\d+)_(?P<file>text|link)\.html$")
+# Moodle replaces "_" in full names with spaces, so the name ends at the first underscore.
+_MOODLE_FOLDER = re.compile(r"^(?P<name>[^_]+)_(?P<participant>\d+)_(?P<plugin>assignsubmission_[a-z]+)_?$")
+_MOODLE_FILE = re.compile(r"^(?P<name>[^_]+)_(?P<participant>\d+)_(?P<plugin>assignsubmission_[a-z]+)_(?P<file>.+)$")
+
+
+def lms_name(name: str) -> bool:
+    """Whether ``name`` (a file or folder) is named as in a Canvas or Moodle bulk download."""
+    return any(p.match(name) for p in (_CANVAS, _CANVAS_ANON, _CANVAS_TEXT, _MOODLE_FOLDER, _MOODLE_FILE))
+
+
+def _lms_entries(entries: list[Path], reader: _Reader) -> tuple[list[_Entry], list[Path]]:
+    """(one entry per student of a Canvas or Moodle download, the entries that are neither).
+
+    A Canvas download is flat: each student's files are gathered (by user id) into a folder in scratch under
+    their original names. A Moodle download has a folder per student and submission plugin; a student's
+    ``assignsubmission_file`` folder is the one read.
+    """
+    students: dict[tuple[str, str], dict] = {}  # (layout, the LMS's own id) -> what was found
+    rest = []
+    for entry in entries:
+        name = entry.name
+        if entry.is_file() and (match := _CANVAS.match(name) or _CANVAS_TEXT.match(name)):
+            key = ("canvas", match["user_id"])
+            prefix = name[:match.start("file")].rstrip("_")
+            if match.re is _CANVAS_TEXT:
+                prefix = ""
+            file_name = match["file"] + (".html" if match.re is _CANVAS_TEXT else "")
+            info = {"layout": "canvas", "name": match["name"], "user_id": match["user_id"]}
+        elif entry.is_file() and (match := _CANVAS_ANON.match(name)):
+            key = ("canvas", "anon_" + match["name"])
+            prefix, file_name = name[:match.start("file")].rstrip("_"), match["file"]
+            info = {"layout": "canvas", "name": "anon_" + match["name"]}
+        elif entry.is_dir() and (match := _MOODLE_FOLDER.match(name)):
+            key = ("moodle", match["participant"])
+            prefix, file_name = name, ""
+            info = {"layout": "moodle", "name": match["name"], "participant": match["participant"]}
+        elif entry.is_file() and (match := _MOODLE_FILE.match(name)):
+            key = ("moodle", match["participant"])
+            # Moodle's importer reads the same prefix as a folder name: <name>_<id>_<plugin>_.
+            prefix, file_name = name[:match.start("file")], match["file"]
+            info = {"layout": "moodle", "name": match["name"], "participant": match["participant"]}
+        else:
+            rest.append(entry)
+            continue
+        found = students.setdefault(key, {"info": info, "files": [], "folders": [], "prefixes": [], "late": False})
+        if match.groupdict().get("late"):
+            found["late"] = True
+        if prefix:
+            found["prefixes"].append((match.groupdict().get("plugin", ""), prefix))
+        (found["folders"] if entry.is_dir() else found["files"]).append((entry, file_name))
+
+    if not students:
+        return [], rest
+    # The same name for different LMS ids (two "Wei Zhang"s, or Moodle's "Participant" under blind marking)
+    # is two students: their ids keep the LMS's id.
+    names: dict[str, set[tuple[str, str]]] = {}
+    for key, found in students.items():
+        names.setdefault(safe_id(found["info"]["name"]).casefold(), set()).add(key)
+    result = []
+    layouts = set()
+    for key, found in sorted(students.items()):
+        layout, lms_id = key
+        layouts.add(layout)
+        info = dict(found["info"])
+        student = safe_id(info["name"])
+        if len(names[student.casefold()]) > 1:
+            student = f"{student}_{lms_id}"
+        notes = []
+        if layout == "canvas":
+            notes.append("read as a Canvas download (file names <name>_<user id>_<file id>_<file>)")
+            info["prefix"] = min((p for _, p in found["prefixes"]), default="")
+            if found["late"]:
+                info["late"] = "yes"
+        else:
+            notes.append("read as a Moodle download (folders <full name>_<participant id>_assignsubmission_file)")
+            # Feedback goes back into the folder that held the files, as Moodle's importer expects.
+            files_first = sorted(found["prefixes"], key=lambda pair: (pair[0] != "assignsubmission_file", pair[1]))
+            info["folder"] = files_first[0][1].rstrip("/") if files_first else ""
+        folders = sorted(found["folders"], key=lambda pair: (not pair[0].name.endswith(("file", "file_")),
+                                                             pair[0].name))
+        if folders and not found["files"]:
+            path = folders[0][0]
+            for other, _ in folders[1:]:
+                notes.append(f"ignored {other.name!r} (another of Moodle's submission plugins)")
+        else:
+            path = reader.gather(f"{layout}-{lms_id}", found["files"] + [(f, "") for f, _ in folders])
+        result.append(_Entry(path, info["name"], student, info, notes))
+    shown = {"canvas": "Canvas", "moodle": "Moodle"}
+    reader.warnings.append(f"recognised a {' and a '.join(shown[x] for x in sorted(layouts))} download: "
+                           f"{_count(len(result), 'student')}")
+    return result, rest
+
+
+def write_lms_feedback(out: Path, assignment: str, students: list[tuple[str, dict[str, str]]]) -> list[Path]:
+    """Each LMS's bulk upload of the feedback pages ``out/feedback/<student>/<assignment>/*.html``: the zips written.
+
+    Moodle ("Upload multiple feedback files in a zip"): ``feedback-moodle.zip`` with one folder per student
+    named as in the download (``<full name>_<participant id>_assignsubmission_file_``), which Moodle's
+    importer maps back to the participant. Canvas ("Re-Upload Submissions" on the assignment's page):
+    ``feedback-canvas.zip`` of files named ``<name>_<user id>_<file id>_<notebook>.html``, which Canvas
+    attaches to the submission of that user as a comment.
+    """
+    written = []
+    for layout in ("moodle", "canvas"):
+        members = []
+        for student, lms in students:
+            if lms.get("layout") != layout:
+                continue
+            pages = sorted((out / "feedback" / student / assignment).glob("*.html"))
+            if layout == "moodle" and lms.get("folder"):
+                members += [(f"{lms['folder']}/{page.name}", page) for page in pages]
+            elif layout == "canvas" and lms.get("prefix"):
+                members += [(f"{lms['prefix']}_{page.name}", page) for page in pages]
+        if not members:
+            continue
+        target = out / f"feedback-{layout}.zip"
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as archive:
+            for name, page in members:
+                archive.write(page, name)
+        os.replace(tmp, target)
+        written.append(target)
+    return written
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -293,7 +492,17 @@ class _Reader:
         self.opened: dict[Path, tuple[Path | None, list[str]]] = {}
         self.oversize: dict[Path, int] = {}  # placeholders for members too big to unpack -> real size
         self.unpacked = scratch / "unpacked"
-        self.normalised = scratch / "notebooks"
+        # A fresh folder per run (scratch may be shared by runs at once, e.g. one per cluster job), and one
+        # subfolder per hand-in, so two hand-ins with the same id never overwrite each other's notebooks.
+        self._normalised: Path | None = None
+        self.hand_ins = 0
+
+    @property
+    def normalised(self) -> Path:
+        if self._normalised is None:
+            self.scratch.mkdir(parents=True, exist_ok=True)
+            self._normalised = Path(tempfile.mkdtemp(prefix="notebooks-", dir=self.scratch))
+        return self._normalised
 
     # -- zips ---------------------------------------------------------------------------------------------
 
@@ -329,8 +538,8 @@ class _Reader:
                 parts = tuple(p for p in parts if p not in ("", "."))
                 if not parts or info.is_dir() or any(p.startswith(".") or p in _JUNK for p in parts):
                     continue
-                # Only notebooks and zips are read; other files get an empty placeholder (to be counted).
-                wanted = parts[-1].lower().endswith((".ipynb", ".zip"))
+                # Only notebooks, zips and hand-in times are read; other files get an empty placeholder (counted).
+                wanted = parts[-1].lower().endswith((".ipynb", ".zip")) or parts[-1].lower() == "timestamp.txt"
                 if wanted and parts[-1].lower().endswith(".ipynb") and info.file_size > self.max_notebook_bytes:
                     wanted = None  # too big to grade: record the size instead of unpacking
                 plan.append((info, parts, wanted))
@@ -354,8 +563,9 @@ class _Reader:
                         target.touch()
                         if wanted is None:
                             self.oversize[target] = info.file_size
-                        continue
-                    self._extract(archive, info, target)
+                    else:
+                        self._extract(archive, info, target)
+                    _keep_zip_time(target, info)
                 except (OSError, zipfile.BadZipFile, RuntimeError, NotImplementedError, EOFError,
                         ValueError) as error:
                     # One damaged, encrypted or unnameable entry spoils only itself.
@@ -374,6 +584,33 @@ class _Reader:
                 out.write(chunk)
         self.budget -= written
 
+    def gather(self, key: str, files: list[tuple[Path, str]]) -> Path:
+        """A folder in scratch holding ``files`` (path, name to give it; "" keeps the name): one student's
+        files of a flat LMS download. Notebooks, zips and ``timestamp.txt`` are copied with their times;
+        other files get an empty placeholder, as in a zip."""
+        self.unpacked.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=f"{safe_id(key)}-", dir=self.unpacked))
+        for path, name in files:
+            target = folder / (name or path.name)
+            n = 1
+            while target.exists():  # two files of one name (the LMS's prefixes told them apart): keep both
+                target, n = target.with_name(f"{Path(name or path.name).stem}-{n}{target.suffix}"), n + 1
+            if path.is_dir():
+                shutil.copytree(path, target, dirs_exist_ok=True, symlinks=True)
+                continue
+            size = path.stat().st_size
+            wanted = target.name.lower().endswith((".ipynb", ".zip")) or target.name.lower() == "timestamp.txt"
+            if wanted and (size > self.budget or target.suffix.lower() == ".ipynb" and size > self.max_notebook_bytes):
+                self.oversize[target] = size  # too big: its size is reported, it is not copied
+                wanted = False
+            if wanted:
+                self.budget -= size
+                shutil.copy2(path, target)
+            else:
+                target.touch()
+                os.utime(target, (path.stat().st_mtime,) * 2)
+        return folder
+
     def open_node(self, entry: Path, depth: int) -> tuple[Path | None, list[str]]:
         if entry.is_dir():
             return entry, []
@@ -388,6 +625,8 @@ class _Reader:
             entries = _visible(level)
             if len(entries) != 1 or not (entries[0].is_dir() or entries[0].suffix.lower() == ".zip"):
                 break
+            if lms_name(entries[0].name):
+                break  # one student of an LMS download, named as the LMS names them
             if self._has_work(entries[0], depth):
                 break  # a single student
             inner, problems = self.open_node(entries[0], depth)
@@ -449,6 +688,10 @@ class _Reader:
         stamp = folder / "timestamp.txt" if folder is not None else None
         if stamp is not None and stamp in files:
             intake.timestamp = _timestamp(stamp, intake)
+        if intake.lms.get("late"):
+            intake.problems.append(
+                "marked late by Canvas" + ("" if intake.timestamp else
+                                           " (the download gives no hand-in time, so no late penalty is applied)"))
         extras = [f for f in files if f.suffix.lower() != ".ipynb" and f != stamp]
         if folder is not None and not files:
             intake.problems.append("empty submission (no files)")
@@ -467,11 +710,18 @@ class _Reader:
         if extras:
             intake.problems.append(f"ignored {_count(len(extras), 'extra file')}")
 
+        self.hand_ins += 1
         for name in expected:
             if name in chosen:
                 path = self._normalise(chosen[name], name, _rel(chosen[name], folder), intake)
                 if path is not None:
                     intake.notebooks[name] = path
+                    intake.digests[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        if intake.timestamp:
+            intake.handed_in, intake.handed_in_from = _epoch(intake.timestamp), "timestamp.txt"
+        elif chosen:
+            intake.handed_in = max(path.stat().st_mtime for path in chosen.values())
+            intake.handed_in_from = "file modification time"
         got = len(intake.notebooks)
         intake.status = "ok" if got == len(expected) else "missing" if got == 0 else "partial"
 
@@ -546,7 +796,13 @@ class _Reader:
             return None
         version = data.get("nbformat")
         try:
+            if _number_cells(data):
+                text = json.dumps(data)
             notebook = nbformat.reads(text, as_version=4)
+            if version != 4:
+                # Converting an old format invents random cell ids; ids from the position keep the digest stable.
+                for index, cell in enumerate(notebook.cells):
+                    cell["id"] = f"cell-{index}"
             _, notebook = nbformat.validator.normalize(notebook)
             notebook = nbformat.from_dict(notebook)
             nbformat.validate(notebook)
@@ -556,7 +812,7 @@ class _Reader:
             return None
         if version != 4:
             intake.problems.append(f"{shown} was in the old notebook format v{version}; converted to v4")
-        target = self.normalised / intake.student / name
+        target = self.normalised / f"{self.hand_ins}-{intake.student}" / name
         target.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(notebook, target)
         return target
@@ -573,6 +829,47 @@ def _timestamp(path: Path, intake: Intake) -> str | None:
         intake.problems.append(f"timestamp.txt does not hold a time ({text[:40]!r}); the submission counts as on time")
         return None
     return text
+
+
+def _epoch(text: str) -> float:
+    """Seconds since the epoch of a time nbgrader can read (a time without a zone is UTC, as for nbgrader)."""
+    from nbgrader.utils import parse_utc
+
+    when = parse_utc(text)
+    return (when if when.tzinfo else when.replace(tzinfo=datetime.UTC)).timestamp()
+
+
+def _keep_zip_time(target: Path, info: zipfile.ZipInfo) -> None:
+    """Give an unpacked file the time the zip records for it: the hand-in time when nothing better is known."""
+    try:
+        stamp = time.mktime((*info.date_time, 0, 0, -1))
+        os.utime(target, (stamp, stamp))
+    except (OverflowError, ValueError, OSError):
+        pass  # a nonsense date in the zip: the file keeps the unpacking time
+
+
+def _number_cells(data: dict) -> bool:
+    """Give cells without an id one from their position (whether any had none), so that the same file always
+    normalises to the same bytes.
+
+    nbformat would invent random ids on reading, and a digest of the result would then change on every run:
+    every student would be graded again each time.
+    """
+    cells = data.get("cells")
+    if data.get("nbformat") != 4 or not isinstance(data.get("nbformat_minor"), int) or data["nbformat_minor"] < 5 \
+            or not isinstance(cells, list):
+        return False
+    taken = {cell.get("id") for cell in cells if isinstance(cell, dict)}
+    added = False
+    for index, cell in enumerate(cells):
+        if isinstance(cell, dict) and not cell.get("id"):
+            candidate = f"cell-{index}"
+            while candidate in taken:
+                candidate += "x"
+            cell["id"] = candidate
+            taken.add(candidate)
+            added = True
+    return added
 
 
 def _files_under(folder: Path) -> list[Path]:
@@ -603,4 +900,5 @@ def _short(error: BaseException) -> str:
     return first[:160]
 
 
-__all__ = ["Intake", "SubmissionsError", "load_roster", "read_submissions", "safe_id"]
+__all__ = ["Intake", "SubmissionsError", "lms_name", "load_roster", "read_submissions", "safe_id",
+           "write_lms_feedback"]
