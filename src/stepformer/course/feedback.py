@@ -143,7 +143,7 @@ def _copy_files(source: Path, target: Path) -> None:
             shutil.copyfile(path, destination)
 
 
-def work_config(workdir: Path) -> str:
+def work_config() -> str:
     """The text of a grading work folder's ``nbgrader_config.py``.
 
     nbgrader's own commands and formgrader (a Jupyter server started in the folder) read it: the
@@ -154,18 +154,19 @@ def work_config(workdir: Path) -> str:
     """
     from stepformer.course.worker import COURSE_ID
 
-    folder = str(workdir.resolve())
-    sqlite = f"sqlite:///{folder}/gradebook.db"  # as stepformer.course.worker.db_url
     return "\n".join([
         WORK_CONFIG_HEADER,
         "# It is written again on every grading run: change the course's settings in autograder/nbgrader_config.py.",
         "import os",
         "",
         "c = get_config()  # noqa: F821",
-        f"c.CourseDirectory.root = {folder!r}",
+        "# This file's own folder, wherever the work folder has been moved.",
+        "c.CourseDirectory.root = os.path.dirname(os.path.abspath(__file__))",
         *(f"c.CourseDirectory.{name}_directory = {name!r}"
           for name in ("source", "release", "submitted", "autograded", "feedback")),
-        f"c.CourseDirectory.db_url = os.environ.get('STEPFORMER_DB_URL') or {sqlite!r}",
+        "# The grader's gradebook, as stepformer.course.worker.db_url names it.",
+        "c.CourseDirectory.db_url = (os.environ.get('STEPFORMER_DB_URL')",
+        "                            or 'sqlite:///' + os.path.join(c.CourseDirectory.root, 'gradebook.db'))",
         f"c.CourseDirectory.course_id = {COURSE_ID!r}",
         "# Feedback: hidden checks cleared, tracebacks of checks cut to their message.",
         f"c.GenerateFeedback.preprocessors = {FEEDBACK_PREPROCESSORS!r}",
@@ -180,7 +181,7 @@ def write_work_config(workdir: Path) -> str | None:
     and named, with what it lacks.
     """
     path = workdir / "nbgrader_config.py"
-    text = work_config(workdir)
+    text = work_config()
     if path.is_file() and not path.read_text(errors="replace").startswith(WORK_CONFIG_HEADER):
         problem = config_problem(workdir)
         return f"{path} was not written by the grader and was left as it is" + (f"; {problem}" if problem else "")
