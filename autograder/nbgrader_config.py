@@ -30,10 +30,8 @@ c.IgnorePattern.pattern = r".*(Warning|warn)\b.*"
 c.Execute.timeout = 60
 c.Execute.interrupt_on_timeout = True
 
-# Feedback goes back to students: show which checks failed, not the hidden checks' code.
-from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor  # noqa: E402
-from nbgrader.preprocessors import ClearHiddenTests, GetGrades  # noqa: E402
+# Feedback goes back to students: the gradebook's scores and comments, which checks failed, never the
+# hidden checks' code (ClearHiddenTests) or the lines around a failing one (ShortTracebacks).
+from stepformer.course.feedback import safe_feedback  # noqa: E402
 
-from stepformer.course.feedback import ShortTracebacks  # noqa: E402
-
-c.GenerateFeedback.preprocessors = [GetGrades, CSSHTMLHeaderPreprocessor, ClearHiddenTests, ShortTracebacks]
+safe_feedback(c)

@@ -1,13 +1,17 @@
 """A term's loop through nbgrader's own exchange, with the sandboxed grader in the middle.
 
 release → students fetch → submit (one on time, one late) → instructor collects → the grader
-autogrades the course folder in place → feedback is released → students fetch it. Everything but
+autogrades the course folder in place → the instructor grades an answer by hand → feedback is made
+again by nbgrader's own generate_feedback, released, and fetched by the students. Everything but
 the grading step is nbgrader's own code, on a temporary exchange folder.
 """
 
 import datetime
+import os
 import re
 import shutil
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -16,10 +20,12 @@ import nbformat
 import pytest
 from traitlets.config import Config
 
+from stepformer.course.feedback import FEEDBACK_PREPROCESSORS
 from stepformer.course.grade import SubmissionsError, grade_course
 from stepformer.course.nbgrader_setup import api
 from stepformer.course.sandbox import sandbox_problem
 from stepformer.course.worker import course_config
+from tests.fixtures.pages import leaks, page_score, page_text
 from tests.fixtures.submissions import ATTENTION, build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +71,7 @@ def test_release_fetch_submit_collect_grade_and_return_feedback(tmp_path):
         c.CourseDirectory.course_id = {COURSE_ID!r}
         c.Exchange.root = {str(exchange)!r}
         c.LateSubmissionPlugin.penalty_method = "zero"
+        c.GenerateFeedback.preprocessors = {FEEDBACK_PREPROCESSORS!r}
         """))
     instructor = api(course_config(ROOT, course))
     assert instructor.generate_assignment(ASSIGNMENT, force=True)["success"]
@@ -101,16 +108,33 @@ def test_release_fetch_submit_collect_grade_and_return_feedback(tmp_path):
     assert (course / "autograded" / "ann" / ASSIGNMENT / NOTEBOOK).is_file()
     assert (course / "source" / ASSIGNMENT / NOTEBOOK).is_file()
     assert (course / ".stepformer-grader" / ASSIGNMENT / "done" / "ann.json").is_file()
-    # A second run grades nobody again; a newly collected submission would be.
+    # The instructor grades ann's answer by hand (as in formgrader) and comments on it.
+    with Gradebook(instructor.coursedir.db_url, course_id=COURSE_ID) as gb:
+        gb.find_grade("ex3-explain", "attention", ASSIGNMENT, "ann").manual_score = 2
+        gb.find_comment("ex3-explain", "attention", ASSIGNMENT, "ann").manual_comment = "Clear and right."
+        gb.db.commit()
+    # A second run grades nobody again (a newly collected submission would be), but makes the pages anew.
     again = grade_course(ROOT, course, ASSIGNMENT, tmp_path / "grades", progress=False, sandbox=SANDBOX)
-    assert {r.student: r.score for r in again} == {"ann": 9, "ben": 0}
+    assert {r.student: r.score for r in again} == {"ann": 11, "ben": 0}
+    page_name = NOTEBOOK.replace(".ipynb", ".html")
+    for name in students:
+        page = tmp_path / "grades" / "feedback" / name / ASSIGNMENT / page_name
+        assert page_score(page) == ({"ann": 11, "ben": 0}[name], 11) and leaks(page, ASSIGNMENT, NOTEBOOK) == []
+    assert "Clear and right." in page_text(tmp_path / "grades" / "feedback" / "ann" / ASSIGNMENT / page_name)
 
+    # nbgrader's own generate_feedback in the course folder (as formgrader's button), with the line the guide
+    # says to add to nbgrader_config.py; then its release and the students' fetch.
+    tools = str(Path(sys.executable).parent)
+    made = subprocess.run([f"{tools}/nbgrader", "generate_feedback", ASSIGNMENT, "--force"], cwd=course,
+                          capture_output=True, text=True,
+                          env=dict(os.environ, PATH=f"{tools}{os.pathsep}{os.environ['PATH']}"))
+    assert made.returncode == 0, made.stderr
     assert instructor.release_feedback(ASSIGNMENT)["success"]
     for name, student in students.items():
         student["fetch_feedback"]()
-        (page,) = (tmp_path / "home" / name / ASSIGNMENT / "feedback").glob(f"*/{NOTEBOOK.replace('.ipynb', '.html')}")
-        text = page.read_text()
-        assert "✔" in text and "BEGIN HIDDEN TESTS" not in text
+        (page,) = (tmp_path / "home" / name / ASSIGNMENT / "feedback").glob(f"*/{page_name}")
+        assert "✔" in page_text(page) and leaks(page, ASSIGNMENT, NOTEBOOK) == []
+        assert page_score(page) == ({"ann": 11, "ben": 0}[name], 11)
 
     with pytest.raises(SubmissionsError, match="not in the gradebook"):
         grade_course(ROOT, course, "02_masks", tmp_path / "grades", progress=False, sandbox=SANDBOX)

@@ -13,6 +13,7 @@ from stepformer.course.grade import MARKER, SubmissionsError, WorkFolderRefused,
 from stepformer.course.intake import infer_assignment
 from stepformer.course.paths import notebook_names
 from stepformer.course.sandbox import Limits, sandbox_problem
+from tests.fixtures.pages import FULL_TRACEBACK, leaks, page_score, page_text
 from tests.fixtures.submissions import ATTENTION, write_submissions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,14 +25,20 @@ SANDBOX = sandbox_problem() is None
 
 
 @pytest.fixture(scope="module")
-def graded(tmp_path_factory):
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """The sample submissions and the work folder that ``graded`` grades them in."""
     folder = write_submissions(ATTENTION, ASSIGNMENT, NOTEBOOK, ROOT / "exercises",
                                tmp_path_factory.mktemp("submissions"))
     # The release exactly as students receive it: nothing answered.
     (folder / "untouched").mkdir()
     shutil.copy(ROOT / "exercises" / ASSIGNMENT / NOTEBOOK, folder / "untouched" / NOTEBOOK)
+    return {"submissions": folder, "work": tmp_path_factory.mktemp("work")}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory, folders):
     out = tmp_path_factory.mktemp("grades")
-    results = grade(ROOT, folder, ASSIGNMENT, out, tmp_path_factory.mktemp("work"), progress=False, sandbox=SANDBOX)
+    results = grade(ROOT, folders["submissions"], ASSIGNMENT, out, folders["work"], progress=False, sandbox=SANDBOX)
     return {r.student: r for r in results}, out
 
 
@@ -61,10 +68,14 @@ def test_grades_csv_has_one_row_per_student_with_cell_scores(graded):
 
 
 def test_feedback_does_not_reveal_hidden_tests(graded):
-    _, out = graded
-    for page in (out / "feedback").glob(f"*/{ASSIGNMENT}/*.html"):
-        text = page.read_text()
-        assert "seed=202" not in text and "BEGIN HIDDEN TESTS" not in text
+    results, out = graded
+    pages = sorted((out / "feedback").glob(f"*/{ASSIGNMENT}/*.html"))
+    assert {p.parts[-3] for p in pages} == {s for s, r in results.items() if r.status == "graded"}
+    for page in pages:
+        assert leaks(page, ASSIGNMENT, NOTEBOOK) == [], page
+    # A failing check keeps its message, never the whole traceback around it.
+    text = page_text(out / "feedback" / "missing_scale" / ASSIGNMENT / "attention.html")
+    assert "You did not divide the scores by sqrt(d_k)." in text and FULL_TRACEBACK not in text
 
 
 def test_a_zip_with_a_top_level_folder_grades_the_same(tmp_path):
@@ -256,3 +267,63 @@ def test_an_instructors_own_assignment_grades_with_nbgraders_semantics(tmp_path)
     assert "1 answer(s) to grade by hand in formgrader (ex2-answer)" in results["right"].detail
     assert "re-run" not in results["right"].detail
     assert results["wrong"].score == 0 and results["visible_tests_only"].score == 0
+
+
+def test_a_manual_score_and_comment_reach_the_feedback_page_with_the_total_of_grades_csv(graded, folders, tmp_path):
+    """What the instructor sets in formgrader after grading shows on the student's page after the next grading
+    run (which grades nobody again) and after ``stepformer-course feedback``."""
+    from nbgrader.api import Gradebook
+
+    from stepformer.course.worker import COURSE_ID, db_url
+
+    results, _ = graded
+    work, page_name = folders["work"], NOTEBOOK.replace(".ipynb", ".html")
+    assert results["correct"].score == 9  # ex3-explain, 2 points, waits for a grade by hand
+
+    def set_by_hand(score: float | None, comment: str | None) -> None:
+        with Gradebook(db_url(work), course_id=COURSE_ID) as gb:
+            gb.find_grade("ex3-explain", "attention", ASSIGNMENT, "correct").manual_score = score
+            gb.find_comment("ex3-explain", "attention", ASSIGNMENT, "correct").manual_comment = comment
+            gb.db.commit()
+
+    try:
+        set_by_hand(2, "Right: unscaled scores grow with the width, so the softmax saturates.")
+        grade(ROOT, folders["submissions"], ASSIGNMENT, tmp_path / "again", work, progress=False, sandbox=SANDBOX)
+        rows = {row["student"]: row for row in csv.DictReader((tmp_path / "again" / "grades.csv").open())}
+        assert rows["correct"]["score"] == "11"
+        for student, row in rows.items():
+            page = tmp_path / "again" / "feedback" / student / ASSIGNMENT / page_name
+            assert page_score(page) == (float(row["score"]), float(row["max_score"])), student
+        page = tmp_path / "again" / "feedback" / "correct" / ASSIGNMENT / page_name
+        assert "the softmax saturates" in page_text(page)
+
+        set_by_hand(1.5, "Half right: say why the scores grow.")
+        from stepformer.course.feedback import feedback_command
+
+        assert feedback_command(ROOT, ASSIGNMENT, workdir=work, out=tmp_path / "fb", only=["correct"]) == 0
+        page = tmp_path / "fb" / "feedback" / "correct" / ASSIGNMENT / page_name
+        assert page_score(page) == (10.5, 11) and "Half right: say why the scores grow." in page_text(page)
+        assert sorted(p.name for p in (tmp_path / "fb" / "feedback").iterdir()) == ["correct"]
+        assert page.read_bytes() == (work / "feedback" / "correct" / ASSIGNMENT / page_name).read_bytes()
+    finally:
+        set_by_hand(None, None)
+
+
+def test_nbgraders_own_generate_feedback_in_the_work_folder_hides_the_hidden_checks(graded, folders):
+    """What formgrader's "Generate Feedback" button does: nbgrader, started in the work folder, reads its
+    nbgrader_config.py there."""
+    import subprocess
+    import sys
+
+    results, _ = graded
+    work, tools = folders["work"], str(Path(sys.executable).parent)
+    done = subprocess.run([f"{tools}/nbgrader", "generate_feedback", ASSIGNMENT, "--force"], cwd=work,
+                          capture_output=True, text=True, env=dict(os.environ, PATH=f"{tools}{os.pathsep}"
+                                                                                    f"{os.environ['PATH']}"))
+    assert done.returncode == 0, done.stderr
+    pages = sorted((work / "feedback").glob(f"*/{ASSIGNMENT}/*.html"))
+    assert {p.parts[-3] for p in pages} == set(results)
+    for page in pages:
+        assert leaks(page, ASSIGNMENT, NOTEBOOK) == [], page
+    text = page_text(work / "feedback" / "missing_scale" / ASSIGNMENT / "attention.html")
+    assert "You did not divide the scores by sqrt(d_k)." in text and FULL_TRACEBACK not in text

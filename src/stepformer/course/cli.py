@@ -1,4 +1,5 @@
-"""``stepformer-course``: the instructor's commands (sync, release, new-assignment, grade, export, class-edition)."""
+"""``stepformer-course``: the instructor's commands (sync, release, new-assignment, grade, feedback, export,
+class-edition)."""
 
 import argparse
 import os
@@ -50,6 +51,19 @@ def main(argv: list[str] | None = None) -> int:
     grade_cmd.add_argument("--memory-gib", type=float, default=None, help="memory of one kernel (default 4)")
     grade_cmd.add_argument("--no-sandbox", action="store_true",
                            help="run student code without the sandbox: only for submissions you trust")
+
+    feedback_cmd = commands.add_parser(
+        "feedback", help="write the students' feedback again from the gradebook: manual scores and comments shown, "
+                         "hidden checks never")
+    feedback_cmd.add_argument("--assignment", required=True, help="assignment name, e.g. 01_attention")
+    feedback_where = feedback_cmd.add_mutually_exclusive_group()
+    feedback_where.add_argument("--workdir", type=Path, default=None,
+                                help="the grader's work folder (default: autograder/work/grading)")
+    feedback_where.add_argument("--course", type=Path, default=None, metavar="DIR", help="an nbgrader course folder")
+    feedback_cmd.add_argument("--out", type=Path, default=None,
+                              help="also copy each page to OUT/feedback/<student>/<assignment>/ (as grade --out does)")
+    feedback_cmd.add_argument("--only", nargs="+", default=None, metavar="STUDENT",
+                              help="just these students (default: everyone with a graded submission)")
 
     class_cmd = commands.add_parser("class-edition",
                                     help="the class edition: nbgrader source/ without printed answers, and the "
@@ -137,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
               f"copies) and {wheel} (the students' package: pip install it on the hub's image, or put it where "
               f"--package-url points)")
         return 0
+
+    if args.command == "feedback":
+        from stepformer.course.feedback import feedback_command
+
+        return feedback_command(root, args.assignment, workdir=args.workdir, course=args.course, out=args.out,
+                                only=args.only)
 
     if args.command == "export":
         from stepformer.course.export import ExportError, notes, read_gradebook, read_roster, write

@@ -2,12 +2,13 @@
 
 ``stepformer-course grade SUBMISSIONS --assignment A`` reads the submissions (``intake``),
 grades every student in a worker process of its own (``worker``: nbgrader autograde in the
-sandbox kernel, the grader's re-check, feedback), W at a time, and writes ``grades.csv``,
-each student's feedback and a summary table. A run that is stopped half-way resumes where it
-was: a student whose ``done/<student>.json`` records the same notebooks (by sha256) and hand-in
-time is not graded again, and nbgrader's gradebook keeps one grade per student and cell, so
-nothing is lost or counted twice. A changed, new or newly timed hand-in is graded again, and
-says so (:func:`_regrade_reason`).
+sandbox kernel, the grader's re-check), W at a time, puts back the instructor's manual scores,
+and writes each student's feedback from the gradebook (``feedback``), ``grades.csv`` and a
+summary table. A run that is stopped half-way resumes where it was: a student whose
+``done/<student>.json`` records the same notebooks (by sha256) and hand-in time is not graded
+again, and nbgrader's gradebook keeps one grade per student and cell, so nothing is lost or
+counted twice. A changed, new or newly timed hand-in is graded again, and says so
+(:func:`_regrade_reason`).
 """
 
 import contextlib
@@ -94,6 +95,7 @@ def _prepare(root: Path, assignment: str, workdir: Path, fresh: bool) -> None:
             "the grader's own), or grade an nbgrader course folder in place with --course.")
     recorded = json.loads(marker.read_text())["fingerprints"] if marker.is_file() else {}
     if recorded.get(assignment) == fingerprint and not fresh:
+        _write_work_config(workdir)
         return
     if assignment in recorded:
         _set_overrides_aside(root, workdir, assignment)
@@ -114,6 +116,15 @@ def _prepare(root: Path, assignment: str, workdir: Path, fresh: bool) -> None:
     tmp = workdir / f".{MARKER}.tmp"
     tmp.write_text(json.dumps({"fingerprints": {**recorded, assignment: fingerprint}}, indent=1) + "\n")
     os.replace(tmp, marker)
+    _write_work_config(workdir)  # after the marker: a folder holding only this file would be refused
+
+
+def _write_work_config(workdir: Path) -> None:
+    """The work folder's nbgrader_config.py, for formgrader and nbgrader's own commands started there."""
+    from stepformer.course.feedback import write_work_config
+
+    if note := write_work_config(workdir):
+        print(f"warning: {note}", file=sys.stderr)
 
 
 def _state(workdir: Path, assignment: str) -> Path:
@@ -303,6 +314,7 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
                                "graded_at": graded_at, "lms": intake.lms, "reason": reasons[intake.student]})
     kept = _restore_overrides(root, workdir, assignment, pending)
     results = _collect(root, workdir, state, assignment, intakes, kept)
+    _feedback(root, workdir, assignment, results, out, progress)
     _write_outputs(workdir, assignment, results, out)
     for path in write_lms_feedback(out, assignment, [(i.student, i.lms) for i in intakes if i.lms]):
         print(f"feedback for the LMS's bulk upload: {path}", file=sys.stderr)
@@ -421,8 +433,31 @@ def grade_course(root: Path, course: Path, assignment: str, out: Path, *, worker
         if done := _done(state, student):
             write_done(state, {**done, "timestamp": stamps[student]})
     results = _collect(root, course, state, assignment, [Intake(s, status="ok") for s in students], {})
+    _feedback(root, course, assignment, results, out, progress)
     _write_outputs(course, assignment, results, out)
+    from stepformer.course.feedback import course_config_note
+
+    if note := course_config_note(course):
+        print(note, file=sys.stderr)
     return results
+
+
+def _feedback(root: Path, folder: Path, assignment: str, results: list[StudentResult], out: Path,
+              progress: bool) -> None:
+    """Every graded student's feedback, from the gradebook as it is now (manual scores back), into ``out`` too.
+
+    Made here rather than by each worker, so that a page always shows what grades.csv shows; a student whose
+    page could not be made says so in ``detail``.
+    """
+    from stepformer.course.feedback import generate
+
+    graded = [r.student for r in results if r.status in ("graded", "not-on-roster")]
+    if not graded:
+        return
+    made = generate(root, folder, assignment, graded, out, progress=progress)
+    for result in results:
+        if problem := made.failed.get(result.student):
+            result.detail = "; ".join(filter(None, [result.detail, problem]))
 
 
 def _read_timestamp(folder: Path) -> str | None:
@@ -499,7 +534,7 @@ def _run_worker(root: Path, workdir: Path, assignment: str, student: str, limits
             "--limits", json.dumps(dataclasses.asdict(limits)), "--state", str(state)]
     if kernel:
         argv += ["--kernel", kernel]
-    # The worker's own limit: every notebook's budget plus kernel starts and feedback.
+    # The worker's own limit: every notebook's budget plus kernel starts and the re-check.
     wall = limits.notebook_seconds * 2 + 120
     log = state / "logs" / f"{student}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -575,11 +610,8 @@ def _collect(root: Path, workdir: Path, state: Path, assignment: str, intakes: l
 
 
 def _write_outputs(workdir: Path, assignment: str, results: list[StudentResult], out: Path) -> None:
+    # The feedback is copied to out by _feedback, as it is made.
     out.mkdir(parents=True, exist_ok=True)
-    for result in results:
-        source = workdir / "feedback" / result.student / assignment
-        if source.is_dir():
-            shutil.copytree(source, out / "feedback" / result.student / assignment, dirs_exist_ok=True)
     columns = sorted({c for r in results for c in r.cells})
     tmp = out / f".grades.csv.{os.getpid()}.tmp"
     with tmp.open("w", newline="") as handle:

@@ -4,7 +4,7 @@ The grading command starts one worker per student, so a submission that brings a
 (or outlasts its time) costs only that student, and W workers grade W students at once.
 The worker autogrades with nbgrader (student code in the sandbox kernel), re-checks every
 graded cell in its own process (``trusted``), lowers the points that the re-check or the
-own-work rule refuse, writes the feedback, and last of all writes ``done/<student>.json``:
+own-work rule refuse, and last of all writes ``done/<student>.json``:
 a student with that file is finished and is never graded again by a resumed run.
 """
 
@@ -178,10 +178,8 @@ def _autograde(grader, workdir: Path, assignment: str, student: str, sealed: Pat
                                        "check, so no points were withheld (worth a look)")
             nbformat.write(nb, path)
         gb.db.commit()
-
-    feedback = grader.generate_feedback(assignment, student, force=True)
-    if not feedback["success"]:
-        result["notes"].append("feedback could not be generated: " + _last_error(feedback))
+    # No feedback here: it is made once every student is graded and the manual scores are back
+    # (stepformer.course.feedback.generate), so a page never shows a score the gradebook no longer holds.
     return result
 
 
