@@ -62,6 +62,10 @@ HEAVY_TESTS = {
     "test_train_evaluate_translate_from_the_command_line": 20,
     "test_two_processes_killed_and_resumed_end_with_the_weights_of_two_that_never_stopped": 25,
     "test_a_wall_clock_budget_that_runs_out_while_rank_0_writes_a_checkpoint_ends_both_processes": 15,  # each of 2
+    # Grading runs of their own: two notebooks graded; the guide's way B set up in a course folder.
+    "test_a_late_first_hand_in_then_a_changed_notebook_are_graded_and_manual_scores_survive": 30,
+    "test_way_b_set_up_runs_as_written_in_a_course_folder_outside_the_checkout": 25,
+    "test_release_fetch_submit_collect_grade_and_return_feedback": 35,
 }
 
 
