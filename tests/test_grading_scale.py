@@ -26,7 +26,7 @@ from stepformer.course.claims import (
     try_claim,
     write_manifest,
 )
-from stepformer.course.sandbox import Limits, sandbox_problem
+from stepformer.course.sandbox import sandbox_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSIGNMENT, NOTEBOOK = "01_attention", "attention.ipynb"
