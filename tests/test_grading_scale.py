@@ -101,6 +101,8 @@ def test_a_worker_stops_when_a_newer_intake_replaced_its_run(tmp_path):
     write_manifest(state, {"run": new_run_id(), "limits": {}, "students": []})
     with pytest.raises(RunReplaced, match="a newer intake replaced this run"):
         claim_next(claims, done, ["alice"], "me", 1000)
+    with pytest.raises(RunReplaced, match="a newer intake replaced this run"):
+        try_claim(claims, "alice", 1, "me")
 
 
 def test_a_new_intake_is_refused_while_a_worker_may_still_be_grading(tmp_path):
@@ -136,34 +138,40 @@ def _cells(work: Path, students: list[str]) -> dict[str, dict[str, float | None]
 
 @pytest.fixture(scope="module")
 def two_ways(tmp_path_factory):
+    """The same two students graded by one worker, and by two worker processes pulling from one manifest.
+
+    The one-worker run grades while the two processes do (three gradings on two cores): the same work,
+    in less time.
+    """
+    import shutil
+
     from stepformer.course import grade as grading
     from tests.fixtures.submissions import ATTENTION, write_submissions
 
     base = tmp_path_factory.mktemp("scale")
     submissions = write_submissions(ATTENTION[:3], ASSIGNMENT, NOTEBOOK, ROOT / "exercises", base / "class")
+    shutil.copytree(submissions, base / "class-copy")
     pair = [case.name for case in ATTENTION[:2]]
     reads = []
     real = grading.read_submissions
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(grading, "read_submissions", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
-        one = grading.grade(ROOT, submissions, ASSIGNMENT, base / "out1", base / "one", workers=1, only=pair,
-                            sandbox=SANDBOX, progress=False)
-        reads_by_grade = len(reads)
         manifest = grading.grade_intake(ROOT, submissions, ASSIGNMENT, base / "out2", base / "many", sandbox=SANDBOX)
         # The third student's worker is somewhere else and still busy: nobody else may grade them.
         state = grading._state(base / "many", ASSIGNMENT)
         _plant(claims_folder(state, manifest["run"]), ATTENTION[2].name, age=5)
-        # From here on nothing may read the class's submissions: the workers have the manifest.
+        # From here on nothing may read this class's submissions: the workers have the manifest.
         submissions.rename(base / "moved-away")
-        patch.setattr(grading, "read_submissions", lambda *a, **k: pytest.fail("read_submissions after the intake"))
         env = dict(os.environ, STEPFORMER_COURSE_ROOT=str(ROOT))
         workers = [subprocess.Popen([sys.executable, "-m", "stepformer.course.cli", "grade-worker", "--workdir",
                                      str(base / "many"), "--assignment", ASSIGNMENT, "--limit", "1", "--no-progress"],
                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                    for _ in range(2)]
+        one = grading.grade(ROOT, base / "class-copy", ASSIGNMENT, base / "out1", base / "one", workers=1, only=pair,
+                            sandbox=SANDBOX, progress=False)
         logs = [worker.communicate(timeout=300)[0] for worker in workers]
         finish_code = grading.grade_finish_command(base / "many", ASSIGNMENT)
-    return {"one": {r.student: r for r in one}, "reads": (reads_by_grade, len(reads)), "pair": pair,
+    return {"one": {r.student: r for r in one}, "reads": reads, "pair": pair,
             "workers": [(w.returncode, log) for w, log in zip(workers, logs, strict=True)], "base": base,
             "finish_code": finish_code, "manifest": manifest, "state": state}
 
@@ -184,8 +192,10 @@ def test_two_worker_processes_give_the_gradebook_of_one_worker(two_ways):
 
 @pytest.mark.slow
 def test_the_class_is_read_once_and_never_by_the_workers(two_ways):
-    # grade(): one read; the intake: one read; workers and finish ran with the submissions moved away.
-    assert two_ways["reads"] == (1, 2)
+    # The intake: one read; the one-worker grade(): one read of its copy; the workers and the finish
+    # ran with the submissions moved away (a read would have failed) and read nothing.
+    base = two_ways["base"]
+    assert two_ways["reads"] == [base / "class", base / "class-copy"]
     rows = {row["student"]: row for row in csv.DictReader((two_ways["base"] / "out2" / "grades.csv").open())}
     assert {s: rows[s]["status"] for s in two_ways["pair"]} == {s: "graded" for s in two_ways["pair"]}
     assert rows["correct"]["score"] == "9"

@@ -6,7 +6,9 @@ pull students from it one at a time. A worker owns a student when it creates the
 ``claims/<run>/<student>.<generation>`` with ``O_CREAT | O_EXCL``: the file system lets exactly one
 creator succeed (on NFS from version 3 on, where the server makes the exclusive create; never on NFSv2).
 Claims are never renamed or deleted while a run lasts, so a slow listing of the folder (NFS caches
-them) can only cost a wasted attempt, never a second owner.
+them) can only cost a wasted attempt, never a second owner. A worker walks the manifest once, trying
+one exclusive create per student, and lists the folder only when every student is claimed: a class of
+thousands costs each worker about one try per student, not a listing per claim.
 
 A worker that dies holding a claim leaves a claim with no ``done/<student>.json``. Another worker takes
 it over by creating the next generation's claim file (again exclusively, so only one succeeds) once
@@ -112,12 +114,13 @@ class Claim:
         return f"claimed by {who} at {self.owner.get('claimed', '?')} ({self.age:.0f} s ago)"
 
 
-def latest_claims(claims: Path) -> dict[str, Claim]:
-    """Each claimed student's newest claim."""
+def latest_claims(claims: Path, skip: set[str] = frozenset()) -> dict[str, Claim]:
+    """Each claimed student's newest claim, but those in ``skip`` (their claim files are not even read)."""
     newest: dict[str, tuple[int, Path]] = {}
     for name in os.listdir(claims):
         student, _, generation = name.rpartition(".")
-        if student and generation.isdigit() and int(generation) > newest.get(student, (0, claims))[0]:
+        if student and student not in skip and generation.isdigit() \
+                and int(generation) > newest.get(student, (0, claims))[0]:
             newest[student] = (int(generation), claims / name)
     found = {}
     now = time.time()
@@ -153,33 +156,40 @@ def try_claim(claims: Path, student: str, generation: int, worker: str) -> bool:
     return True
 
 
-def claim_next(claims: Path, done: Path, students: list[str], worker: str, take_over_after: float) -> str | None:
-    """The next student this worker now owns: one nobody claimed, else one whose claim is abandoned; else None.
+def claim_next(claims: Path, done: Path, students: list[str], worker: str, take_over_after: float,
+               start: int = 0) -> tuple[str | None, int]:
+    """The next student this worker now owns (None when none is left), and where its next search starts.
 
-    Raises :class:`RunReplaced` when the run's claims folder is gone (a newer intake replaced the run).
+    First one that nobody claimed, from ``students[start]`` on: one exclusive create each, no listing of
+    the folder, so a class of thousands costs each worker one try per student over the whole run. Then,
+    once every student is claimed, one whose claim is abandoned: the claims folder is listed, and only
+    the claims without a result are read. Raises :class:`RunReplaced` when the run's claims folder is
+    gone (a newer intake replaced the run).
     """
     if not claims.is_dir():
         raise RunReplaced(f"{claims} is gone: a newer intake replaced this run")
+    for index in range(start, len(students)):
+        student = students[index]
+        # A result without a claim can only come from outside this run's workers: it stands.
+        if try_claim(claims, student, 1, worker) and not (done / f"{student}.json").exists():
+            return student, index + 1
     over = finished(done)
-    held = latest_claims(claims)
+    held = latest_claims(claims, skip=over)
     for student in students:
-        if student in over:
-            continue
         claim = held.get(student)
-        if claim is None:
-            if try_claim(claims, student, 1, worker):
-                return student
-        elif claim.abandoned(take_over_after) and try_claim(claims, student, claim.generation + 1, worker):
-            return student
-    return None
+        if claim is not None and claim.abandoned(take_over_after) \
+                and try_claim(claims, student, claim.generation + 1, worker):
+            return student, len(students)
+    return None, len(students)
 
 
 def pull(claims: Path, done: Path, students: list[str], grade_one: Callable[[str], None], *, worker: str,
          take_over_after: float, budget: Callable[[], bool] = lambda: True) -> list[str]:
     """Claim and grade students one at a time until none is left (or ``budget`` says stop); return them."""
-    graded = []
+    graded: list[str] = []
+    position = 0
     while budget():
-        student = claim_next(claims, done, students, worker, take_over_after)
+        student, position = claim_next(claims, done, students, worker, take_over_after, position)
         if student is None:
             break
         grade_one(student)
@@ -209,9 +219,8 @@ def live_claims(state: Path, manifest: dict, take_over_after: float) -> list[tup
     claims = claims_folder(state, manifest["run"])
     if not claims.is_dir():
         return []
-    over = finished(state / "done")
-    return [(student, claim) for student, claim in sorted(latest_claims(claims).items())
-            if student not in over and not claim.abandoned(take_over_after)]
+    held = latest_claims(claims, skip=finished(state / "done"))
+    return [(student, claim) for student, claim in sorted(held.items()) if not claim.abandoned(take_over_after)]
 
 
 def worker_name(index: int = 0) -> str:

@@ -442,7 +442,7 @@ def _with_unfinished(root: Path, workdir: Path, state: Path, manifest: dict, res
     """``results`` with a ``not-graded`` row for each student in ``unfinished``, in the manifest's order."""
     with _gradebook(root, workdir) as gb:
         max_score = gb.find_assignment(manifest["assignment"]).max_score
-    held = latest_claims(claims_folder(state, manifest["run"]))
+    held = latest_claims(claims_folder(state, manifest["run"]), skip=finished(state / "done"))
     by_student = {r.student: r for r in results}
     for student in unfinished:
         log = state / "logs" / f"{student}.log"
