@@ -429,7 +429,8 @@ def grade_finish(workdir: Path, assignment: str, out: Path | None = None) -> lis
         kept: dict[str, list[str]] = {}
     else:
         kept = _restore_overrides(root, workdir, assignment, graded)
-    # The feedback of `graded` is final from here on: manual scores and comments are back.
+    # Manual scores and comments are back: from here on the students' feedback of `graded` is final
+    # (the place to write it).
     results = _collect(root, workdir, state, assignment, [i for i in intakes if i.student not in unfinished], kept)
     if unfinished:
         results = _with_unfinished(root, workdir, state, manifest, results, unfinished)
