@@ -49,6 +49,7 @@ WEIGHTS = {
     "corpus": 450,
     "corpus-resume": 240,
     "grading": 120,
+    "grading-scale": 50,
     "sandbox": 90,
     "postgres": 60,
     "lab": 60,
@@ -84,6 +85,8 @@ def _group(item: pytest.Item) -> str | None:
         return f"mistakes-{item.callspec.params['chapter'].ASSIGNMENT}"
     if module == "test_lab":
         return "lab"
+    if module == "test_grading_scale" and item.get_closest_marker("slow"):
+        return "grading-scale"  # one fixture grades for all three
     return {"test_grading": "grading", "test_sandbox": "sandbox", "test_gradebook_postgres": "postgres"}.get(module)
 
 

@@ -1,5 +1,5 @@
-"""``stepformer-course``: the instructor's commands (sync, release, new-assignment, grade, feedback, export,
-class-edition)."""
+"""``stepformer-course``: the instructor's commands (sync, release, new-assignment, grade, grade-worker,
+grade-finish, feedback, export, class-edition)."""
 
 import argparse
 import os
@@ -51,6 +51,36 @@ def main(argv: list[str] | None = None) -> int:
     grade_cmd.add_argument("--memory-gib", type=float, default=None, help="memory of one kernel (default 4)")
     grade_cmd.add_argument("--no-sandbox", action="store_true",
                            help="run student code without the sandbox: only for submissions you trust")
+    grade_cmd.add_argument("--intake-only", action="store_true",
+                           help="read the submissions and write the manifest of the students to grade, grade "
+                                "nobody: grade-worker (any number, on any machine sharing the folder) and "
+                                "grade-finish do the rest")
+
+    worker_cmd = commands.add_parser("grade-worker",
+                                     help="grade students of the manifest that `grade --intake-only` wrote, one at a "
+                                          "time, until none is left; run as many at once as you like")
+    worker_where = worker_cmd.add_mutually_exclusive_group()
+    worker_where.add_argument("--workdir", type=Path, default=None,
+                              help="the work folder the intake used (default: autograder/work/grading)")
+    worker_where.add_argument("--course", type=Path, default=None, metavar="DIR", help="an nbgrader course folder")
+    worker_cmd.add_argument("--assignment", required=True)
+    worker_cmd.add_argument("--workers", type=int, default=1,
+                            help="students this command grades at once (default 1: one per core it may use)")
+    worker_cmd.add_argument("--limit", type=int, default=None, metavar="N", help="stop after N students")
+    worker_cmd.add_argument("--take-over-after", type=float, default=None, metavar="SECONDS",
+                            help="take over a claim without a result once it is this old (default: the grading "
+                                 "process's own time limit plus 300 s); 0 only when no other worker runs")
+    worker_cmd.add_argument("--no-progress", action="store_true", help="no progress bar (for batch logs)")
+
+    finish_cmd = commands.add_parser("grade-finish",
+                                     help="after the workers: manual scores back, grades.csv and the feedback")
+    finish_where = finish_cmd.add_mutually_exclusive_group()
+    finish_where.add_argument("--workdir", type=Path, default=None,
+                              help="the work folder the intake used (default: autograder/work/grading)")
+    finish_where.add_argument("--course", type=Path, default=None, metavar="DIR", help="an nbgrader course folder")
+    finish_cmd.add_argument("--assignment", required=True)
+    finish_cmd.add_argument("--out", type=Path, default=None,
+                            help="where feedback and grades.csv go (default: the intake's --out)")
 
     feedback_cmd = commands.add_parser(
         "feedback", help="write the students' feedback again from the gradebook: manual scores and comments shown, "
@@ -186,6 +216,18 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"  {path}" for path in written))
         return 0
 
+    if args.command in ("grade-worker", "grade-finish"):
+        from stepformer.course.grade import grade_finish_command, grade_worker_command
+
+        folder = args.course or args.workdir or root / "autograder" / "work" / "grading"
+        if args.command == "grade-finish":
+            return grade_finish_command(folder, args.assignment, args.out)
+        if args.workers < 1 or (args.limit is not None and args.limit < 1):
+            print("error: --workers and --limit take a number of students, 1 or more", file=sys.stderr)
+            return 2
+        return grade_worker_command(folder, args.assignment, workers=args.workers, limit=args.limit,
+                                    take_over_after=args.take_over_after, progress=not args.no_progress)
+
     from stepformer.course.grade import grade_command
     from stepformer.course.sandbox import Limits
 
@@ -195,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                        if v is not None})
     return grade_command(root, args.submissions, args.assignment, args.out, args.workdir, workers=args.workers,
                          sandbox=not args.no_sandbox, roster=args.roster, fresh=args.fresh, only=args.only,
-                         limits=limits, course=args.course, due=args.due)
+                         limits=limits, course=args.course, due=args.due, intake_only=args.intake_only)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
-"""Autograde a folder (or zip) of submissions: sandboxed, parallel, resumable.
+"""Autograde a folder (or zip) of submissions: sandboxed, parallel, resumable, on one machine or many.
 
-``stepformer-course grade SUBMISSIONS --assignment A`` reads the submissions (``intake``),
-grades every student in a worker process of its own (``worker``: nbgrader autograde in the
-sandbox kernel, the grader's re-check), W at a time, puts back the instructor's manual scores,
-and writes each student's feedback from the gradebook (``feedback``), ``grades.csv`` and a
-summary table. A run that is stopped half-way resumes where it was: a student whose
-``done/<student>.json`` records the same notebooks (by sha256) and hand-in time is not graded
-again, and nbgrader's gradebook keeps one grade per student and cell, so nothing is lost or
-counted twice. A changed, new or newly timed hand-in is graded again, and says so
+``stepformer-course grade SUBMISSIONS --assignment A`` runs three phases. Intake reads the submissions
+once (``intake``), copies them into nbgrader's ``submitted/`` and writes a manifest of the students to
+grade. Work: workers pull students from the manifest (``claims``) and grade each in a process of its
+own (``worker``: nbgrader autograde in the sandbox kernel, the grader's re-check). Finish puts the
+manual scores back and writes each student's feedback from the gradebook (``feedback``),
+``grades.csv`` and a summary table. The phases also run apart (``--intake-only``, ``grade-worker``
+on any number of machines, ``grade-finish``). A run that is stopped half-way resumes where it was:
+a student whose ``done/<student>.json`` records the same notebooks (by sha256) and hand-in time is
+not graded again, and nbgrader's gradebook keeps one grade per student and cell, so nothing is lost
+or counted twice. A changed, new or newly timed hand-in is graded again, and says so
 (:func:`_regrade_reason`).
 """
 
@@ -24,12 +26,27 @@ import sys
 import tempfile
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
+from stepformer.course.claims import (
+    CLAIM_MARGIN,
+    Budget,
+    ManifestMissing,
+    RunReplaced,
+    claims_folder,
+    finished,
+    latest_claims,
+    live_claims,
+    new_run_id,
+    pull,
+    read_manifest,
+    worker_name,
+    write_manifest,
+)
 from stepformer.course.intake import (
     Intake,
     SubmissionsError,
@@ -41,7 +58,8 @@ from stepformer.course.intake import (
 from stepformer.course.paths import assignments, notebook_names
 from stepformer.course.sandbox import Limits, install_kernelspec, sandbox_problem
 
-__all__ = ["SubmissionsError", "StudentResult", "grade", "grade_command"]
+__all__ = ["SubmissionsError", "StudentResult", "grade", "grade_command", "grade_finish", "grade_intake",
+           "grade_work"]
 
 
 class SandboxUnavailable(RuntimeError):
@@ -239,12 +257,32 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
           only: list[str] | None = None, due: datetime.datetime | None = None) -> list[StudentResult]:
     """Grade every student in ``submissions`` (or just ``only``); feedback and grades.csv go to ``out``.
 
+    The three phases in a row, on this machine: :func:`grade_intake`, :func:`grade_work` with ``workers``
+    local workers, :func:`grade_finish`. On a cluster the same phases run apart (see the guide).
+
     ``due``: the assignment's due date (UTC); a student folder's ``timestamp.txt`` (as ``nbgrader
     collect`` writes it) is kept, and nbgrader's late penalty (``LateSubmissionPlugin.penalty_method``)
     applies to a submission after it.
 
     The workers are started with multiprocessing's forkserver, so a script that calls this must
     do so under ``if __name__ == "__main__":`` (the command line and notebooks need nothing).
+    """
+    manifest = grade_intake(root, submissions, assignment, out, workdir, sandbox=sandbox, limits=limits,
+                            roster=roster, fresh=fresh, only=only, due=due)
+    grade_work(Path(manifest["workdir"]), assignment, workers=workers, progress=progress)
+    return grade_finish(Path(manifest["workdir"]), assignment, progress=progress)
+
+
+# --- Phase 1, intake: read the class once, write the manifest of the students to grade. ---
+
+def grade_intake(root: Path, submissions: Path, assignment: str, out: Path, workdir: Path, *, sandbox: bool = True,
+                 limits: Limits | None = None, roster: list[str] | None = None, fresh: bool = False,
+                 only: list[str] | None = None, due: datetime.datetime | None = None) -> dict:
+    """Read every submission once, copy each student's notebooks into ``submitted/``, register them: the manifest.
+
+    The only phase that reads the submissions (unpacking and normalising them costs about as much as
+    grading a few notebooks, for every student): workers then read the manifest and ``submitted/``.
+    Returns the manifest, also written to ``.stepformer-grader/<assignment>/manifest.json``.
     """
     warnings.filterwarnings("ignore", message=".*not in session.*")  # nbgrader's own, harmless
     if assignment not in assignments(root):
@@ -253,11 +291,11 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
     if sandbox:
         _sandbox_ready()
     workdir, out = workdir.resolve(), out.resolve()
+    _refuse_while_claimed(workdir, assignment)
     _prepare(root, assignment, workdir, fresh)
     state = _state(workdir, assignment)
     # Hide the course, the work folder, the outputs and everyone's raw submissions.
     raw = submissions.resolve() if submissions.is_dir() else submissions.resolve().parent
-    kernel = _sandbox_kernel(state, limits, [root, workdir, out, raw]) if sandbox else None
     expected = sorted(p.name for p in (workdir / "release" / assignment).glob("*.ipynb"))
     intakes, warnings_ = read_submissions(submissions, assignment, expected, state / "intake", roster,
                                           others=notebook_names(root))
@@ -276,6 +314,7 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
             gb.update_or_create_assignment(assignment, duedate=due)
     from stepformer.course.worker import write_done
 
+    # Which students need grading, and why: everyone else keeps the earlier grading.
     reasons = {}
     for intake in intakes:
         _earlier_spelling(state, intake)
@@ -298,23 +337,162 @@ def grade(root: Path, submissions: Path, assignment: str, out: Path, workdir: Pa
         if intake.student not in reasons:
             continue
         if intake.notebooks:
-            # The earlier record goes first: a grading that dies before writing its own must read as unfinished,
-            # never as the earlier grading of the new hand-in.
-            (state / "done" / f"{intake.student}.json").unlink(missing_ok=True)
             _submit(root, workdir, assignment, intake)
             pending.append(intake.student)
         else:
             write_done(state, {"student": intake.student, "status": intake.status, "detail": "", "notes": []})
-    _run_all(root, workdir, state, assignment, pending, limits, kernel, workers, progress)
-    graded_at = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    for intake in intakes:
-        if intake.student in reasons and (done := _done(state, intake.student)):
-            # What was graded, so that the next run can tell a changed hand-in from the same one.
-            write_done(state, {**done, "digests": intake.digests, "timestamp": intake.timestamp,
-                               "graded_at": graded_at, "lms": intake.lms, "reason": reasons[intake.student]})
-    kept = _restore_overrides(root, workdir, assignment, pending)
-    results = _collect(root, workdir, state, assignment, intakes, kept)
+    return _start_run(root, workdir, assignment, out, "files", sandbox, limits, [root, workdir, out, raw],
+                      [{"student": i.student, "status": i.status, "problems": i.problems, "timestamp": i.timestamp,
+                        "grade": i.student in pending, "digests": i.digests, "lms": i.lms,
+                        "reason": reasons.get(i.student)} for i in intakes])
+
+
+def _start_run(root: Path, workdir: Path, assignment: str, out: Path, kind: str, sandbox: bool, limits: Limits,
+               hidden: list[Path], students: list[dict]) -> dict:
+    """Write the manifest of a new run: what every worker needs, wherever it runs, and nothing it must work out.
+
+    A student to grade has no ``done/`` record until this run grades them (an earlier one, an error say,
+    would count as this run's result).
+    """
+    state = _state(workdir, assignment)
+    for entry in students:
+        if entry["grade"]:
+            (state / "done" / f"{entry['student']}.json").unlink(missing_ok=True)
+    manifest = {"version": 1, "run": new_run_id(), "kind": kind, "assignment": assignment, "root": str(root),
+                "workdir": str(workdir), "out": str(out), "sandbox": sandbox, "limits": dataclasses.asdict(limits),
+                "hidden": [str(p) for p in hidden], "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                "students": students}
+    write_manifest(state, manifest)
+    return manifest
+
+
+def _refuse_while_claimed(workdir: Path, assignment: str) -> None:
+    """A new intake would rewrite ``submitted/`` under a worker's feet: refuse while a worker may be grading."""
+    state = _state(workdir, assignment)
+    try:
+        manifest = read_manifest(state)
+    except ManifestMissing:
+        return
+    held = live_claims(state, manifest, _take_over_after(Limits(**manifest["limits"])))
+    if held:
+        student, claim = held[0]
+        raise SubmissionsError(
+            f"{len(held)} student(s) of {assignment} are claimed by a grading worker and have no result yet "
+            f"(e.g. {student}, {claim.describe()}; claims in {claim.path.parent}): a worker may still be grading. "
+            f"Wait for the workers to end; if none runs any more, let one take the claims over: "
+            f"stepformer-course grade-worker --workdir {workdir} --assignment {assignment} --take-over-after 0")
+
+
+def _take_over_after(limits: Limits) -> float:
+    """When a claim may be taken over: after its grading process has surely been stopped."""
+    return _worker_seconds(limits) + CLAIM_MARGIN
+
+
+def _worker_seconds(limits: Limits) -> int:
+    """One grading process's own limit: every notebook's budget plus kernel starts and feedback."""
+    return limits.notebook_seconds * 2 + 120
+
+
+# --- Phase 2, work: any number of workers, here or elsewhere, pull students from the manifest. ---
+
+def grade_work(workdir: Path, assignment: str, *, workers: int | None = None, limit: int | None = None,
+               take_over_after: float | None = None, progress: bool = True) -> list[str]:
+    """Grade students of the manifest, ``workers`` at a time, until none is left (or ``limit`` are done).
+
+    Each student is claimed first (:mod:`stepformer.course.claims`), so any number of these, on one machine
+    or on many sharing the work folder (and a PostgreSQL gradebook), grade each student once. A claim that
+    is abandoned (older than ``take_over_after`` seconds, by default the grading process's own limit plus
+    ``CLAIM_MARGIN``; or of a process of this machine that is gone) is taken over. Returns the students
+    this call graded.
+    """
+    workdir = workdir.resolve()
+    state = _state(workdir, assignment)
+    try:
+        manifest = read_manifest(state)
+    except ManifestMissing as error:
+        raise SubmissionsError(f"{error}: run `stepformer-course grade ... --intake-only` (or grade) first") from None
+    root = Path(manifest["root"])
+    if not (root / "solutions" / assignment).is_dir():
+        raise SubmissionsError(f"the course recorded by the intake, {root}, has no solutions/{assignment} on this "
+                               "machine: workers need the course at the same path as the intake")
+    limits = Limits(**manifest["limits"])
+    take_over_after = _take_over_after(limits) if take_over_after is None else take_over_after
+    students = [entry["student"] for entry in manifest["students"] if entry["grade"]]
+    claims = claims_folder(state, manifest["run"])
+    workers = max(1, workers or os.cpu_count() or 1)
+    left = len(set(students) - finished(state / "done"))
+    # The sandbox's kernel is this machine's own (its Python, its home to hide), in a folder of this worker's.
+    with tempfile.TemporaryDirectory(prefix="stepformer-kernels-") as jupyter:
+        kernel = None
+        if manifest["sandbox"]:
+            _sandbox_ready()
+            kernel = _sandbox_kernel(Path(jupyter), limits, [*map(Path, manifest["hidden"]), root, workdir])
+        env = dict(os.environ, JUPYTER_PATH=os.pathsep.join([jupyter, os.environ.get("JUPYTER_PATH", "")]))
+        with tqdm(total=min(left, limit) if limit is not None else left, desc=f"grading {assignment}",
+                  unit="student", disable=not progress) as bar:
+
+            def grade_one(student: str) -> None:
+                _run_worker(root, workdir, assignment, student, limits, kernel, env, state)
+                bar.update()
+
+            budget = Budget(limit)
+            with ThreadPoolExecutor(workers) as pool:
+                jobs = [pool.submit(pull, claims, state / "done", students, grade_one, worker=worker_name(i),
+                                    take_over_after=take_over_after, budget=budget) for i in range(workers)]
+                return [student for job in jobs for student in job.result()]
+
+
+# --- Phase 3, finish: manual scores back, then grades.csv and the feedback of everyone in the manifest. ---
+
+def grade_finish(workdir: Path, assignment: str, out: Path | None = None, *,
+                 progress: bool = True) -> list[StudentResult]:
+    """Merge what the workers did: restore the manual scores, write ``grades.csv`` and copy the feedback.
+
+    A student of the manifest whose grading has not ended (no worker claimed them yet, or a worker holds
+    them or died holding them) is listed as ``not-graded``, saying which; run ``grade-worker`` again and
+    then this again: nothing is lost.
+    """
+    workdir = workdir.resolve()
+    state = _state(workdir, assignment)
+    try:
+        manifest = read_manifest(state)
+    except ManifestMissing as error:
+        raise SubmissionsError(f"{error}: nothing to finish") from None
+    root, out = Path(manifest["root"]), (out or Path(manifest["out"])).resolve()
+    intakes = [Intake(e["student"], problems=e["problems"], status=e["status"], timestamp=e.get("timestamp"),
+                      lms=e.get("lms") or {}) for e in manifest["students"]]
+    to_grade = [e for e in manifest["students"] if e["grade"]]
+    over = finished(state / "done")
+    graded = [e["student"] for e in to_grade if e["student"] in over]
+    unfinished = {e["student"] for e in to_grade} - over
+    from stepformer.course.worker import write_done
+
+    if manifest["kind"] == "course":
+        # What was graded: a newer collected submission is graded again.
+        for entry in to_grade:
+            if entry["student"] in over:
+                write_done(state, {**_done(state, entry["student"]), "timestamp": entry["timestamp"]})
+        kept: dict[str, list[str]] = {}
+    else:
+        graded_at = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        for entry in to_grade:
+            done = _done(state, entry["student"])
+            if entry["student"] in over and "digests" not in done:
+                # What was graded, so that the next intake can tell a changed hand-in from the same one.
+                write_done(state, {**done, "digests": entry.get("digests") or {}, "timestamp": entry["timestamp"],
+                                   "graded_at": graded_at, "lms": entry.get("lms") or {},
+                                   "reason": entry.get("reason")})
+        kept = _restore_overrides(root, workdir, assignment, graded)
+    # Manual scores and comments are back: from here on the feedback shows what grades.csv shows.
+    results = _collect(root, workdir, state, assignment, [i for i in intakes if i.student not in unfinished], kept)
     _feedback(root, workdir, assignment, results, out, progress)
+    if unfinished:
+        results = _with_unfinished(root, workdir, state, manifest, results, unfinished)
+    if manifest["kind"] == "course":
+        from stepformer.course.feedback import course_config_note
+
+        if note := course_config_note(workdir):
+            print(note, file=sys.stderr)
     _write_outputs(workdir, assignment, results, out)
     for path in write_lms_feedback(out, assignment, [(i.student, i.lms) for i in intakes if i.lms]):
         print(f"feedback for the LMS's bulk upload: {path}", file=sys.stderr)
@@ -381,6 +559,22 @@ def _earlier_spelling(state: Path, intake: Intake) -> None:
         intake.student = earlier[0]
 
 
+def _with_unfinished(root: Path, workdir: Path, state: Path, manifest: dict, results: list[StudentResult],
+                     unfinished: set[str]) -> list[StudentResult]:
+    """``results`` with a ``not-graded`` row for each student in ``unfinished``, in the manifest's order."""
+    with _gradebook(root, workdir) as gb:
+        max_score = gb.find_assignment(manifest["assignment"]).max_score
+    held = latest_claims(claims_folder(state, manifest["run"]), skip=finished(state / "done"))
+    by_student = {r.student: r for r in results}
+    for student in unfinished:
+        log = state / "logs" / f"{student}.log"
+        where = f"{held[student].describe()}, no result yet" if student in held else "no worker has claimed it yet"
+        by_student[student] = StudentResult(student, max_score=max_score, status="not-graded", detail=(
+            f"not graded: {where}" + (f" (see {log})" if log.is_file() else "")
+            + "; run grade-worker again, then grade-finish"))
+    return [by_student[e["student"]] for e in manifest["students"] if e["student"] in by_student]
+
+
 def grade_course(root: Path, course: Path, assignment: str, out: Path, *, workers: int | None = None,
                  sandbox: bool = True, limits: Limits | None = None, fresh: bool = False, progress: bool = True,
                  only: list[str] | None = None) -> list[StudentResult]:
@@ -392,7 +586,16 @@ def grade_course(root: Path, course: Path, assignment: str, out: Path, *, worker
     ``nbgrader autograde`` and ``generate_feedback`` do (so formgrader, ``release_feedback`` and the late
     penalty work as usual), and keeps its own bookkeeping in ``.stepformer-grader/``; nothing else there
     is written or deleted. A student is graded again when a newer submission has been collected.
+    The same three phases as :func:`grade`, with :func:`course_intake` first.
     """
+    manifest = course_intake(root, course, assignment, out, sandbox=sandbox, limits=limits, fresh=fresh, only=only)
+    grade_work(Path(manifest["workdir"]), assignment, workers=workers, progress=progress)
+    return grade_finish(Path(manifest["workdir"]), assignment, progress=progress)
+
+
+def course_intake(root: Path, course: Path, assignment: str, out: Path, *, sandbox: bool = True,
+                  limits: Limits | None = None, fresh: bool = False, only: list[str] | None = None) -> dict:
+    """Phase 1 in an nbgrader course folder: the collected students to grade, as a manifest."""
     from nbgrader.api import MissingEntry
 
     warnings.filterwarnings("ignore", message=".*not in session.*")  # nbgrader's own, harmless
@@ -416,8 +619,8 @@ def grade_course(root: Path, course: Path, assignment: str, out: Path, *, worker
     if not students:
         raise SubmissionsError(f"{course / 'submitted'}: nobody has a collected {assignment}")
     limits = limits or Limits()
+    _refuse_while_claimed(course, assignment)
     state = _state(course, assignment)
-    kernel = _sandbox_kernel(state, limits, [root, course, out]) if sandbox else None
     stamps = {s: _read_timestamp(course / "submitted" / s / assignment) for s in students}
     pending = []
     for student in students:
@@ -426,20 +629,9 @@ def grade_course(root: Path, course: Path, assignment: str, out: Path, *, worker
         with _gradebook(root, course) as gb:
             gb.update_or_create_student(student)
         pending.append(student)
-    _run_all(root, course, state, assignment, pending, limits, kernel, workers, progress)
-    from stepformer.course.worker import write_done
-
-    for student in pending:
-        if done := _done(state, student):
-            write_done(state, {**done, "timestamp": stamps[student]})
-    results = _collect(root, course, state, assignment, [Intake(s, status="ok") for s in students], {})
-    _feedback(root, course, assignment, results, out, progress)
-    _write_outputs(course, assignment, results, out)
-    from stepformer.course.feedback import course_config_note
-
-    if note := course_config_note(course):
-        print(note, file=sys.stderr)
-    return results
+    return _start_run(root, course, assignment, out, "course", sandbox, limits, [root, course, out],
+                      [{"student": s, "status": "ok", "problems": [], "timestamp": stamps[s], "grade": s in pending}
+                       for s in students])
 
 
 def _feedback(root: Path, folder: Path, assignment: str, results: list[StudentResult], out: Path,
@@ -466,19 +658,6 @@ def _read_timestamp(folder: Path) -> str | None:
     return path.read_text(errors="replace").strip()[:64] if path.is_file() else None
 
 
-def _run_all(root: Path, workdir: Path, state: Path, assignment: str, students: list[str], limits: Limits,
-             kernel: str | None, workers: int | None, progress: bool) -> None:
-    """Grade ``students``, ``workers`` at a time, each in a process of its own."""
-    workers = max(1, workers or os.cpu_count() or 1)
-    jupyter = str(state / "jupyter")
-    env = dict(os.environ, JUPYTER_PATH=os.pathsep.join([jupyter, os.environ.get("JUPYTER_PATH", "")]))
-    with ThreadPoolExecutor(workers) as pool:
-        jobs = [pool.submit(_run_worker, root, workdir, assignment, s, limits, kernel, env, state) for s in students]
-        for job in tqdm(as_completed(jobs), total=len(jobs), desc=f"grading {assignment}", unit="student",
-                        disable=not progress):
-            job.result()
-
-
 def _sandbox_ready() -> None:
     if problem := sandbox_problem():
         raise SandboxUnavailable(
@@ -487,10 +666,10 @@ def _sandbox_ready() -> None:
         )
 
 
-def _sandbox_kernel(state: Path, limits: Limits, hidden: list[Path]) -> str:
-    """The sandboxed kernel's name; ``hidden`` are the folders it must not see."""
-    return install_kernelspec(state / "jupyter" / "kernels", limits=limits,
-                              hidden=[p for p in hidden if p != Path(p.anchor)])
+def _sandbox_kernel(jupyter: Path, limits: Limits, hidden: list[Path]) -> str:
+    """The sandboxed kernel's name, its spec in ``jupyter/kernels``; ``hidden`` are the folders it must not see."""
+    return install_kernelspec(jupyter / "kernels", limits=limits,
+                              hidden=sorted({p.resolve() for p in hidden if p != Path(p.anchor)}))
 
 
 def _done(state: Path, student: str) -> dict:
@@ -534,8 +713,7 @@ def _run_worker(root: Path, workdir: Path, assignment: str, student: str, limits
             "--limits", json.dumps(dataclasses.asdict(limits)), "--state", str(state)]
     if kernel:
         argv += ["--kernel", kernel]
-    # The worker's own limit: every notebook's budget plus kernel starts and the re-check.
-    wall = limits.notebook_seconds * 2 + 120
+    wall = _worker_seconds(limits)
     log = state / "logs" / f"{student}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -640,7 +818,7 @@ def summary_table(results: list[StudentResult]) -> str:
 def grade_command(root: Path, submissions: Path | None, assignment: str | None, out: Path, workdir: Path | None, *,
                   workers: int | None = None, sandbox: bool = True, roster: Path | None = None,
                   fresh: bool = False, only: list[str] | None = None, limits: Limits | None = None,
-                  course: Path | None = None, due: str | None = None) -> int:
+                  course: Path | None = None, due: str | None = None, intake_only: bool = False) -> int:
     try:
         if (submissions is None) == (course is None):
             raise SubmissionsError("give either the submissions (a folder or a .zip) or --course DIR (an nbgrader "
@@ -651,6 +829,9 @@ def grade_command(root: Path, submissions: Path | None, assignment: str | None, 
             if due or roster or workdir:
                 raise SubmissionsError("with --course, the due date, the roster and the folders are the course's "
                                        "own (nbgrader db assignment add --duedate, nbgrader db student add)")
+            if intake_only:
+                return _print_intake(course_intake(root, course, assignment, out, sandbox=sandbox, fresh=fresh,
+                                                   only=only, limits=limits), "--course")
             results = grade_course(root, course, assignment, out, workers=workers, sandbox=sandbox, fresh=fresh,
                                    only=only, limits=limits)
         else:
@@ -659,14 +840,71 @@ def grade_command(root: Path, submissions: Path | None, assignment: str | None, 
                     assignment = infer_assignment(submissions, notebook_names(root), Path(scratch))
                 print(f"assignment: {assignment} (every submitted notebook is one of its notebooks)", file=sys.stderr)
             workdir = (workdir or root / "autograder" / "work" / "grading").resolve()
-            results = grade(root, submissions.resolve(), assignment, out, workdir, workers=workers, sandbox=sandbox,
-                            roster=load_roster(roster) if roster else None, fresh=fresh, only=only,
-                            limits=limits, due=parse_due(due) if due else None)
+            options = dict(sandbox=sandbox, roster=load_roster(roster) if roster else None, fresh=fresh, only=only,
+                           limits=limits, due=parse_due(due) if due else None)
+            if intake_only:
+                return _print_intake(grade_intake(root, submissions.resolve(), assignment, out, workdir, **options),
+                                     "--workdir")
+            results = grade(root, submissions.resolve(), assignment, out, workdir, workers=workers, **options)
     except (SubmissionsError, SandboxUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    _print_results(results, out, assignment)
+    return 0
+
+
+def _print_intake(manifest: dict, folder_option: str) -> int:
+    """What the intake wrote, and the two commands that follow it."""
+    to_grade = sum(e["grade"] for e in manifest["students"])
+    folder, assignment = manifest["workdir"], manifest["assignment"]
+    print(f"{len(manifest['students'])} students, {to_grade} to grade: "
+          f"{Path(folder) / '.stepformer-grader' / assignment / 'manifest.json'}\n"
+          f"next, as many at once as you like, on any machine that shares {folder}:\n"
+          f"  stepformer-course grade-worker {folder_option} {folder} --assignment {assignment}\n"
+          f"then, once: stepformer-course grade-finish {folder_option} {folder} --assignment {assignment}")
+    return 0
+
+
+def _print_results(results: list[StudentResult], out: Path, assignment: str) -> None:
     print(summary_table(results))
     print(f"\ngrades: {out.resolve() / 'grades.csv'}\nfeedback: {out.resolve() / 'feedback'}/<student>/{assignment}/")
+
+
+def grade_worker_command(workdir: Path, assignment: str, *, workers: int | None = 1, limit: int | None = None,
+                         take_over_after: float | None = None, progress: bool = True) -> int:
+    """``stepformer-course grade-worker``: pull and grade students of the manifest until none is left."""
+    try:
+        graded = grade_work(workdir, assignment, workers=workers, limit=limit, take_over_after=take_over_after,
+                            progress=progress)
+    except (SubmissionsError, SandboxUnavailable) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except RunReplaced as error:
+        print(f"stopped: {error}; start the workers again for the new run", file=sys.stderr)
+        return 3
+    state = _state(workdir.resolve(), assignment)
+    manifest = read_manifest(state)
+    to_grade = {e["student"] for e in manifest["students"] if e["grade"]}
+    left = to_grade - finished(state / "done")
+    print(f"this worker graded {len(graded)} student(s); {len(to_grade) - len(left)} of {len(to_grade)} finished, "
+          f"{len(left)} still claimed by workers or waiting" + ("" if left else "; next: grade-finish"))
+    return 0
+
+
+def grade_finish_command(workdir: Path, assignment: str, out: Path | None = None) -> int:
+    """``stepformer-course grade-finish``: grades.csv and the feedback; exit 1 while some student is not graded."""
+    try:
+        results = grade_finish(workdir, assignment, out)
+    except SubmissionsError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    out = out or Path(read_manifest(_state(workdir.resolve(), assignment))["out"])
+    _print_results(results, out, assignment)
+    missing = [r.student for r in results if r.status == "not-graded"]
+    if missing:
+        print(f"\n{len(missing)} student(s) not graded yet (status not-graded): run grade-worker again, then "
+              "grade-finish", file=sys.stderr)
+        return 1
     return 0
 
 

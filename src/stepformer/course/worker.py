@@ -1,7 +1,8 @@
 """Grade one student, in a process of its own: ``python -m stepformer.course.worker ARGS``.
 
-The grading command starts one worker per student, so a submission that brings a worker down
-(or outlasts its time) costs only that student, and W workers grade W students at once.
+The grading command (or ``grade-worker``) starts one of these per student it claimed, so a
+submission that brings a worker down (or outlasts its time) costs only that student, and W
+workers grade W students at once.
 The worker autogrades with nbgrader (student code in the sandbox kernel), re-checks every
 graded cell in its own process (``trusted``), lowers the points that the re-check or the
 own-work rule refuse, and last of all writes ``done/<student>.json``:
@@ -203,8 +204,28 @@ def write_done(state: Path, result: dict) -> None:
     os.replace(tmp, done / f"{result['student']}.json")
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent ends.
+
+    The parent is the forkserver, which ends with the grading command: a command that is killed
+    (a cluster job past its time, kill -9) must not leave a grading process behind, still writing
+    the gradebook, once another worker has taken its claim over. Elsewhere this does nothing.
+    """
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent ended before the request was made
+        os._exit(1)
+
+
 def run_logged(argv: list[str], env: dict[str, str], log: Path) -> None:
     """``main(argv)`` in a forked worker: the grader's environment, all output to ``log``."""
+    _die_with_parent()
     os.environ.clear()
     os.environ.update(env)
     # Appended: a student graded again (after an error) keeps the log of every attempt.
