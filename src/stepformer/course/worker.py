@@ -198,7 +198,7 @@ def _last_error(result: dict) -> str:
 def write_done(state: Path, result: dict) -> None:
     """Atomically: a half-written file must never mark a student as finished."""
     done = state / "done"
-    done.mkdir(exist_ok=True)
+    done.mkdir(parents=True, exist_ok=True)
     tmp = done / f".{result['student']}.json.tmp"
     tmp.write_text(json.dumps(result, indent=1))
     os.replace(tmp, done / f"{result['student']}.json")
