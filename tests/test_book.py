@@ -285,6 +285,129 @@ def test_the_open_edition_shows_the_answers_that_the_class_edition_hides(built: 
         assert answer in shown, answer
 
 
+# Try first, then see. Per code block of a chapter page: its text, whether a reader sees it without a click, and
+# the links of the chapter's "Exercise" section that come before it in the document.
+CODE_AND_EXERCISE_LINKS = """(article) => {
+    const section = article.querySelector("section#exercise");
+    const links = section ? Array.from(section.querySelectorAll("a[href]")) : [];
+    return Array.from(article.querySelectorAll("pre")).map((pre) => ({
+        text: pre.textContent,
+        visible: pre.checkVisibility({visibilityProperty: true, opacityProperty: true}),
+        after: links.filter((a) => a.compareDocumentPosition(pre) & Node.DOCUMENT_POSITION_FOLLOWING)
+                    .map((a) => a.getAttribute("href")),
+    }));
+}"""
+# Opens each collapsed block (<details>) that holds a hidden code block with an answer's line, as a reader's
+# click on its summary does, and says whether every such code block is visible then.
+OPEN_AND_SEE = """(article, indices) => {
+    const blocks = Array.from(article.querySelectorAll("pre"));
+    for (const i of indices) {
+        const summary = blocks[i].closest("details")?.querySelector(":scope > summary");
+        if (summary && !blocks[i].checkVisibility()) summary.click();
+    }
+    return indices.filter((i) => !blocks[i].checkVisibility());
+}"""
+CHAPTER = re.compile(r"book/\d\d_\w+\.html$")
+TRY_FIRST = "Try first, then see"  # what a chapter says once, near its top
+
+
+@pytest.mark.browser
+def test_graded_code_is_folded_after_its_exercise(server: str) -> None:
+    """On every chapter page no line of a graded function's body is visible before a click, each block
+    holding one comes after the link to its exercise in the chapter's "Exercise" section, and one click opens it."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.fixtures.answers import ANSWERS, answer_lines, body_lines
+
+    lines = answer_lines()
+    # Each line -> the exercise pages ("01_attention/attention.html") of every graded function that holds it.
+    exercises: dict[str, set[str]] = {line: set() for line in lines}
+    for name, answer in ANSWERS.items():
+        for line in body_lines(name) & lines.keys():
+            exercises[line].add(f"{answer.assignment}/{Path(answer.notebook).stem}.html")
+    chapters = [path for path in PAGES if CHAPTER.match(path)]
+    problems, folded = [], 0
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.set_default_timeout(30_000)
+            for path in chapters:
+                page.goto(f"{server}/{path}", wait_until="load")
+                article = page.query_selector("article.bd-article")
+                hidden = []
+                for i, block in enumerate(article.evaluate(CODE_AND_EXERCISE_LINKS)):
+                    given = [line.strip() for line in block["text"].splitlines() if line.strip() in lines]
+                    if not given:
+                        continue
+                    if block["visible"]:
+                        problems.append(f"{path}: visible before a click, {lines[given[0]]}'s line {given[0]!r}")
+                    else:
+                        hidden.append(i)
+                    after = {"/".join(urlsplit(href).path.split("/")[-2:]) for href in block["after"]}
+                    # A line that two answers share (a softmax over the keys, say) may follow either's exercise.
+                    late = [line for line in given if not exercises[line] & after]
+                    if late:
+                        problems.append(f"{path}: {lines[late[0]]}'s line {late[0]!r} comes before the link to "
+                                        f"its exercise ({' or '.join(sorted(exercises[late[0]]))}) in the "
+                                        "Exercise section")
+                folded += len(hidden)
+                if hidden and article.inner_text().count(TRY_FIRST) != 1:
+                    problems.append(f"{path}: folds graded code but does not say once, {TRY_FIRST!r}")
+                if hidden and (closed := article.evaluate(OPEN_AND_SEE, hidden)):
+                    problems.append(f"{path}: {len(closed)} folded code blocks do not open with a click")
+        finally:
+            browser.close()
+    assert not problems, "\n".join(problems)
+    assert folded >= 40, f"only {folded} folded code blocks with a graded body were found on {len(chapters)} chapters"
+
+
+def words(text: str) -> str:
+    """The words of a text (three letters or more), as one string: Markdown and its HTML compare equal."""
+    return " " + " ".join(re.findall(r"[A-Za-z]{3,}", text)) + " "
+
+
+def solution_rubrics() -> dict[tuple[str, str], str]:
+    """(exercise page, grade_id) -> the rubric of each answer graded by hand, read from solutions/."""
+    import nbformat
+
+    from stepformer.course.edition import rubrics
+
+    return {(f"exercises/{path.parent.name}/{path.stem}.html", grade_id): rubric
+            for path in sorted((REPO / "solutions").glob("*/*.ipynb"))
+            for grade_id, rubric in rubrics(nbformat.read(path, as_version=4)).items()}
+
+
+CLOSED_DETAILS = re.compile(r"<details\b(?![^>]*\bopen\b)[^>]*>(.*?)</details>", re.DOTALL)
+
+
+def test_each_rubric_is_folded_after_its_answer(built: Path) -> None:
+    """Self-learners can grade their own "prediction, checked" answers: on the exercise page, right after the
+    answer's cell, a collapsed block holds the rubric from solutions/, and the rubric is nowhere else on the page."""
+    marks = solution_rubrics()
+    assert len(marks) >= 13
+    problems = []
+    for (path, grade_id), rubric in marks.items():
+        html = (built / path).read_text(encoding="utf-8")
+        wanted = words(rubric)
+        folded = [m for m in CLOSED_DETAILS.finditer(html) if wanted in words(page_text_of(m.group(1)))]
+        if not folded:
+            problems.append(f"{path}: no collapsed block holds the rubric of {grade_id}")
+            continue
+        before = page_text_of(html[:folded[0].start()])
+        if not before.rstrip().endswith("YOUR ANSWER HERE"):
+            problems.append(f"{path}: the rubric of {grade_id} does not follow the answer's cell")
+        if words(page_text_of(html)).count(wanted) != len(folded):
+            problems.append(f"{path}: the rubric of {grade_id} is also shown outside its collapsed block")
+    assert not problems, "\n".join(problems)
+
+
+def page_text_of(html: str) -> str:
+    import html as entities
+
+    return entities.unescape(re.sub(r"<[^>]+>", "", html))
+
+
 # Every page of the site as readers and students meet it: links, figures, search, the buttons of an
 # exercise page, the console, a phone's screen. Links and images are read from the HTML files; the rest
 # runs in Chromium against the site served over HTTP.
@@ -509,6 +632,7 @@ def test_no_page_logs_a_console_error(phone_visits: dict[str, Visit]) -> None:
 def test_every_page_reads_on_a_phone_without_scrolling_sideways(phone_visits: dict[str, Visit]) -> None:
     wide = [f"{path}: {line}" for path, visit in phone_visits.items() for line in visit.overflow[:5]]
     assert not wide, f"at {PHONE['width']}px wide:\n" + "\n".join(wide[:40])
+
 
 
 # Sphinx's search page writes its summary ("Search finished, found ...") once the results are listed.
