@@ -537,6 +537,7 @@ class Visit:
 
     console: list[str]
     overflow: list[str]
+    figures: list[dict[str, Any]]
 
 
 # At a phone's width, what makes the reader scroll sideways: the page itself wider than the screen,
@@ -563,10 +564,51 @@ OVERFLOW = """() => {
         if (over > 1) found.push(`${e.tagName.toLowerCase()} sticks out by ${Math.round(over)}px: ` +
                                  JSON.stringify(e.textContent.trim().slice(0, 70)));
     }
+    // Math (MathJax's mjx-container, inline or display) that is cut off: its box sticks out of a box that
+    // hides what overflows before any box that scrolls holds it, or out of the screen with no box to scroll.
+    const mathText = (e) => {
+        const mml = e.querySelector("mjx-assistive-mml");
+        return JSON.stringify((mml ? mml.textContent : e.textContent).trim().slice(0, 70));
+    };
+    for (const e of article.querySelectorAll("mjx-container")) {
+        const box = e.getBoundingClientRect();
+        if (box.width === 0 && box.height === 0) continue;
+        let cut = 0, scrolls = false;
+        for (let p = e.parentElement; p && p !== document.documentElement; p = p.parentElement) {
+            const o = getComputedStyle(p).overflowX;
+            if (o === "auto" || o === "scroll") { scrolls = true; break; }
+            if (o === "hidden" || o === "clip") {
+                const edge = p.getBoundingClientRect();
+                cut = Math.max(box.right - edge.right, edge.left - box.left);
+                if (cut > 1) break;
+            }
+        }
+        if (cut <= 1 && !scrolls) cut = box.right - width;
+        if (cut > 1) found.push(`math cut off by ${Math.round(cut)}px: ${mathText(e)}`);
+    }
     return found;
 }"""
 
+# At a phone's width, each figure of a cell's output and the size it is shown at against its own (a figure
+# shrunk to a third of its size has tick labels 3px tall).
+FIGURE_SCALES = """() => Array.from(document.querySelectorAll("article.bd-article .cell_output img"))
+    .filter((img) => img.complete && img.naturalWidth > 0)
+    .map((img) => ({src: img.getAttribute("src"), alt: img.alt, natural: img.naturalWidth,
+                    scale: img.getBoundingClientRect().width / img.naturalWidth}))"""
+# Below this a figure's text is too small to read: shown at half its size, a 10px label is 5px tall.
+LEGIBLE_SCALE = 0.5
+
 HAS_MATH = "() => document.querySelector('.math') !== null"
+# Images below the fold may be lazy: load them all (15 s at most) so that their sizes are known.
+EAGER_IMAGES = """async () => {
+    const imgs = Array.from(document.querySelectorAll("article.bd-article img"));
+    imgs.forEach((img) => { img.loading = "eager"; });
+    const loaded = (img) => img.complete ? null : new Promise((done) => {
+        img.addEventListener("load", done);
+        img.addEventListener("error", done);
+    });
+    await Promise.race([Promise.all(imgs.map(loaded)), new Promise((done) => setTimeout(done, 15000))]);
+}"""
 # Console errors of the theme's own versions (pinned by Jupyter Book 1), harmless to readers, each matched exactly.
 KNOWN_CONSOLE_ERRORS = {
     # Sphinx 7.4 writes sphinx-thebe's configuration script twice (an asset registered with filename None is not
@@ -603,7 +645,8 @@ def phone_visits(server: str, built: Path) -> dict[str, Visit]:
                 if page.evaluate(HAS_MATH):
                     page.wait_for_function(MATHJAX_READY)
                     page.evaluate("MathJax.startup.promise")
-                visits[path] = Visit(list(console), page.evaluate(OVERFLOW))
+                page.evaluate(EAGER_IMAGES)
+                visits[path] = Visit(list(console), page.evaluate(OVERFLOW), page.evaluate(FIGURE_SCALES))
         finally:
             browser.close()
     return visits
@@ -630,9 +673,19 @@ def test_no_page_logs_a_console_error(phone_visits: dict[str, Visit]) -> None:
 
 @pytest.mark.browser
 def test_every_page_reads_on_a_phone_without_scrolling_sideways(phone_visits: dict[str, Visit]) -> None:
+    """Nothing makes the page scroll sideways, no text sticks out of its box, no equation is cut off."""
     wide = [f"{path}: {line}" for path, visit in phone_visits.items() for line in visit.overflow[:5]]
     assert not wide, f"at {PHONE['width']}px wide:\n" + "\n".join(wide[:40])
 
+
+@pytest.mark.browser
+def test_figures_stay_legible_on_a_phone(phone_visits: dict[str, Visit]) -> None:
+    """At a phone's width a wide figure is not shrunk below half its size (it scrolls inside its box instead)."""
+    figures = [(path, figure) for path, visit in phone_visits.items() for figure in visit.figures]
+    assert len(figures) >= 3 * len([p for p in PAGES if CHAPTER.match(p)])
+    small = [f"{path}: {figure['alt'][:60]!r} ({figure['natural']}px) shown at {figure['scale']:.2f} of its size"
+             for path, figure in figures if figure["scale"] < LEGIBLE_SCALE]
+    assert not small, f"at {PHONE['width']}px wide, {len(small)} figures too small to read:\n" + "\n".join(small[:40])
 
 
 # Sphinx's search page writes its summary ("Search finished, found ...") once the results are listed.
