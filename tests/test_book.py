@@ -285,6 +285,129 @@ def test_the_open_edition_shows_the_answers_that_the_class_edition_hides(built: 
         assert answer in shown, answer
 
 
+# Try first, then see. Per code block of a chapter page: its text, whether a reader sees it without a click, and
+# the links of the chapter's "Exercise" section that come before it in the document.
+CODE_AND_EXERCISE_LINKS = """(article) => {
+    const section = article.querySelector("section#exercise");
+    const links = section ? Array.from(section.querySelectorAll("a[href]")) : [];
+    return Array.from(article.querySelectorAll("pre")).map((pre) => ({
+        text: pre.textContent,
+        visible: pre.checkVisibility({visibilityProperty: true, opacityProperty: true}),
+        after: links.filter((a) => a.compareDocumentPosition(pre) & Node.DOCUMENT_POSITION_FOLLOWING)
+                    .map((a) => a.getAttribute("href")),
+    }));
+}"""
+# Opens each collapsed block (<details>) that holds a hidden code block with an answer's line, as a reader's
+# click on its summary does, and says whether every such code block is visible then.
+OPEN_AND_SEE = """(article, indices) => {
+    const blocks = Array.from(article.querySelectorAll("pre"));
+    for (const i of indices) {
+        const summary = blocks[i].closest("details")?.querySelector(":scope > summary");
+        if (summary && !blocks[i].checkVisibility()) summary.click();
+    }
+    return indices.filter((i) => !blocks[i].checkVisibility());
+}"""
+CHAPTER = re.compile(r"book/\d\d_\w+\.html$")
+TRY_FIRST = "Try first, then see"  # what a chapter says once, near its top
+
+
+@pytest.mark.browser
+def test_graded_code_is_folded_after_its_exercise(server: str) -> None:
+    """On every chapter page no line of a graded function's body is visible before a click, each block
+    holding one comes after the link to its exercise in the chapter's "Exercise" section, and one click opens it."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.fixtures.answers import ANSWERS, answer_lines, body_lines
+
+    lines = answer_lines()
+    # Each line -> the exercise pages ("01_attention/attention.html") of every graded function that holds it.
+    exercises: dict[str, set[str]] = {line: set() for line in lines}
+    for name, answer in ANSWERS.items():
+        for line in body_lines(name) & lines.keys():
+            exercises[line].add(f"{answer.assignment}/{Path(answer.notebook).stem}.html")
+    chapters = [path for path in PAGES if CHAPTER.match(path)]
+    problems, folded = [], 0
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.set_default_timeout(30_000)
+            for path in chapters:
+                page.goto(f"{server}/{path}", wait_until="load")
+                article = page.query_selector("article.bd-article")
+                hidden = []
+                for i, block in enumerate(article.evaluate(CODE_AND_EXERCISE_LINKS)):
+                    given = [line.strip() for line in block["text"].splitlines() if line.strip() in lines]
+                    if not given:
+                        continue
+                    if block["visible"]:
+                        problems.append(f"{path}: visible before a click, {lines[given[0]]}'s line {given[0]!r}")
+                    else:
+                        hidden.append(i)
+                    after = {"/".join(urlsplit(href).path.split("/")[-2:]) for href in block["after"]}
+                    # A line that two answers share (a softmax over the keys, say) may follow either's exercise.
+                    late = [line for line in given if not exercises[line] & after]
+                    if late:
+                        problems.append(f"{path}: {lines[late[0]]}'s line {late[0]!r} comes before the link to "
+                                        f"its exercise ({' or '.join(sorted(exercises[late[0]]))}) in the "
+                                        "Exercise section")
+                folded += len(hidden)
+                if hidden and article.inner_text().count(TRY_FIRST) != 1:
+                    problems.append(f"{path}: folds graded code but does not say once, {TRY_FIRST!r}")
+                if hidden and (closed := article.evaluate(OPEN_AND_SEE, hidden)):
+                    problems.append(f"{path}: {len(closed)} folded code blocks do not open with a click")
+        finally:
+            browser.close()
+    assert not problems, "\n".join(problems)
+    assert folded >= 40, f"only {folded} folded code blocks with a graded body were found on {len(chapters)} chapters"
+
+
+def words(text: str) -> str:
+    """The words of a text (three letters or more), as one string: Markdown and its HTML compare equal."""
+    return " " + " ".join(re.findall(r"[A-Za-z]{3,}", text)) + " "
+
+
+def solution_rubrics() -> dict[tuple[str, str], str]:
+    """(exercise page, grade_id) -> the rubric of each answer graded by hand, read from solutions/."""
+    import nbformat
+
+    from stepformer.course.edition import rubrics
+
+    return {(f"exercises/{path.parent.name}/{path.stem}.html", grade_id): rubric
+            for path in sorted((REPO / "solutions").glob("*/*.ipynb"))
+            for grade_id, rubric in rubrics(nbformat.read(path, as_version=4)).items()}
+
+
+CLOSED_DETAILS = re.compile(r"<details\b(?![^>]*\bopen\b)[^>]*>(.*?)</details>", re.DOTALL)
+
+
+def test_each_rubric_is_folded_after_its_answer(built: Path) -> None:
+    """Self-learners can grade their own "prediction, checked" answers: on the exercise page, right after the
+    answer's cell, a collapsed block holds the rubric from solutions/, and the rubric is nowhere else on the page."""
+    marks = solution_rubrics()
+    assert len(marks) >= 13
+    problems = []
+    for (path, grade_id), rubric in marks.items():
+        html = (built / path).read_text(encoding="utf-8")
+        wanted = words(rubric)
+        folded = [m for m in CLOSED_DETAILS.finditer(html) if wanted in words(page_text_of(m.group(1)))]
+        if not folded:
+            problems.append(f"{path}: no collapsed block holds the rubric of {grade_id}")
+            continue
+        before = page_text_of(html[:folded[0].start()])
+        if not before.rstrip().endswith("YOUR ANSWER HERE"):
+            problems.append(f"{path}: the rubric of {grade_id} does not follow the answer's cell")
+        if words(page_text_of(html)).count(wanted) != len(folded):
+            problems.append(f"{path}: the rubric of {grade_id} is also shown outside its collapsed block")
+    assert not problems, "\n".join(problems)
+
+
+def page_text_of(html: str) -> str:
+    import html as entities
+
+    return entities.unescape(re.sub(r"<[^>]+>", "", html))
+
+
 # Every page of the site as readers and students meet it: links, figures, search, the buttons of an
 # exercise page, the console, a phone's screen. Links and images are read from the HTML files; the rest
 # runs in Chromium against the site served over HTTP.
@@ -414,6 +537,7 @@ class Visit:
 
     console: list[str]
     overflow: list[str]
+    figures: list[dict[str, Any]]
 
 
 # At a phone's width, what makes the reader scroll sideways: the page itself wider than the screen,
@@ -440,10 +564,51 @@ OVERFLOW = """() => {
         if (over > 1) found.push(`${e.tagName.toLowerCase()} sticks out by ${Math.round(over)}px: ` +
                                  JSON.stringify(e.textContent.trim().slice(0, 70)));
     }
+    // Math (MathJax's mjx-container, inline or display) that is cut off: its box sticks out of a box that
+    // hides what overflows before any box that scrolls holds it, or out of the screen with no box to scroll.
+    const mathText = (e) => {
+        const mml = e.querySelector("mjx-assistive-mml");
+        return JSON.stringify((mml ? mml.textContent : e.textContent).trim().slice(0, 70));
+    };
+    for (const e of article.querySelectorAll("mjx-container")) {
+        const box = e.getBoundingClientRect();
+        if (box.width === 0 && box.height === 0) continue;
+        let cut = 0, scrolls = false;
+        for (let p = e.parentElement; p && p !== document.documentElement; p = p.parentElement) {
+            const o = getComputedStyle(p).overflowX;
+            if (o === "auto" || o === "scroll") { scrolls = true; break; }
+            if (o === "hidden" || o === "clip") {
+                const edge = p.getBoundingClientRect();
+                cut = Math.max(box.right - edge.right, edge.left - box.left);
+                if (cut > 1) break;
+            }
+        }
+        if (cut <= 1 && !scrolls) cut = box.right - width;
+        if (cut > 1) found.push(`math cut off by ${Math.round(cut)}px: ${mathText(e)}`);
+    }
     return found;
 }"""
 
+# At a phone's width, each figure of a cell's output and the size it is shown at against its own (a figure
+# shrunk to a third of its size has tick labels 3px tall).
+FIGURE_SCALES = """() => Array.from(document.querySelectorAll("article.bd-article .cell_output img"))
+    .filter((img) => img.complete && img.naturalWidth > 0)
+    .map((img) => ({src: img.getAttribute("src"), alt: img.alt, natural: img.naturalWidth,
+                    scale: img.getBoundingClientRect().width / img.naturalWidth}))"""
+# Below this a figure's text is too small to read: shown at half its size, a 10px label is 5px tall.
+LEGIBLE_SCALE = 0.5
+
 HAS_MATH = "() => document.querySelector('.math') !== null"
+# Images below the fold may be lazy: load them all (15 s at most) so that their sizes are known.
+EAGER_IMAGES = """async () => {
+    const imgs = Array.from(document.querySelectorAll("article.bd-article img"));
+    imgs.forEach((img) => { img.loading = "eager"; });
+    const loaded = (img) => img.complete ? null : new Promise((done) => {
+        img.addEventListener("load", done);
+        img.addEventListener("error", done);
+    });
+    await Promise.race([Promise.all(imgs.map(loaded)), new Promise((done) => setTimeout(done, 15000))]);
+}"""
 # Console errors of the theme's own versions (pinned by Jupyter Book 1), harmless to readers, each matched exactly.
 KNOWN_CONSOLE_ERRORS = {
     # Sphinx 7.4 writes sphinx-thebe's configuration script twice (an asset registered with filename None is not
@@ -480,7 +645,8 @@ def phone_visits(server: str, built: Path) -> dict[str, Visit]:
                 if page.evaluate(HAS_MATH):
                     page.wait_for_function(MATHJAX_READY)
                     page.evaluate("MathJax.startup.promise")
-                visits[path] = Visit(list(console), page.evaluate(OVERFLOW))
+                page.evaluate(EAGER_IMAGES)
+                visits[path] = Visit(list(console), page.evaluate(OVERFLOW), page.evaluate(FIGURE_SCALES))
         finally:
             browser.close()
     return visits
@@ -507,8 +673,19 @@ def test_no_page_logs_a_console_error(phone_visits: dict[str, Visit]) -> None:
 
 @pytest.mark.browser
 def test_every_page_reads_on_a_phone_without_scrolling_sideways(phone_visits: dict[str, Visit]) -> None:
+    """Nothing makes the page scroll sideways, no text sticks out of its box, no equation is cut off."""
     wide = [f"{path}: {line}" for path, visit in phone_visits.items() for line in visit.overflow[:5]]
     assert not wide, f"at {PHONE['width']}px wide:\n" + "\n".join(wide[:40])
+
+
+@pytest.mark.browser
+def test_figures_stay_legible_on_a_phone(phone_visits: dict[str, Visit]) -> None:
+    """At a phone's width a wide figure is not shrunk below half its size (it scrolls inside its box instead)."""
+    figures = [(path, figure) for path, visit in phone_visits.items() for figure in visit.figures]
+    assert len(figures) >= 3 * len([p for p in PAGES if CHAPTER.match(p)])
+    small = [f"{path}: {figure['alt'][:60]!r} ({figure['natural']}px) shown at {figure['scale']:.2f} of its size"
+             for path, figure in figures if figure["scale"] < LEGIBLE_SCALE]
+    assert not small, f"at {PHONE['width']}px wide, {len(small)} figures too small to read:\n" + "\n".join(small[:40])
 
 
 # Sphinx's search page writes its summary ("Search finished, found ...") once the results are listed.

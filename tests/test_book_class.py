@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.answers import answer_lines, page_lines, page_text
-from tests.test_book import PAGES, Build, build_book
+from tests.test_book import PAGES, Build, build_book, solution_rubrics, words
 
 pytestmark = pytest.mark.slow
 
@@ -47,3 +47,13 @@ def test_class_site_points_to_each_exercise_and_serves_the_students_package(clas
     assert list((class_site / "_static").glob("stepformer_checks-*-py3-none-any.whl"))
     # No button opens the open edition's notebooks (with their answers) from the class site.
     assert "colab.research.google.com" not in (class_site / "exercises" / "01_attention" / "attention.html").read_text()
+
+
+def test_the_class_site_shows_no_rubric(class_site: Path) -> None:
+    """The rubrics of the answers graded by hand (the open edition folds them after each answer) are left out."""
+    marks = solution_rubrics()
+    assert len(marks) >= 13
+    pages = {path.relative_to(class_site).as_posix(): words(page_text(path)) for path in class_site.rglob("*.html")}
+    shown = [f"{page}: the rubric of {grade_id} ({exercise})" for (exercise, grade_id), rubric in marks.items()
+             for page, text in pages.items() if words(rubric) in text]
+    assert not shown, "\n".join(shown)

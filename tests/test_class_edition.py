@@ -221,3 +221,25 @@ def test_the_class_site_hides_tagged_cells_whatever_the_order_of_their_options()
     assert out.count(stepformer_edition.HIDDEN_NOTE) == 2 and "hide-in-class" not in out
     assert ":tags: [remove-input]\nsecret()" in out and ":tags: [hide-input, remove-input]\nalso_secret()" in out
     assert "```{code-cell} ipython3\nshown()" in out
+
+
+def test_the_open_sites_exercise_pages_fold_each_rubric_after_its_answer():
+    """Each hand-graded answer of an exercise notebook is followed, on the open site, by its rubric from solutions/
+    (without nbgrader's markers) in a folded block; nothing else changes."""
+    from stepformer.course.edition import RUBRIC_TITLE, hand_graded, open_notebook, rubrics
+
+    found = 0
+    for solution_path in sorted((ROOT / "solutions").glob("*/*.ipynb")):
+        solution = nbformat.read(solution_path, as_version=4)
+        exercise = nbformat.read(ROOT / "exercises" / solution_path.parent.name / solution_path.name, as_version=4)
+        marks = rubrics(solution)
+        assert len(marks) == len(hand_graded(solution))
+        shown = open_notebook(exercise, solution)
+        assert len(shown.cells) == len(exercise.cells) + len(marks)
+        for cell in hand_graded(shown):
+            folded = shown.cells[shown.cells.index(cell) + 1].source
+            rubric = marks[cell.metadata["nbgrader"]["grade_id"]]
+            assert folded.startswith(f"::::{{stepformer-folded}} {RUBRIC_TITLE}\n") and rubric in folded
+            assert "BEGIN SOLUTION" not in folded and "END SOLUTION" not in folded
+            found += 1
+    assert found >= 13

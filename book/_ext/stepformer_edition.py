@@ -1,4 +1,13 @@
-"""The book's two editions: ``open`` (the default, answers shown) and ``class`` (no graded code).
+"""The book's two editions: ``open`` (the default, answers folded after the exercise) and ``class`` (no graded code).
+
+In the open edition, a graded object's code (a ``literalinclude`` of a function or class that an exercise
+asks students to write) and the code of a chapter cell tagged ``hide-in-class`` are folded into
+collapsed blocks ("The library's version of ... (open after exercise N)") placed at the end of the
+chapter's "Exercise" section, after the link to the exercise; where the code stood, a line points there,
+and a tip at the end of the chapter's opening says once to do the exercise first. The same list of graded
+objects (:func:`stepformer.course.edition.graded_answers`) drives both editions. The open edition's exercise
+pages also fold, after each answer graded by hand, its rubric, read from ``solutions/`` at build time
+(:func:`stepformer.course.edition.open_notebook`); the class edition leaves the rubrics out.
 
 ``STEPFORMER_EDITION=class`` (``make book EDITION=class``) builds the class edition:
 
@@ -18,15 +27,18 @@ import functools
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import nbformat
 from docutils import nodes
+from sphinx import addnodes
 from sphinx.application import Sphinx
 from sphinx.config import Config
 from sphinx.directives.code import LiteralInclude
 from sphinx.errors import ExtensionError
+from sphinx.util.docutils import SphinxDirective
 
-from stepformer.course.edition import build_student_dist, class_notebook, graded_answers, wheel_name
+from stepformer.course.edition import build_student_dist, class_notebook, graded_answers, open_notebook, wheel_name
 
 EDITIONS = ("open", "class")
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,13 +49,39 @@ def _answers() -> dict:
     return graded_answers(ROOT)
 
 
+class answer_block(nodes.General, nodes.Element):  # noqa: N801 (docutils names its node classes so)
+    """A collapsed block (HTML ``<details>``) holding code that gives an exercise's answer away.
+
+    Attributes: ``title`` (its summary line), ``order`` (where it goes among the chapter's blocks).
+    """
+
+
+def _visit_answer_html(self: Any, node: answer_block) -> None:
+    self.body.append(self.starttag(node, "details", CLASS="stepformer-answer"))
+    self.body.append(f"<summary>{self.encode(node['title'])}</summary>\n")
+
+
+def _depart_answer_html(self: Any, node: answer_block) -> None:
+    self.body.append("</details>\n")
+
+
+def _pass(self: Any, node: nodes.Node) -> None:
+    pass
+
+
+def _number(answer: Any) -> int:
+    found = re.match(r"ex(\d+)", answer.grade_id)
+    return int(found.group(1)) if found else 0
+
+
 class GradedLiteralInclude(LiteralInclude):
-    """``literalinclude``, except that in the class edition a graded object's code becomes a note."""
+    """``literalinclude``, except for a graded object's code: folded after the exercise in the open edition,
+    a note naming the exercise in the class edition."""
 
     def run(self) -> list[nodes.Node]:
         config = self.env.config
         target = self.options.get("pyobject")
-        if config.stepformer_edition != "class" or not target:
+        if not target:
             return super().run()
         path = Path(self.env.relfn2path(self.arguments[0])[1]).resolve()
         try:
@@ -53,10 +91,105 @@ class GradedLiteralInclude(LiteralInclude):
         answer = _answers().get(f"{module}.{target}")
         if answer is None:
             return super().run()
+        if config.stepformer_edition != "class":
+            return self._folded(target, answer)
         note = nodes.note()
         note += nodes.paragraph(
             text=f"The code of {target} is not shown in this edition: writing it is {answer.exercise}.")
         return [note]
+
+    def _folded(self, target: str, answer: Any) -> list[nodes.Node]:
+        """The open edition: a line that points to the block, and the block (moved after the exercise later)."""
+        number = _number(answer)
+        block = answer_block(title=f"The library's version of {target} (open after exercise {number})",
+                             order=(number, target))
+        block["ids"].append(nodes.make_id(f"library-{target}"))
+        block.extend(super().run())
+        pointer = nodes.paragraph()
+        pointer += nodes.Text("The library's version of ")
+        pointer += nodes.literal(text=target)
+        pointer += nodes.Text(f" is folded after exercise {number}, at the end of this page: ")
+        pointer += nodes.reference("", "open it there", internal=True, refid=block["ids"][0])
+        pointer += nodes.Text(" once you have written your own.")
+        return [pointer, block]
+
+
+class Folded(SphinxDirective):
+    """``stepformer-folded``: its content in a collapsed block, its argument the block's summary line."""
+
+    required_arguments = 1
+    final_argument_whitespace = True
+    has_content = True
+
+    def run(self) -> list[nodes.Node]:
+        block = answer_block(title=self.arguments[0], order=(0, ""))
+        block["classes"].append("stepformer-rubric")
+        self.state.nested_parse(self.content, self.content_offset, block)
+        return [block]
+
+
+HIDDEN_CELL_TITLE = "The code of a cell close to an exercise's answer (open after the exercise)"
+
+
+def _fold_answer_cells(doctree: nodes.document) -> list[answer_block]:
+    """Each ``hide-in-class`` cell's code (its output stays) as a block, with a line that points there."""
+    blocks = []
+    for n, cell in enumerate([c for c in doctree.findall(nodes.container) if "tag_hide-in-class" in c["classes"]]):
+        code = next(child for child in cell.children if "cell_input" in child.get("classes", []))
+        block = answer_block(title=HIDDEN_CELL_TITLE, order=(10_000, str(n)))
+        block["ids"].append(f"answer-cell-{n + 1}")
+        pointer = nodes.paragraph()
+        pointer += nodes.Text("The code behind the next output shows much of an exercise's answer: it is folded after "
+                              "the exercise, at the end of this page (")
+        pointer += nodes.reference("", "open it there", internal=True, refid=block["ids"][0])
+        pointer += nodes.Text(" once you have written your own).")
+        cell.remove(code)
+        block += code
+        cell.parent.insert(cell.parent.index(cell), pointer)
+        blocks.append(block)
+    return blocks
+
+
+def _exercise_section(doctree: nodes.document) -> nodes.section | None:
+    for section in doctree.findall(nodes.section):
+        if section.next_node(nodes.title).astext().strip() == "Exercise":
+            return section
+    return None
+
+
+def _try_first(app: Sphinx, doctree: nodes.document) -> None:
+    """The open edition: the answers' code folded after the exercise's link, and a tip to try first."""
+    if app.config.stepformer_edition != "open" or not app.env.docname.startswith("book/"):
+        return
+    blocks = [block for block in doctree.findall(answer_block)] + _fold_answer_cells(doctree)
+    if not blocks:
+        return
+    exercise = _exercise_section(doctree)
+    links = [x for x in (exercise.findall(addnodes.pending_xref) if exercise else [])
+             if x.get("reftype") == "doc" and "exercises/" in x.get("reftarget", "")]
+    if exercise is None or not links:
+        raise ExtensionError(f"{app.env.docname}: graded code to fold, but no \"Exercise\" section that links to "
+                             "the exercise to fold it after")
+    for block in blocks:
+        if block.parent is not None:
+            block.parent.remove(block)
+    first_subsection = next((i for i, child in enumerate(exercise.children) if isinstance(child, nodes.section)),
+                            len(exercise.children))
+    for offset, block in enumerate(sorted(blocks, key=lambda b: b["order"])):
+        exercise.insert(first_subsection + offset, block)
+    if not exercise["ids"]:
+        exercise["ids"].append("exercise")
+    chapter = doctree.next_node(nodes.section)
+    tip = nodes.tip()
+    text = nodes.paragraph()
+    text += nodes.Text("Try first, then see: the library's code for what this chapter's ")
+    text += nodes.reference("", "exercise", internal=True, refid=exercise["ids"][0])
+    text += nodes.Text(" asks you to write is folded at the end of the page, after the exercise. Write your "
+                       "own first, let the checks teach you, then open the library's version to compare.")
+    tip += text
+    # At the end of the chapter's opening, before its first section.
+    chapter.insert(next((i for i, child in enumerate(chapter.children) if isinstance(child, nodes.section)),
+                        len(chapter.children)), tip)
 
 
 def _check(app: Sphinx, config: Config) -> None:
@@ -91,9 +224,14 @@ def hide_answer_cells(page: str) -> str:
     return HIDDEN_CELL.sub(lambda m: HIDDEN_NOTE + m.group(0).replace("hide-in-class", "remove-input"), page)
 
 
-def _class_source(app: Sphinx, docname: str, source: list[str]) -> None:
-    """In the class edition: exercise pages show the class notebooks; chapters' answer-like cells lose their code."""
+def _edition_source(app: Sphinx, docname: str, source: list[str]) -> None:
+    """In the class edition: exercise pages show the class notebooks; chapters' answer-like cells lose their code.
+    In the open edition: exercise pages show each hand-graded answer's rubric, folded, after the answer's cell."""
     if app.config.stepformer_edition != "class":
+        if docname.startswith("exercises/"):
+            nb = nbformat.reads(source[0], as_version=4)
+            solution = nbformat.read(ROOT / "solutions" / f"{docname.removeprefix('exercises/')}.ipynb", as_version=4)
+            source[0] = nbformat.writes(open_notebook(nb, solution))
         return
     if docname.startswith("exercises/"):
         nb = nbformat.reads(source[0], as_version=4)
@@ -111,7 +249,11 @@ def setup(app: Sphinx) -> dict[str, object]:
     app.add_config_value("stepformer_edition", os.environ.get("STEPFORMER_EDITION", "open") or "open", "env")
     app.add_config_value("stepformer_package_url", os.environ.get("STEPFORMER_PACKAGE_URL", ""), "env")
     app.connect("config-inited", _check)
-    app.connect("source-read", _class_source)
+    app.connect("source-read", _edition_source)
     app.connect("build-finished", _students_wheel)
+    app.connect("doctree-read", _try_first)
+    app.add_node(answer_block, html=(_visit_answer_html, _depart_answer_html), latex=(_pass, _pass),
+                 text=(_pass, _pass), man=(_pass, _pass), texinfo=(_pass, _pass))
     app.add_directive("literalinclude", GradedLiteralInclude, override=True)
+    app.add_directive("stepformer-folded", Folded)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -11,8 +11,9 @@ Built from the same sources as the open edition:
 - :func:`write_class_course`: both, as an instructor's nbgrader ``source/`` folder, its
   ``release/`` (the students' copies), and the wheel to hand out (a hub's image, or a web
   address for Colab);
-- the book's extension (``book/_ext/edition.py``) uses :func:`graded_answers` to replace each
-  graded function's code by a note pointing to its exercise.
+- the book's extension (``book/_ext/stepformer_edition.py``) uses :func:`graded_answers` to replace each
+  graded function's code by a note pointing to its exercise (the open edition folds it after the exercise),
+  and, in the open edition only, :func:`open_notebook` to show each hand-graded answer's rubric, folded.
 """
 
 import copy
@@ -108,6 +109,37 @@ def class_notebook(nb: nbformat.NotebookNode, answers: dict[str, Answer], packag
                 "this installs the course's\n# checks",
                 "this installs the course's\n# checks (the class edition's package: the checks without the answers)",
             ).replace(install.group(), json.dumps(package))
+    return nb
+
+
+SOLUTION = re.compile(r"^### BEGIN SOLUTION\n(.*?)^### END SOLUTION", re.MULTILINE | re.DOTALL)
+RUBRIC_TITLE = "What a full-mark answer contains (open once you have written yours)"
+
+
+def hand_graded(nb: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
+    """A notebook's answers graded by hand: its markdown cells that nbgrader marks as graded solutions."""
+    return [cell for cell in nb.cells if cell.cell_type == "markdown"
+            and cell.metadata.get("nbgrader", {}).get("grade") and cell.metadata["nbgrader"].get("solution")]
+
+
+def rubrics(solution: nbformat.NotebookNode) -> dict[str, str]:
+    """grade_id -> the rubric of each hand-graded answer: the solution of its cell in ``solutions/``."""
+    found = {}
+    for cell in hand_graded(solution):
+        if match := SOLUTION.search(cell.source):
+            found[cell.metadata["nbgrader"]["grade_id"]] = match.group(1).strip()
+    return found
+
+
+def open_notebook(nb: nbformat.NotebookNode, solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """The open edition of an exercise notebook for the site (a copy): after each hand-graded answer, its rubric
+    from the solution notebook, in a collapsed block (the book's ``stepformer-folded`` directive)."""
+    nb, marks = copy.deepcopy(nb), rubrics(solution)
+    for cell in reversed(hand_graded(nb)):
+        rubric = marks.get(cell.metadata["nbgrader"]["grade_id"])
+        if rubric:
+            folded = nbformat.v4.new_markdown_cell(f"::::{{stepformer-folded}} {RUBRIC_TITLE}\n{rubric}\n::::")
+            nb.cells.insert(nb.cells.index(cell) + 1, folded)
     return nb
 
 
