@@ -1,5 +1,6 @@
 """The published site: it builds with warnings as errors, and its pages render in a real browser."""
 
+import contextlib
 import functools
 import http.server
 import json
@@ -177,35 +178,44 @@ MATHJAX_READY = "window.MathJax && MathJax.startup && MathJax.startup.promise"
 RAW_TEX = re.compile(r"\$|\\\(|\\\[|\\[A-Za-z]+\{")
 
 
-@pytest.mark.browser
-def test_pages_render_in_chromium(server: str) -> None:
-    chromium = _chromium()
+DESKTOP = {"width": 1280, "height": 1000}
+
+
+@contextlib.contextmanager
+def _browser_page(timeout_ms: int, viewport: dict[str, int] | None = None) -> Iterator[Any]:
+    """A page of Debian's Chromium (``viewport`` or Playwright's default size), closed with its browser."""
     from playwright.sync_api import sync_playwright
 
-    problems: list[str] = []
-    console: list[str] = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            page.set_default_timeout(30_000)
-
-            def on_console(message: Any) -> None:
-                if message.type == "error":
-                    console.append(f"{page.url}: {message.text}")
-
-            page.on("console", on_console)
-            page.on("pageerror", lambda error: console.append(f"{page.url}: {error}"))
-            page.on("requestfailed", lambda r: console.append(f"{page.url}: no {r.url}"))
-
-            for path, has_math in PAGES.items():
-                problems += _page_problems(page, f"{server}/{path}", path, has_math)
-
-            response = page.goto(f"{server}/search.html", wait_until="load")
-            if response is None or response.status != 200:
-                problems.append("search.html does not load")
+            page = browser.new_page(**({"viewport": viewport} if viewport else {}))
+            page.set_default_timeout(timeout_ms)
+            yield page
         finally:
             browser.close()
+
+
+@pytest.mark.browser
+def test_pages_render_in_chromium(server: str) -> None:
+    problems: list[str] = []
+    console: list[str] = []
+    with _browser_page(30_000, DESKTOP) as page:
+
+        def on_console(message: Any) -> None:
+            if message.type == "error":
+                console.append(f"{page.url}: {message.text}")
+
+        page.on("console", on_console)
+        page.on("pageerror", lambda error: console.append(f"{page.url}: {error}"))
+        page.on("requestfailed", lambda r: console.append(f"{page.url}: no {r.url}"))
+
+        for path, has_math in PAGES.items():
+            problems += _page_problems(page, f"{server}/{path}", path, has_math)
+
+        response = page.goto(f"{server}/search.html", wait_until="load")
+        if response is None or response.status != 200:
+            problems.append("search.html does not load")
 
     problems += [f"console error about MathJax: {c}" for c in console if "mathjax" in c.lower()]
     assert not problems, "\n".join(problems)
@@ -315,7 +325,6 @@ TRY_FIRST = "Try first, then see"  # what a chapter says once, near its top
 def test_graded_code_is_folded_after_its_exercise(server: str) -> None:
     """On every chapter page no line of a graded function's body is visible before a click, each block
     holding one comes after the link to its exercise in the chapter's "Exercise" section, and one click opens it."""
-    from playwright.sync_api import sync_playwright
 
     from tests.fixtures.answers import ANSWERS, answer_lines, body_lines
 
@@ -327,37 +336,31 @@ def test_graded_code_is_folded_after_its_exercise(server: str) -> None:
             exercises[line].add(f"{answer.assignment}/{Path(answer.notebook).stem}.html")
     chapters = [path for path in PAGES if CHAPTER.match(path)]
     problems, folded = [], 0
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            page.set_default_timeout(30_000)
-            for path in chapters:
-                page.goto(f"{server}/{path}", wait_until="load")
-                article = page.query_selector("article.bd-article")
-                hidden = []
-                for i, block in enumerate(article.evaluate(CODE_AND_EXERCISE_LINKS)):
-                    given = [line.strip() for line in block["text"].splitlines() if line.strip() in lines]
-                    if not given:
-                        continue
-                    if block["visible"]:
-                        problems.append(f"{path}: visible before a click, {lines[given[0]]}'s line {given[0]!r}")
-                    else:
-                        hidden.append(i)
-                    after = {"/".join(urlsplit(href).path.split("/")[-2:]) for href in block["after"]}
-                    # A line that two answers share (a softmax over the keys, say) may follow either's exercise.
-                    late = [line for line in given if not exercises[line] & after]
-                    if late:
-                        problems.append(f"{path}: {lines[late[0]]}'s line {late[0]!r} comes before the link to "
-                                        f"its exercise ({' or '.join(sorted(exercises[late[0]]))}) in the "
-                                        "Exercise section")
-                folded += len(hidden)
-                if hidden and article.inner_text().count(TRY_FIRST) != 1:
-                    problems.append(f"{path}: folds graded code but does not say once, {TRY_FIRST!r}")
-                if hidden and (closed := article.evaluate(OPEN_AND_SEE, hidden)):
-                    problems.append(f"{path}: {len(closed)} folded code blocks do not open with a click")
-        finally:
-            browser.close()
+    with _browser_page(30_000, DESKTOP) as page:
+        for path in chapters:
+            page.goto(f"{server}/{path}", wait_until="load")
+            article = page.query_selector("article.bd-article")
+            hidden = []
+            for i, block in enumerate(article.evaluate(CODE_AND_EXERCISE_LINKS)):
+                given = [line.strip() for line in block["text"].splitlines() if line.strip() in lines]
+                if not given:
+                    continue
+                if block["visible"]:
+                    problems.append(f"{path}: visible before a click, {lines[given[0]]}'s line {given[0]!r}")
+                else:
+                    hidden.append(i)
+                after = {"/".join(urlsplit(href).path.split("/")[-2:]) for href in block["after"]}
+                # A line that two answers share (a softmax over the keys, say) may follow either's exercise.
+                late = [line for line in given if not exercises[line] & after]
+                if late:
+                    problems.append(f"{path}: {lines[late[0]]}'s line {late[0]!r} comes before the link to "
+                                    f"its exercise ({' or '.join(sorted(exercises[late[0]]))}) in the "
+                                    "Exercise section")
+            folded += len(hidden)
+            if hidden and article.inner_text().count(TRY_FIRST) != 1:
+                problems.append(f"{path}: folds graded code but does not say once, {TRY_FIRST!r}")
+            if hidden and (closed := article.evaluate(OPEN_AND_SEE, hidden)):
+                problems.append(f"{path}: {len(closed)} folded code blocks do not open with a click")
     assert not problems, "\n".join(problems)
     assert folded >= 40, f"only {folded} folded code blocks with a graded body were found on {len(chapters)} chapters"
 
@@ -705,27 +708,20 @@ def _search_term(title: str) -> str:
 def test_the_search_page_finds_every_page_of_the_book(server: str, built: Path) -> None:
     """Through the site's own search page (Sphinx's searchindex.js, run in Chromium): a word of each page's
     title finds that page."""
-    from playwright.sync_api import sync_playwright
 
     pages = [path for path in PAGES if path.startswith("book/")]
     terms = {path: _search_term(_html(built / path).title) for path in pages}
     assert all(terms.values()), f"pages without a word in their title to search for: {terms}"
     not_found = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page()
-            page.set_default_timeout(60_000)
-            for path, term in terms.items():
-                page.goto(f"{server}/search.html?q={quote(term)}", wait_until="load")
-                page.wait_for_function(SEARCH_DONE)
-                found = [urlsplit(href).path for href in page.locator("#search-results ul.search li > a")
-                         .evaluate_all("links => links.map((a) => a.getAttribute('href'))")]
-                if path not in found:
-                    summary = page.locator("#search-results .search-summary").inner_text()
-                    not_found.append(f"{term!r} (from {path}'s title) finds {found[:8] or summary}")
-        finally:
-            browser.close()
+    with _browser_page(60_000) as page:
+        for path, term in terms.items():
+            page.goto(f"{server}/search.html?q={quote(term)}", wait_until="load")
+            page.wait_for_function(SEARCH_DONE)
+            found = [urlsplit(href).path for href in page.locator("#search-results ul.search li > a")
+                     .evaluate_all("links => links.map((a) => a.getAttribute('href'))")]
+            if path not in found:
+                summary = page.locator("#search-results .search-summary").inner_text()
+                not_found.append(f"{term!r} (from {path}'s title) finds {found[:8] or summary}")
     assert not not_found, "\n".join(not_found)
 
 
@@ -743,24 +739,17 @@ def test_exercise_pages_download_and_launch_the_exercise_notebook(server: str, b
     """On each exercise page the download button serves the student notebook with its nbgrader metadata (never a
     solution), and the launch buttons open that notebook (exercises/, never solutions/) in Binder and Colab, from
     the repository of _config.yml."""
-    from playwright.sync_api import sync_playwright
 
     repository, branch = _repository()
     exercises = [path for path in PAGES if path.startswith("exercises/")]
     assert exercises
     problems = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            page.set_default_timeout(60_000)
-            for path in exercises:
-                notebook = Path(path).with_suffix(".ipynb").as_posix()
-                page.goto(f"{server}/{path}", wait_until="load")
-                problems += _download_problems(page, path, notebook)
-                problems += _launch_problems(page, path, notebook, repository, branch)
-        finally:
-            browser.close()
+    with _browser_page(60_000, DESKTOP) as page:
+        for path in exercises:
+            notebook = Path(path).with_suffix(".ipynb").as_posix()
+            page.goto(f"{server}/{path}", wait_until="load")
+            problems += _download_problems(page, path, notebook)
+            problems += _launch_problems(page, path, notebook, repository, branch)
     # No page at all (a chapter's launch buttons open its Markdown source) opens a solution.
     problems += [f"{page.relative_to(built).as_posix()}: {href}" for page in _site_pages(built)
                  for href in _html(page).links if LAUNCHER.match(href) and "solutions/" in href]

@@ -383,6 +383,14 @@ def _refuse_while_claimed(workdir: Path, assignment: str) -> None:
             f"stepformer-course grade-worker --workdir {workdir} --assignment {assignment} --take-over-after 0")
 
 
+def _manifest(state: Path, missing: str) -> dict:
+    """The run's manifest; without one, a :class:`SubmissionsError` that ends with what to do (``missing``)."""
+    try:
+        return read_manifest(state)
+    except ManifestMissing as error:
+        raise SubmissionsError(f"{error}: {missing}") from None
+
+
 def _take_over_after(limits: Limits) -> float:
     """When a claim may be taken over: after its grading process has surely been stopped."""
     return _worker_seconds(limits) + CLAIM_MARGIN
@@ -407,10 +415,7 @@ def grade_work(workdir: Path, assignment: str, *, workers: int | None = None, li
     """
     workdir = workdir.resolve()
     state = _state(workdir, assignment)
-    try:
-        manifest = read_manifest(state)
-    except ManifestMissing as error:
-        raise SubmissionsError(f"{error}: run `stepformer-course grade ... --intake-only` (or grade) first") from None
+    manifest = _manifest(state, "run `stepformer-course grade ... --intake-only` (or grade) first")
     root = Path(manifest["root"])
     if not (root / "solutions" / assignment).is_dir():
         raise SubmissionsError(f"the course recorded by the intake, {root}, has no solutions/{assignment} on this "
@@ -454,10 +459,7 @@ def grade_finish(workdir: Path, assignment: str, out: Path | None = None, *,
     """
     workdir = workdir.resolve()
     state = _state(workdir, assignment)
-    try:
-        manifest = read_manifest(state)
-    except ManifestMissing as error:
-        raise SubmissionsError(f"{error}: nothing to finish") from None
+    manifest = _manifest(state, "nothing to finish")
     root, out = Path(manifest["root"]), (out or Path(manifest["out"])).resolve()
     intakes = [Intake(e["student"], problems=e["problems"], status=e["status"], timestamp=e.get("timestamp"),
                       lms=e.get("lms") or {}) for e in manifest["students"]]
