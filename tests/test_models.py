@@ -142,12 +142,17 @@ BERT_CONFIGS = [  # (hidden, layers, heads, intermediate, vocab, segments)
 @pytest.mark.parametrize("hidden, layers, heads, intermediate, vocab, segments", BERT_CONFIGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("tie", [True, False])
 def test_bert_masked_lm_logits_equal_huggingfaces(hidden, layers, heads, intermediate, vocab, segments, dtype,
-                                                  fast) -> None:
+                                                  fast, tie) -> None:
     config = transformers.BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                                      intermediate_size=intermediate, vocab_size=vocab, max_position_embeddings=40,
-                                     type_vocab_size=segments)
+                                     type_vocab_size=segments, tie_word_embeddings=tie)
     theirs = randomise(transformers.BertForMaskedLM(config), seed=hidden).to(dtype).eval()
+    head = theirs.cls.predictions
+    # Untied, the head holds two output biases and its forward adds only decoder.bias: randomised apart, a
+    # copy of the wrong one shows.
+    assert tie or not torch.equal(head.decoder.bias, head.bias)
     ours = hf_convert.from_bert(theirs, fast=fast).eval()
     for seed, (batch, seq) in enumerate([(1, 1), (3, 13), (2, 40)]):
         x = tokens(seed, batch, seq, vocab)
@@ -156,7 +161,7 @@ def test_bert_masked_lm_logits_equal_huggingfaces(hidden, layers, heads, interme
         real[0, seq // 2 + 1:] = False  # a padded sentence: its padding is read by no one
         got = ours(x, real, segment_ids)
         expected = theirs(x, attention_mask=real.long(), token_type_ids=segment_ids).logits
-        assert_close(got[real], expected[real], dtype, f"BERT {hidden}/{heads}, {batch}x{seq}")
+        assert_close(got[real], expected[real], dtype, f"BERT {hidden}/{heads}, tie={tie}, {batch}x{seq}")
 
 
 MARIAN_CONFIGS = [  # (d_model, encoder layers, decoder layers, heads, ffn, vocab, activation)

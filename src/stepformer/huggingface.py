@@ -154,7 +154,7 @@ def from_bert(hf: nn.Module, fast: bool = True) -> EncoderModel:
 
     BERT is the 2017 encoder (LayerNorm, post-norm, no final norm) with learned positions,
     segment embeddings, a LayerNorm on the embeddings, GELU, and a masked-LM head tied to the
-    token table.
+    token table (or not, with ``tie_word_embeddings=False``).
     """
     c = hf.config
     if c.hidden_act not in ("gelu", "relu"):
@@ -188,7 +188,9 @@ def from_bert(hf: nn.Module, fast: bool = True) -> EncoderModel:
     _norm(ours.mlm_norm, head.transform.LayerNorm)
     if not config.tie_embeddings:
         _copy(ours.mlm_out.weight, head.decoder.weight)
-    _copy(ours.mlm_out.bias, head.bias)
+    # The forward adds decoder.bias. Tied, head.bias is that same tensor; untied, it is a second one that
+    # nothing reads.
+    _copy(ours.mlm_out.bias, head.decoder.bias)
     return ours
 
 
