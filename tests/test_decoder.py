@@ -154,6 +154,25 @@ def test_a_later_target_token_changes_only_later_logits():
         assert torch.equal(changed[0], torch.arange(7) >= position)
 
 
+def test_teacher_forcing_reads_the_start_token_even_when_its_id_is_the_padding_id():
+    """A target that starts with a real start token gets target_mask exactly (chapter 11's); one whose start token
+    has the padding id (Marian's) has it read by every position, as greedy generation's causal mask does."""
+    model = _small_model(4)
+    g = torch.Generator().manual_seed(9)
+    src, tgt = _padded(3, 6, 13, g), _padded(3, 7, 13, g)
+    with torch.no_grad():
+        src_mask = padding_mask(src, 0)
+        memory = model.encode(src, src_mask)
+        masked = model.generator(model.decode(tgt, memory, src_mask, target_mask(tgt, 0)))
+        assert torch.equal(model(src, tgt), masked), "a real start token: forward should use target_mask as it is"
+        tgt[:, 0] = 0
+        causal = model.generator(model.decode(tgt, memory, src_mask, causal_mask(7)))
+        real = tgt != 0
+        real[:, 0] = True
+        difference = (model(src, tgt) - causal)[real].abs().max()
+        assert difference < 1e-12, f"a start token with the padding id should be read: {difference:.2e}"
+
+
 @pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_positional_options_and_tied_embeddings(positional, tie):

@@ -194,6 +194,40 @@ def test_marian_logits_equal_huggingfaces(d_model, enc, dec, heads, ffn, vocab, 
         assert_close(ours(src, tgt), expected, dtype, f"Marian {d_model}/{heads}, {batch}x{src_len}->{tgt_len}")
 
 
+@pytest.mark.parametrize("d_model, enc, dec, heads, ffn, vocab, activation", MARIAN_CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_marian_reads_its_start_token_although_it_is_the_padding_id(d_model, enc, dec, heads, ffn, vocab,
+                                                                    activation, dtype) -> None:
+    """The opus-mt layout: every target starts with decoder_start_token_id == pad_token_id, read by every position."""
+    config = transformers.MarianConfig(
+        d_model=d_model, encoder_layers=enc, decoder_layers=dec, encoder_attention_heads=heads,
+        decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, vocab_size=vocab,
+        max_position_embeddings=48, pad_token_id=0, decoder_start_token_id=0, scale_embedding=True,
+        activation_function=activation,
+    )  # fmt: skip
+    theirs = transformers.MarianMTModel(config)
+    randomise(theirs, seed=d_model + 1, skip=("embed_positions",))
+    theirs = theirs.to(dtype).eval()
+    ours = hf_convert.from_marian(theirs).eval()
+    for seed, (batch, src_len, tgt_len) in enumerate([(1, 4, 1), (3, 11, 7), (2, 30, 45)]):
+        src = tokens(seed, batch, src_len, vocab, low=1)
+        src[0, max(1, src_len - 3):] = 0
+        tgt = tokens(seed + 5, batch, tgt_len, vocab, low=1)
+        tgt[:, 0] = config.decoder_start_token_id  # as shift_tokens_right makes them from the labels
+        tgt[-1, max(1, tgt_len - 3):] = 0  # a shorter sentence, padded at the end
+        real = tgt != 0
+        real[:, 0] = True  # the start token is not padding, whatever its id
+        what = f"Marian {d_model}/{heads}, start = pad, {batch}x{src_len}->{tgt_len}"
+        # Called as in training (no decoder mask, causal only), the start and the real tokens agree ...
+        expected = theirs(input_ids=src, attention_mask=(src != 0).long(), decoder_input_ids=tgt).logits
+        got = ours(src, tgt)
+        assert_close(got[real], expected[real], dtype, what)
+        # ... and every position, once Hugging Face too is told which target positions are padding.
+        expected = theirs(input_ids=src, attention_mask=(src != 0).long(), decoder_input_ids=tgt,
+                          decoder_attention_mask=real.long()).logits
+        assert_close(got, expected, dtype, what + ", decoder_attention_mask given")
+
+
 def test_marians_sines_come_first_and_the_reordering_matches_chapter_06s_code() -> None:
     from stepformer.positional import sinusoidal_encoding
 

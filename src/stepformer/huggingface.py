@@ -213,6 +213,14 @@ def from_marian(hf: nn.Module, fast: bool = True) -> Transformer:
     come before its cosines (:func:`sines_first_order`), so every weight along the residual
     stream is reordered to chapter 06's interleaved channels: the model then computes the same
     function with its channels in another order.
+
+    Its published checkpoints start every target with the padding id
+    (``decoder_start_token_id == pad_token_id``); the Transformer's ``forward`` reads position 0
+    whatever its id, as Marian does. Marian hides the source's padding only when given
+    ``attention_mask`` and the target's only when given ``decoder_attention_mask``; ours always
+    hides ``pad_id`` (after the start token). With the source's mask given, the logits agree at
+    the start token and every real target token; at the target's padding, which no loss reads,
+    once ``decoder_attention_mask`` is given too.
     """
     c = hf.config
     if c.activation_function not in ("relu", "gelu"):

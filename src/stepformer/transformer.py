@@ -170,10 +170,11 @@ class Transformer(nn.Module):
     ``decoder`` (:class:`Decoder`) and ``generator`` (``nn.Linear(d_model, tgt_vocab)``, the
     logits). ``tie_embeddings`` shares one matrix between the target embedding and the
     generator, and with the source embedding too when the vocabularies have the same size (a
-    joint vocabulary, as in the paper). ``pad_id`` marks padding in ``src`` and ``tgt``.
-    ``kv_heads`` makes every attention grouped-query (chapter 10); ``fast`` uses PyTorch's
-    fused attention and LayerNorm (same results). ``final_norm=False`` leaves out the norm after
-    each stack (the 2017 post-norm model and Marian have none; ``torch.nn.Transformer`` has one).
+    joint vocabulary, as in the paper). ``pad_id`` marks padding in ``src``, and in ``tgt``
+    after its first token, the start token. ``kv_heads`` makes every attention grouped-query
+    (chapter 10); ``fast`` uses PyTorch's fused attention and LayerNorm (same results).
+    ``final_norm=False`` leaves out the norm after each stack (the 2017 post-norm model and
+    Marian have none; ``torch.nn.Transformer`` has one).
     The arguments become a :class:`~stepformer.parts.ModelConfig` (``self.config``), from which
     the encoder and decoder are built: every attention is chapter 10's, which with
     ``kv_heads = heads`` is multi-head attention with the same parameters, and also takes
@@ -259,9 +260,15 @@ class Transformer(nn.Module):
     def forward(
         self, src: Int[Tensor, "batch src_len"], tgt: Int[Tensor, "batch tgt_len"]
     ) -> Float[Tensor, "batch tgt_len tgt_vocab"]:
-        """Teacher forcing: the logits of the next token after each prefix of ``tgt``, all positions at once."""
+        """Teacher forcing: the logits of the next token after each prefix of ``tgt``, all positions at once.
+
+        ``tgt`` starts with the start token, which every position reads even if its id is ``pad_id``.
+        """
         src_mask = padding_mask(src, self.pad_id)
         tgt_mask = target_mask(tgt, self.pad_id)
+        # Position 0 is the start token, never padding; Marian's start token has the padding id, and greedy
+        # generation, with its causal mask only, reads it too.
+        tgt_mask[..., 0] = True
         return self.generator(self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask))
 
 
