@@ -164,6 +164,14 @@ def test_bert_masked_lm_logits_equal_huggingfaces(hidden, layers, heads, interme
         assert_close(got[real], expected[real], dtype, f"BERT {hidden}/{heads}, tie={tie}, {batch}x{seq}")
 
 
+def test_a_bert_configured_as_a_decoder_is_refused() -> None:
+    """is_decoder=True makes BertForMaskedLM's self-attention causal; the course's EncoderModel reads both ways."""
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                     vocab_size=30, max_position_embeddings=20, is_decoder=True)
+    with pytest.raises(ValueError, match="is_decoder"):
+        hf_convert.from_bert(transformers.BertForMaskedLM(config))
+
+
 MARIAN_CONFIGS = [  # (d_model, encoder layers, decoder layers, heads, ffn, vocab, activation)
     (32, 2, 2, 4, 64, 50, "relu"),
     (48, 1, 3, 6, 96, 41, "gelu"),

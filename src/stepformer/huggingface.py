@@ -161,6 +161,8 @@ def from_bert(hf: nn.Module, fast: bool = True) -> EncoderModel:
         raise ValueError(f"BERT's activation {c.hidden_act!r} has no course counterpart")
     if getattr(c, "position_embedding_type", "absolute") != "absolute":
         raise ValueError("only BERT's absolute (learned) positions convert")
+    if c.is_decoder:
+        raise ValueError("is_decoder=True makes BERT's attention causal; the course's EncoderModel reads both ways")
     config = ModelConfig(
         vocab=c.vocab_size, d_model=c.hidden_size, heads=c.num_attention_heads, layers=c.num_hidden_layers,
         d_ff=c.intermediate_size, norm="layer", norm_eps=c.layer_norm_eps, placement="post", final_norm=False,
