@@ -236,6 +236,32 @@ def test_marian_reads_its_start_token_although_it_is_the_padding_id(d_model, enc
         assert_close(got, expected, dtype, what + ", decoder_attention_mask given")
 
 
+@pytest.mark.parametrize("layout", [
+    dict(tie_word_embeddings=False),  # one table for both inputs, a separate output layer
+    dict(share_encoder_decoder_embeddings=False),  # a source table, and a target table that is the output layer
+    dict(share_encoder_decoder_embeddings=False, decoder_vocab_size=37),  # a target vocabulary of its own
+    dict(share_encoder_decoder_embeddings=False, decoder_vocab_size=37, tie_word_embeddings=False),  # three tables
+])
+def test_marian_with_separate_tables_equals_huggingfaces(layout) -> None:
+    config = transformers.MarianConfig(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=50, max_position_embeddings=48, pad_token_id=0,
+        decoder_start_token_id=1, scale_embedding=True, **layout,
+    )  # fmt: skip
+    theirs = transformers.MarianMTModel(config)
+    randomise(theirs, seed=len(layout), skip=("embed_positions",))
+    with torch.no_grad():
+        theirs.final_logits_bias.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(2))
+    theirs = theirs.to(torch.float64).eval()
+    ours = hf_convert.from_marian(theirs).eval()
+    src = tokens(0, 3, 9, config.vocab_size, low=1)
+    src[0, 5:] = 0
+    tgt = tokens(1, 3, 7, config.decoder_vocab_size, low=1)
+    tgt[:, 0] = config.decoder_start_token_id
+    expected = theirs(input_ids=src, attention_mask=(src != 0).long(), decoder_input_ids=tgt).logits
+    assert_close(ours(src, tgt), expected, torch.float64, f"Marian with {layout}")
+
+
 def test_marians_sines_come_first_and_the_reordering_matches_chapter_06s_code() -> None:
     from stepformer.positional import sinusoidal_encoding
 

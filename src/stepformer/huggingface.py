@@ -211,10 +211,11 @@ def from_marian(hf: nn.Module, fast: bool = True) -> Transformer:
 
     Marian is the 2017 Transformer: post-norm LayerNorm, no final norms, sinusoidal positions,
     embeddings scaled by sqrt(d_model) (``scale_embedding=True`` in its config), one table for
-    source, target and output, and a ``final_logits_bias`` (our generator's bias). Its sines
-    come before its cosines (:func:`sines_first_order`), so every weight along the residual
-    stream is reordered to chapter 06's interleaved channels: the model then computes the same
-    function with its channels in another order.
+    source, target and output (or separate ones, the target's with ``decoder_vocab_size`` rows),
+    and a ``final_logits_bias`` (our generator's bias). Its sines come before its cosines
+    (:func:`sines_first_order`), so every weight along the residual stream is reordered to
+    chapter 06's interleaved channels: the model then computes the same function with its
+    channels in another order.
 
     Its published checkpoints start every target with the padding id
     (``decoder_start_token_id == pad_token_id``); the Transformer's ``forward`` reads position 0
@@ -232,9 +233,11 @@ def from_marian(hf: nn.Module, fast: bool = True) -> Transformer:
     if (c.encoder_attention_heads, c.encoder_ffn_dim) != (c.decoder_attention_heads, c.decoder_ffn_dim):
         raise ValueError("the encoder and decoder must have the same heads and d_ff in chapter 08's Transformer")
     m = hf.model
+    # Our Transformer ties all three tables or none; where Marian ties only two, copies of the same values
+    # compute the same function.
     shared = m.encoder.embed_tokens.weight is m.decoder.embed_tokens.weight is hf.lm_head.weight
     ours = Transformer(
-        c.vocab_size, c.vocab_size, d_model=c.d_model, heads=c.encoder_attention_heads,
+        c.vocab_size, c.decoder_vocab_size, d_model=c.d_model, heads=c.encoder_attention_heads,
         n_encoder_layers=c.encoder_layers, n_decoder_layers=c.decoder_layers, d_ff=c.encoder_ffn_dim,
         dropout=0.0, norm_first=False, positional="sinusoidal", tie_embeddings=shared,
         max_len=c.max_position_embeddings, pad_id=c.pad_token_id, activation=c.activation_function, fast=fast,
