@@ -110,14 +110,17 @@ GPT2_CONFIGS = [  # (n_embd, n_layer, n_head, vocab, activation)
 
 @pytest.mark.parametrize("n_embd, n_layer, n_head, vocab, activation", GPT2_CONFIGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_gpt2_logits_equal_huggingfaces(n_embd, n_layer, n_head, vocab, activation, dtype) -> None:
+@pytest.mark.parametrize("tie", [True, False])
+def test_gpt2_logits_equal_huggingfaces(n_embd, n_layer, n_head, vocab, activation, dtype, tie) -> None:
     config = transformers.GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, vocab_size=vocab, n_positions=40,
-                                     activation_function=activation, bos_token_id=0, eos_token_id=0)
+                                     activation_function=activation, bos_token_id=0, eos_token_id=0,
+                                     tie_word_embeddings=tie)
     theirs = randomise(transformers.GPT2LMHeadModel(config), seed=n_embd).to(dtype).eval()
     ours = hf_convert.from_gpt2(theirs).eval()
     for seed, (batch, seq) in enumerate([(1, 1), (2, 17), (3, 40)]):
         x = tokens(seed, batch, seq, vocab)
-        assert_close(ours(x), theirs(x).logits, dtype, f"GPT-2 {n_embd}/{n_head}/{activation}, {batch}x{seq}")
+        assert_close(ours(x), theirs(x).logits, dtype,
+                     f"GPT-2 {n_embd}/{n_head}/{activation}, tie={tie}, {batch}x{seq}")
 
 
 def test_gpt2s_tanh_gelu_is_not_the_exact_one() -> None:
