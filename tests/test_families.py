@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from stepformer.families import FAMILIES, Family, table_markdown  # noqa: E402
+from stepformer.families import FAMILIES, PARTS, SIZES, Family, table_markdown  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FFN_NAMES = {"gelu_new": "GELU (tanh)", "gelu": "GELU", "relu": "ReLU", "silu": "SwiGLU"}
@@ -80,6 +80,7 @@ def test_each_llama_like_rows_numbers_give_its_parameter_count(family: Family) -
 
 def test_the_chapter_shows_this_table_and_cites_every_row() -> None:
     chapter = (REPO / "book" / "12_models.md").read_text()
-    assert table_markdown() in chapter, "book/12_models.md must hold stepformer.families.table_markdown() verbatim"
+    for columns in (PARTS, SIZES):
+        assert table_markdown(columns) in chapter, f"book/12_models.md must hold table_markdown({columns}) verbatim"
     keys = set(re.findall(r"^@\w+\{([^,]+),", (REPO / "book" / "references.bib").read_text(), re.MULTILINE))
     assert {f.cite for f in FAMILIES} <= keys, f"not in references.bib: {sorted({f.cite for f in FAMILIES} - keys)}"

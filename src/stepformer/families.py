@@ -59,6 +59,9 @@ FAMILIES = [
 
 COLUMNS = ("model", "year", "shape", "norm", "FFN", "positions", "attention", "vocab", "layers", "d_model",
            "heads (kv)", "d_ff", "context", "parameters", "sizes")  # fmt: skip
+# The chapter shows two tables, the parts and then the sizes, each led by the model's name.
+PARTS = ("model", "year", "shape", "norm", "FFN", "positions", "attention")
+SIZES = ("model", "vocab", "layers", "d_model", "heads (kv)", "d_ff", "context", "parameters", "sizes")
 
 
 def table_rows() -> list[list[str]]:
@@ -73,10 +76,14 @@ def table_rows() -> list[list[str]]:
     return rows
 
 
-def table_markdown() -> str:
-    """The family table as Markdown, with each row's reference as a citation."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+def table_markdown(columns: tuple[str, ...] = COLUMNS) -> str:
+    """The family table as Markdown, with ``columns`` (names of :data:`COLUMNS`) and each row's reference cited
+    in its first cell."""
+    if unknown := [c for c in columns if c not in COLUMNS]:
+        raise ValueError(f"no such column {unknown}; the columns are {COLUMNS}")
+    keep = [COLUMNS.index(c) for c in columns]
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for family, cells in zip(FAMILIES, table_rows(), strict=True):
         cells[0] = f"{cells[0]} {{cite:p}}`{family.cite}`"
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells[i] for i in keep) + " |")
     return "\n".join(lines)
