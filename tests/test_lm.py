@@ -264,6 +264,30 @@ def test_masked_lm_training_raises_the_held_out_accuracy(tokenizer, captions):
     assert after["loss"] < before["loss"] - 1.0
 
 
+def test_the_frequency_baseline_is_the_share_of_masked_pieces_that_are_the_most_frequent_one(tokenizer, captions):
+    frequent = lm.frequent_ids(captions["en"], tokenizer)
+    pieces = [i for s in captions["en"].sequences for i in s[1:-1]]
+    assert pieces.count(frequent["any"]) == max(pieces.count(i) for i in set(pieces))
+    long = lm.long_word_ids(tokenizer)
+    assert long[frequent["long"]] and not long[frequent["any"]]  # the most frequent piece is short ("a")
+    model = EncoderModel(lm.bert_config(tokenizer.vocab_size, TINY))
+    result = evaluate_mlm(model, captions["en_val"], tokenizer, 1024, torch.device("cpu"), frequent=frequent)
+    # The same corruption drawn again, counted one position at a time.
+    generator, hits, long_hits, long_count = torch.Generator().manual_seed(0), 0, 0, 0
+    for indices in lm.caption_batches(captions["en_val"], 1024, 0, 0, shuffle=False):
+        tokens = lm.collate_captions(captions["en_val"], indices, tokenizer.pad_id)
+        _, chosen = lm.mask_tokens(tokens, lm.maskable_positions(tokens, tokenizer), lm.mask_id(tokenizer),
+                                   lm.ordinary_ids(tokenizer), generator)
+        for token, is_chosen in zip(tokens.flatten().tolist(), chosen.flatten().tolist(), strict=True):
+            if is_chosen:
+                hits += token == frequent["any"]
+                long_count += bool(long[token])
+                long_hits += token == frequent["long"]
+    assert result["frequency_baseline"] == hits / result["masked"]
+    assert result["long_words"]["masked"] == long_count
+    assert result["long_words"]["frequency_baseline"] == long_hits / long_count
+
+
 # --- LoRA ---------------------------------------------------------------------------------------------
 
 
@@ -336,7 +360,9 @@ def test_all_writes_every_result_and_refuses_to_overwrite_without_replace(tmp_pa
     assert language_model["kv_cache"]["bytes_per_token_mha"] > language_model["kv_cache"]["bytes_per_token_gqa"]
     assert set(language_model["perplexity"]) == {"untrained", "trained"}
     masked = results["masked_lm"]
-    assert masked["steps"] == 4 and set(masked["accuracy"]) == {"untrained", "trained"}
+    assert masked["steps"] == 4 and set(masked["accuracy"]) == {"untrained", "trained", "frequency_baseline"}
+    assert 0 < masked["accuracy"]["frequency_baseline"] < 1 and set(masked["frequent_guesses"]) == {"any", "long"}
+    assert set(masked["long_words"]) == {"untrained", "trained", "frequency_baseline", "masked"}
     assert masked["examples"] and all(lm.MASK in e["masked"] and len(e["top5"]) == 5 for e in masked["examples"])
     lora, full = results["adaptation"]["lora"], results["adaptation"]["full"]
     assert lora["steps"] == full["steps"] == 3

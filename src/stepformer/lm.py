@@ -303,29 +303,60 @@ def mlm_step_loss(
     return masked_lm_loss(logits, tokens, chosen)
 
 
+def long_word_ids(tokenizer: SubwordTokenizer) -> Bool[Tensor, " vocab"]:
+    """``True`` at the ids whose piece is a word of 4+ letters (mostly nouns, verbs and adjectives)."""
+    pieces = [tokenizer.decode([[i]])[0].strip() for i in range(tokenizer.vocab_size)]
+    return torch.tensor([p.isalpha() and len(p) >= 4 for p in pieces])
+
+
+def frequent_ids(captions: Captions, tokenizer: SubwordTokenizer) -> dict[str, int]:
+    """The frequency baseline's guesses: the most frequent word piece of ``captions`` (``"any"``), and the most
+    frequent of those that are words of 4+ letters (``"long"``). Pass training captions only."""
+    counts = torch.bincount(torch.tensor([i for s in captions.sequences for i in s[1:-1]]),
+                            minlength=tokenizer.vocab_size)
+    long = long_word_ids(tokenizer)
+    return {"any": int(counts.argmax()), "long": int(counts.masked_fill(~long, 0).argmax())}
+
+
 @torch.no_grad()
 def evaluate_mlm(model: EncoderModel, captions: Captions, tokenizer: SubwordTokenizer, max_tokens: int,
-                 device: torch.device, seed: int = 0) -> dict:
+                 device: torch.device, seed: int = 0, frequent: dict[str, int] | None = None) -> dict:
     """Held-out masked-LM loss and accuracy (the argmax is the original token) over one fixed corruption.
 
     The corruption is drawn from ``seed``, not from the training's generator, so that the model
-    before and after training answers the same questions.
+    before and after training answers the same questions. ``long_words`` repeats the accuracy at
+    the positions whose original token is a word of 4+ letters. With ``frequent`` (from
+    :func:`frequent_ids`) each accuracy comes with its frequency baseline: the accuracy of always
+    guessing the most frequent training piece (among long words, the most frequent long word),
+    the score of a model that ignores the context.
     """
     was_training = model.training
     model.eval()
     generator = torch.Generator().manual_seed(seed)
+    long = long_word_ids(tokenizer).to(device)
     total, correct, count = 0.0, 0, 0
+    long_correct, long_count, baseline, long_baseline = 0, 0, 0, 0
     for indices in caption_batches(captions, max_tokens, 0, 0, shuffle=False):
         tokens = collate_captions(captions, indices, tokenizer.pad_id).to(device)
         inputs, chosen = mask_tokens(tokens, maskable_positions(tokens, tokenizer), mask_id(tokenizer),
                                      ordinary_ids(tokenizer), generator)
         logits = model(inputs, padding=tokens != tokenizer.pad_id)
         n = int(chosen.sum())
+        right = (logits.argmax(-1) == tokens) & chosen
+        long_chosen = chosen & long[tokens]
         total += float(masked_lm_loss(logits, tokens, chosen)) * n
-        correct += int(((logits.argmax(-1) == tokens) & chosen).sum())
-        count += n
+        correct, count = correct + int(right.sum()), count + n
+        long_correct, long_count = long_correct + int((right & long_chosen).sum()), long_count + int(long_chosen.sum())
+        if frequent is not None:
+            baseline += int(((tokens == frequent["any"]) & chosen).sum())
+            long_baseline += int(((tokens == frequent["long"]) & long_chosen).sum())
     model.train(was_training)
-    return {"loss": total / count, "accuracy": correct / count, "masked": count}
+    result = {"loss": total / count, "accuracy": correct / count, "masked": count,
+              "long_words": {"accuracy": long_correct / max(long_count, 1), "masked": long_count}}
+    if frequent is not None:
+        result["frequency_baseline"] = baseline / count
+        result["long_words"]["frequency_baseline"] = long_baseline / max(long_count, 1)
+    return result
 
 
 @torch.no_grad()
@@ -695,7 +726,9 @@ def masked_lm_experiment(data: Data, run: RunConfig, budget: Budget, device: tor
     torch.manual_seed(run.seed)
     config = bert_config(tokenizer.vocab_size, run)
     model = EncoderModel(config).to(device)
-    evaluate = lambda: evaluate_mlm(model, data.en_val, tokenizer, run.max_tokens, device)  # noqa: E731
+    frequent = frequent_ids(data.en_train, tokenizer)
+    evaluate = lambda: evaluate_mlm(model, data.en_val, tokenizer, run.max_tokens, device,  # noqa: E731
+                                    frequent=frequent)
     untrained = evaluate()
     log(f"masked LM: {sum(p.numel() for p in model.parameters()):,} parameters; held-out masked-token accuracy "
         f"{untrained['accuracy']:.1%} untrained")
@@ -708,10 +741,16 @@ def masked_lm_experiment(data: Data, run: RunConfig, budget: Budget, device: tor
         "config": config.to_dict(), "parameters": sum(p.numel() for p in model.parameters()), **training,
         "recipe": {"chosen": 0.15, "of_chosen_masked": 0.8, "of_chosen_random": 0.1, "of_chosen_kept": 0.1,
                    "never_chosen": ["<pad>", "<s>", "</s>"]},
-        "accuracy": {"untrained": round(untrained["accuracy"], 4), "trained": round(trained["accuracy"], 4)},
+        "accuracy": {"untrained": round(untrained["accuracy"], 4), "trained": round(trained["accuracy"], 4),
+                     "frequency_baseline": round(trained["frequency_baseline"], 4)},
+        "long_words": {"untrained": round(untrained["long_words"]["accuracy"], 4),
+                       "trained": round(trained["long_words"]["accuracy"], 4),
+                       "frequency_baseline": round(trained["long_words"]["frequency_baseline"], 4),
+                       "masked": trained["long_words"]["masked"]},
+        "frequent_guesses": {k: tokenizer.decode([[i]])[0].strip() for k, i in frequent.items()},
         "loss": {"untrained": round(untrained["loss"], 4), "trained": round(trained["loss"], 4)},
         "held_out_masked_tokens": trained["masked"],
-        "examples": fill_mask_examples(model, tokenizer, data.en_val_texts, device),
+        "examples": fill_mask_examples(model, tokenizer, data.en_val_texts, device, count=8),
     }
 
 
@@ -777,8 +816,9 @@ COMMANDS = {
     "lora": "train the language model, then adapt it to German with LoRA and with full fine-tuning",
     "all": "train, mlm and lora in one run, sharing one language model, into one results.json",
 }
-# How `all --minutes M` shares M between its phases (the adaptations also stop at --adapt-steps).
-SHARES = {"lm": 0.5, "mlm": 0.25, "adapt": 0.125}
+# How `all --minutes M` shares M between its phases (the adaptations also stop at --adapt-steps). BERT's
+# objective gets the most: it learns from the 15% of pieces it masks, the language model from every piece.
+SHARES = {"lm": 0.375, "mlm": 0.5, "adapt": 0.125}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -788,7 +828,7 @@ def _parser() -> argparse.ArgumentParser:
         "BERT's masked-LM objective, and LoRA against full fine-tuning.\nEach command writes OUT/results.json "
         "(settings, hardware, commit and what was measured) and OUT/metrics.jsonl (one line per training step).",
         epilog="Examples:\n"
-        "  stepformer-lm all --out results/lm                    # everything, about 8 minutes on 2 CPU cores\n"
+        "  stepformer-lm all --out results/lm                    # everything, about 13 minutes on 2 CPU cores\n"
         "  stepformer-lm train --minutes 2 --out runs/lm-quick    # only the language model, 2 minutes of training\n"
         "  stepformer-lm all --preset tiny --steps 20 --out /tmp/lm   # seconds: see what the results hold\n"
         "  stepformer-lm all --data-dir ../shared/data/multi30k --threads 1 --out results/lm --replace\n\n"
@@ -806,7 +846,7 @@ def _parser() -> argparse.ArgumentParser:
         budget = command.add_mutually_exclusive_group()
         budget.add_argument("--minutes", type=float,
                             help="wall-clock budget of the training" + (
-                                " (default 7), shared: language model 50%%, masked LM 25%%, LoRA and "
+                                " (default 12), shared: language model 37.5%%, masked LM 50%%, LoRA and "
                                 "full fine-tuning 12.5%% each"
                                 if name == "all" else " (default 4)"))
         budget.add_argument("--steps", type=int, help="a budget in optimiser steps instead, which makes a run "
@@ -916,7 +956,7 @@ def _budgets(args: argparse.Namespace, run: RunConfig) -> dict[str, Budget]:
         steps = Budget(max_steps=args.steps)
         return {"lm": steps, "mlm": steps, "adapt": Budget(max_steps=run.adapt_steps)}
     if args.command == "all":
-        minutes = 7.0 if args.minutes is None else args.minutes
+        minutes = 12.0 if args.minutes is None else args.minutes
         return {"lm": Budget(max_minutes=minutes * SHARES["lm"]), "mlm": Budget(max_minutes=minutes * SHARES["mlm"]),
                 "adapt": Budget(max_steps=run.adapt_steps, max_minutes=minutes * SHARES["adapt"])}
     minutes = Budget(max_minutes=4.0 if args.minutes is None else args.minutes)
