@@ -816,9 +816,8 @@ COMMANDS = {
     "lora": "train the language model, then adapt it to German with LoRA and with full fine-tuning",
     "all": "train, mlm and lora in one run, sharing one language model, into one results.json",
 }
-# How `all --minutes M` shares M between its phases (the adaptations also stop at --adapt-steps). BERT's
-# objective gets the most: it learns from the 15% of pieces it masks, the language model from every piece.
-SHARES = {"lm": 0.375, "mlm": 0.5, "adapt": 0.125}
+# How `all --minutes M` shares M between its phases (the adaptations also stop at --adapt-steps).
+SHARES = {"lm": 0.5, "mlm": 0.25, "adapt": 0.125}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -828,7 +827,7 @@ def _parser() -> argparse.ArgumentParser:
         "BERT's masked-LM objective, and LoRA against full fine-tuning.\nEach command writes OUT/results.json "
         "(settings, hardware, commit and what was measured) and OUT/metrics.jsonl (one line per training step).",
         epilog="Examples:\n"
-        "  stepformer-lm all --out results/lm                    # everything, about 13 minutes on 2 CPU cores\n"
+        "  stepformer-lm all --out results/lm                    # everything, about 8 minutes on 2 CPU cores\n"
         "  stepformer-lm train --minutes 2 --out runs/lm-quick    # only the language model, 2 minutes of training\n"
         "  stepformer-lm all --preset tiny --steps 20 --out /tmp/lm   # seconds: see what the results hold\n"
         "  stepformer-lm all --data-dir ../shared/data/multi30k --threads 1 --out results/lm --replace\n\n"
@@ -846,7 +845,7 @@ def _parser() -> argparse.ArgumentParser:
         budget = command.add_mutually_exclusive_group()
         budget.add_argument("--minutes", type=float,
                             help="wall-clock budget of the training" + (
-                                " (default 12), shared: language model 37.5%%, masked LM 50%%, LoRA and "
+                                " (default 7), shared: language model 50%%, masked LM 25%%, LoRA and "
                                 "full fine-tuning 12.5%% each"
                                 if name == "all" else " (default 4)"))
         budget.add_argument("--steps", type=int, help="a budget in optimiser steps instead, which makes a run "
@@ -956,7 +955,7 @@ def _budgets(args: argparse.Namespace, run: RunConfig) -> dict[str, Budget]:
         steps = Budget(max_steps=args.steps)
         return {"lm": steps, "mlm": steps, "adapt": Budget(max_steps=run.adapt_steps)}
     if args.command == "all":
-        minutes = 12.0 if args.minutes is None else args.minutes
+        minutes = 7.0 if args.minutes is None else args.minutes
         return {"lm": Budget(max_minutes=minutes * SHARES["lm"]), "mlm": Budget(max_minutes=minutes * SHARES["mlm"]),
                 "adapt": Budget(max_steps=run.adapt_steps, max_minutes=minutes * SHARES["adapt"])}
     minutes = Budget(max_minutes=4.0 if args.minutes is None else args.minutes)
