@@ -264,7 +264,20 @@ def test_masked_lm_training_raises_the_held_out_accuracy(tokenizer, captions):
     assert after["loss"] < before["loss"] - 1.0
 
 
-def test_the_frequency_baseline_is_the_share_of_masked_pieces_that_are_the_most_frequent_one(tokenizer, captions):
+def test_a_long_word_is_a_piece_that_starts_a_word_of_five_letters_or_more():
+    assert lm.is_long_word(" woman") and lm.is_long_word(" people")
+    assert not lm.is_long_word(" with") and not lm.is_long_word("eople") and not lm.is_long_word(" 12345")
+
+
+def test_too_small_a_vocabulary_for_long_words_is_an_error(tokenizer, captions):
+    # The module's 400 pieces hold no English word of five letters.
+    with pytest.raises(ValueError, match="too small to measure long words"):
+        lm.frequent_ids(captions["en"], tokenizer)
+
+
+def test_the_frequency_baseline_is_the_share_of_masked_pieces_that_are_the_most_frequent_one(texts):
+    tokenizer = train_tokenizer(texts["en"] + texts["de"], 800)  # enough pieces for English words of 5+ letters
+    captions = {name: encode_captions(tokenizer, texts[name], TINY.max_len) for name in ("en", "en_val")}
     frequent = lm.frequent_ids(captions["en"], tokenizer)
     pieces = [i for s in captions["en"].sequences for i in s[1:-1]]
     assert pieces.count(frequent["any"]) == max(pieces.count(i) for i in set(pieces))
