@@ -357,7 +357,7 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 def test_all_writes_every_result_and_refuses_to_overwrite_without_replace(tmp_path, real_data, capsys):
     out = tmp_path / "lm"
     code, _, err = run_cli(capsys, "all", "--preset", "tiny", "--steps", "4", "--adapt-steps", "3",
-                           "--data-dir", str(real_data), "--out", str(out))
+                           "--mask-rate", "0.3", "--data-dir", str(real_data), "--out", str(out))
     assert code == 0, err
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     assert results["seed"] == 1234 and results["commit"] and "threads" in results["hardware"]
@@ -374,6 +374,8 @@ def test_all_writes_every_result_and_refuses_to_overwrite_without_replace(tmp_pa
     assert set(language_model["perplexity"]) == {"untrained", "trained"}
     masked = results["masked_lm"]
     assert masked["steps"] == 4 and set(masked["accuracy"]) == {"untrained", "trained", "frequency_baseline"}
+    assert results["settings"]["mlm_mask"] == masked["recipe"]["chosen"] == 0.3
+    assert masked["recipe"]["chosen_when_evaluated"] == 0.15
     assert 0 < masked["accuracy"]["frequency_baseline"] < 1 and set(masked["frequent_guesses"]) == {"any", "long"}
     assert set(masked["long_words"]) == {"untrained", "trained", "frequency_baseline", "masked"}
     assert masked["examples"] and all(lm.MASK in e["masked"] and len(e["top5"]) == 5 for e in masked["examples"])
@@ -410,6 +412,13 @@ def test_command_line_errors_are_one_clear_line(tmp_path, capsys, args, message)
     assert err.strip().count("\n") == 0, err
     assert err.startswith("stepformer-lm train: error: ") and message in err, err
     assert not (tmp_path / "out").exists(), "a failed command must not leave an output folder"
+
+
+@pytest.mark.parametrize("rate", ["0", "1", "1.5"])
+def test_a_mask_rate_outside_zero_to_one_is_one_clear_line(tmp_path, capsys, rate):
+    code, _, err = run_cli(capsys, "mlm", "--mask-rate", rate, "--out", str(tmp_path / "out"))
+    assert code == 2 and err.startswith("stepformer-lm mlm: error: --mask-rate must lie between 0 and 1"), err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_data_folder_without_the_files_is_named_in_the_error(tmp_path, capsys):

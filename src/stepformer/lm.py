@@ -877,6 +877,10 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("lora", "all"):
             command.add_argument("--adapt-steps", type=int,
                                  help="steps of each German adaptation (default: the preset's, 200 for cpu)")
+        if name in ("mlm", "all"):
+            command.add_argument("--mask-rate", type=float,
+                                 help="the share of pieces BERT's objective chooses in training (default: the "
+                                 "preset's, 0.4; BERT's was 0.15); the held-out test always chooses 0.15")
         command.add_argument("--seed", type=int, default=1234, help="seeds the weights, batches and sampling "
                              "(default: %(default)s)")
         command.add_argument("--preset", default="cpu", help=f"model sizes and settings: {', '.join(PRESETS)} "
@@ -929,6 +933,11 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         if adapt_steps < 1:
             raise ValueError(f"--adapt-steps must be at least 1, got {adapt_steps}")
         run = replace(run, adapt_steps=adapt_steps)
+    mask_rate = getattr(args, "mask_rate", None)
+    if mask_rate is not None:
+        if not 0.0 < mask_rate < 1.0:
+            raise ValueError(f"--mask-rate must lie between 0 and 1, got {mask_rate}")
+        run = replace(run, mlm_mask=mask_rate)
     budgets = _budgets(args, run)
 
     if args.threads is not None:
