@@ -369,7 +369,7 @@ def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
 ENTROPY_TOLERANCE = {(4, True): 0.085, (4, False): 0.146, (64, True): 0.051, (64, False): 0.086,
                      (256, True): 0.048, (256, False): 0.062}
 # One query over two keys, d_k=4, unscaled: the sd of a single draw's entropy (check_noise.py, 480000 draws).
-SINGLE_DRAW_SD = 0.2317
+SINGLE_DRAW_SD = 0.2319
 
 
 @check(forbid=BUILT_IN_ATTENTION)
