@@ -274,10 +274,14 @@ def test_attention_sizes_are_pairwise_distinct():
 
 
 def test_the_checks_import_no_reference_module():
-    tree = ast.parse((ROOT / "src" / "stepformer" / "checks" / "before.py").read_text())
-    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert all(name == "stepformer.checks._core" or not name.startswith("stepformer") for name in imported), imported
+    # Other check modules may be used (the measurement's argument check is shared with chapter 01's), if they in
+    # turn import no reference module.
+    for module in ("before", "attention", "_noise"):
+        tree = ast.parse((ROOT / "src" / "stepformer" / "checks" / f"{module}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert all(name.startswith("stepformer.checks.") or not name.startswith("stepformer") for name in imported), (
+            module, imported)
 
 
 # Standalone wrong implementations (not built from the library).
@@ -344,9 +348,11 @@ def attention(q, k, v, w_q, w_k, v_a, mask=None, *, tanh=True, dim=-1, scale=1.0
 
 
 def measure(d_k, *, additive, q_len=16, k_len=16, d_attn=32, samples=64, seed=0, scaled=False, reduce="max",
-            init=True, lengths=True):
-    g = torch.Generator().manual_seed(seed)
+            init=True, lengths=True, keys_from_queries=False, fixed_samples=None, fixed_seed=None):
+    g = torch.Generator().manual_seed(seed if fixed_seed is None else fixed_seed)
     q_len, k_len = (q_len, k_len) if lengths else (16, 16)
+    k_len = q_len if keys_from_queries else k_len
+    samples = samples if fixed_samples is None else fixed_samples
     tops = []
     for _ in range(samples):
         q = torch.randn(q_len, d_k, generator=g, dtype=torch.float64)
@@ -426,6 +432,12 @@ MISTAKES = [
      r"more peaked than it should be.*divided by sqrt\(d_k\)"),
     (check_top_weight_measurement, lambda d, **k: measure(d, **k, lengths=False),
      r"\[1/9, 1\]|a fresh sample gives about"),
+    # Issue 27: the keys drawn with the query count, and the arguments that only the noise shows.
+    (check_top_weight_measurement, lambda d, **k: measure(d, **k, keys_from_queries=True),
+     r"That is the largest weight over 20 keys"),
+    (check_top_weight_measurement, lambda d, **k: measure(d, **k, fixed_samples=64),
+     r"spread of a mean over many draws: does your function use samples"),
+    (check_top_weight_measurement, lambda d, **k: measure(d, **k, fixed_seed=0), r"all gave .* ignores seed"),
     (check_top_weight_measurement, lambda d, **k: torch.tensor(measure(d, **k)), "should return a Python float"),
 ]
 

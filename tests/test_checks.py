@@ -279,6 +279,26 @@ def test_measurement_check():
     with pytest.raises(CheckFailure, match=r"over 9 keys lies in \[0, log 9\].*the k_len it is given"):
         check_entropy_measurement(ignores_k_len)
 
+    # Issue 27: the keys drawn with the query count, an argument that only the noise hides, or no seed.
+    def measured(**changes):
+        def fn(d_k, *, scale, q_len=16, k_len=16, samples=64, seed=0):
+            given = dict(q_len=q_len, k_len=k_len, samples=samples, seed=seed)
+            given.update({k: v(given) for k, v in changes.items()})
+            return student.mean_attention_entropy(d_k, scale=scale, **given)
+
+        return fn
+
+    with pytest.raises(CheckFailure, match=r"That is the entropy over 12 keys"):
+        check_entropy_measurement(measured(k_len=lambda a: a["q_len"]))
+    with pytest.raises(CheckFailure, match=r"spread of a mean over many draws: does your function use samples"):
+        check_entropy_measurement(measured(samples=lambda a: 64))
+    with pytest.raises(CheckFailure, match=r"all gave .* ignores seed"):
+        check_entropy_measurement(measured(seed=lambda a: 0))
+    with pytest.raises(CheckFailure, match=r"Called twice with the same arguments and seed=0"):
+        check_entropy_measurement(measured(seed=lambda a: int(torch.randint(0, 10**6, ()))))
+    with pytest.raises(CheckFailure, match=r"With one key \(k_len=1\).*exactly 0"):
+        check_entropy_measurement(measured(k_len=lambda a: max(a["k_len"], 2)))
+
 
 # -- own work -----------------------------------------------------------------------------
 

@@ -457,6 +457,11 @@ def test_residual_checks_pass_on_the_solution_and_fail_on_the_stub(capsys):
         (check_residual, {"norm_first": False}, residual(swap=True),
          r"\(largest difference .* on sizes batch=2, seq=5, d_model=12\)\. You computed pre-norm"),
         (check_residual_dropout, {}, residual(dropout_on_sum=True), r"pre-norm.*largest difference .* from the nearer"),
+        # Issue 27: at p = 0.5 nn.Dropout(1 - dropout) was nn.Dropout(dropout); the check now drops with p = 0.25.
+        (check_residual_dropout, {}, lambda d, s, norm_first=False, dropout=0.0: Res(d, s, norm_first, 1 - dropout),
+         r"scaled by 1/0\.25 and \d+ of \d+ \(\d+%\) were dropped: you dropped with probability 1 - p"),
+        (check_residual_dropout, {}, lambda d, s, norm_first=False, dropout=0.0: Res(d, s, norm_first, 0.5),
+         r"scaled by 2, not by 1/\(1 - p\) = 1\.333"),
     ],
 )
 def test_residual_checks_name_the_mistake(check, kwargs, mistake, message):

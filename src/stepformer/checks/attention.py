@@ -12,6 +12,7 @@ from jaxtyping import Bool, Float, jaxtyped
 from torch import Tensor
 
 from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed, show
+from stepformer.checks._noise import SPREAD_CALLS, SPREAD_THRESHOLD
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_k", "d_v")
 # What exercise 1 asks students to write themselves.
@@ -210,8 +211,24 @@ def check_attention_values(fn: Callable[..., Any], seed: int = 0, dtype: torch.d
                     f"softmax(q kᵀ / sqrt(d_k)) ({difference(weights, softmax, _sizes_of(q_, k_, v_))}): "
                     "return the weights that you multiplied v by."
                 )
-    passed(f"equal to torch.nn.functional.scaled_dot_product_attention, weights included, with any leading axes "
-           f"({str(dtype).removeprefix('torch.')})")
+    # Exact answers: with one key every query gives it weight 1 and reads its value; one query is a single row.
+    _, q, k, v = _qkv(seed, dtype)
+    output, weights = _result(fn, dtype, q, k[..., :1, :], v[..., :1, :])
+    sizes = _sizes_of(q, k[..., :1, :], v)
+    if not (close(weights, torch.ones_like(weights), dtype) and close(output, v[..., :1, :].expand_as(output), dtype)):
+        raise CheckFailure(
+            f"With one key (k_len=1) every query gives it weight 1 and its output is that key's value; yours "
+            f"differ (weights: {difference(weights, torch.ones_like(weights), sizes)}; output: "
+            f"{difference(output, v[..., :1, :].expand_as(output), sizes)}). Look at the axis of your softmax (it "
+            "must be k_len, dim=-1) and at anything that drops the k_len axis when it is 1 (a squeeze)."
+        )
+    output, weights = _result(fn, dtype, q[..., :1, :], k, v)
+    expected = F.scaled_dot_product_attention(q[..., :1, :].double(), k.double(), v.double()).to(dtype)
+    if not close(output, expected, dtype):
+        raise CheckFailure(f"With one query (q_len=1), your output differs from PyTorch's: "
+                           f"{_diagnose(q[..., :1, :], k, v, None, output, weights)}")
+    passed(f"equal to torch.nn.functional.scaled_dot_product_attention, weights included, with any leading axes, "
+           f"one key and one query ({str(dtype).removeprefix('torch.')})")
 
 
 @jaxtyped(typechecker=beartype)
@@ -306,11 +323,15 @@ def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
     weights = torch.softmax(logits, dim=-1)
     one_hot = torch.zeros_like(weights)
     one_hot[..., 0] = 1.0
+    uniform = torch.full_like(weights, 1.0 / s["k_len"])
     blind = weights.clone()
     blind[:, :, 1, :] = 0.0  # query 1 has no key: the weights of a fully masked row
     expected = torch.distributions.Categorical(probs=weights).entropy()
     expected[:, :, 1] = 0.0
     for what, probs, hint, right in (
+        ("Uniform weights (1/k_len on every key)", uniform,
+         "the entropy of k_len equal weights is log(k_len), in nats: -Σ p log p with the natural log, summed over "
+         "k_len.", torch.full(expected.shape, math.log(s["k_len"]), dtype=torch.float64)),
         ("Weights with zeros (one-hot rows)", one_hot,
          "0·log 0 must count as 0 (torch.where(p > 0, p * p.log(), 0.0)).", torch.zeros(expected.shape,
                                                                                      dtype=torch.float64)),
@@ -329,13 +350,32 @@ def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
             raise CheckFailure(f"{what} give{'s' if what.startswith('A ') else ''} "
                                f"{'NaN' if torch.isnan(got).any() else 'a wrong entropy'} "
                                f"({difference(got, right, sizes)}): {hint}")
-    passed("equal to torch.distributions.Categorical(probs=weights).entropy() in float64 and float32; 0 for a "
-           "one-hot or a fully masked row")
+    passed("equal to torch.distributions.Categorical(probs=weights).entropy() in float64 and float32; log(k_len) for "
+           "uniform weights, 0 for a one-hot or a fully masked row")
+
+
+# |your value - a fresh sample's| under correct code, per (d_k, scale) cell. benchmarks/check_noise.py, part
+# "entropy": your mean over samples=48 draws and the check's over 256 differ with standard deviation 0.0162,
+# 0.0278 (d_k=4, scaled/unscaled), 0.0097, 0.0163 (64), 0.0091, 0.0118 (256), from 50000 draws per cell; the
+# reference library's own function agrees (over 1000 seeds in the first three cells, 200 in the first five: largest
+# difference 3.5 of these). Tolerance: 5.23
+# standard deviations (_noise.normal_tolerance for six comparisons: correct code fails a call with probability
+# below 1e-6). Effects of the usual mistakes on the expected value, in nats, and the cells that catch them (by at
+# least 4.9 standard deviations beyond the tolerance): keys drawn with the query count (12 keys, not 9) +0.26 in the
+# scaled cells (caught there; +0.02 to +0.20 unscaled); k_len ignored (16 keys) +0.53 scaled, +0.40 at d_k=4
+# unscaled; scale ignored or inverted +0.49 to +1.67 unscaled; d_k instead of sqrt(d_k) +0.24 to +0.37 scaled;
+# torch.rand draws +0.33 to +1.29 everywhere; log base 2 +0.61 to +0.82 (d_k=4 and the scaled cells); softmax over
+# the queries -0.26 scaled. Left to the calls after the table: k_len (exactly 0 with one key), seed and samples.
+ENTROPY_TOLERANCE = {(4, True): 0.085, (4, False): 0.146, (64, True): 0.051, (64, False): 0.086,
+                     (256, True): 0.048, (256, False): 0.062}
+# One query over two keys, d_k=4, unscaled: the sd of a single draw's entropy (check_noise.py, 480000 draws).
+SINGLE_DRAW_SD = 0.2319
 
 
 @check(forbid=BUILT_IN_ATTENTION)
 def check_entropy_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
-    """Unscaled entropy collapses as d_k grows; scaled entropy stays put; both agree with a fresh sample."""
+    """Unscaled entropy collapses as d_k grows; scaled entropy stays put; both agree with a fresh sample; one key gives
+    exactly 0; seed and samples are used."""
     # Not the defaults (16 keys, 16 queries, 64 samples): a function that ignores an argument fails.
     q_len, k_len, samples = 12, 9, 48
     table = {}
@@ -354,22 +394,75 @@ def check_entropy_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
                 )
             table[d_k, scale] = value
     g = torch.Generator().manual_seed(seed + 7)
-    for (d_k, scale), value in table.items():
+
+    def fresh(d_k: int, scale: bool, keys: int = k_len) -> float:
         q = torch.randn(256, q_len, d_k, generator=g, dtype=torch.float64)
-        k = torch.randn(256, k_len, d_k, generator=g, dtype=torch.float64)
+        k = torch.randn(256, keys, d_k, generator=g, dtype=torch.float64)
         scores = q @ k.transpose(-2, -1) / (math.sqrt(d_k) if scale else 1.0)
-        reference = torch.distributions.Categorical(logits=scores).entropy().mean().item()
-        if abs(value - reference) > 0.15:
-            hint = (
-                "Did you divide by sqrt(d_k) only when scale=True?" if not scale
-                else "Are q and k unit-variance (torch.randn), with the q_len, k_len and samples you are given?"
-            )
+        return torch.distributions.Categorical(logits=scores).entropy().mean().item()
+
+    for (d_k, scale), value in table.items():
+        reference, allowed = fresh(d_k, scale), ENTROPY_TOLERANCE[d_k, scale]
+        if abs(value - reference) > allowed:
+            if scale and abs(value - fresh(d_k, scale, keys=q_len)) <= allowed:
+                hint = (f"That is the entropy over {q_len} keys: draw the keys with k_len rows, "
+                        "torch.randn(samples, k_len, d_k), and the queries with q_len.")
+            elif not scale:
+                hint = "Did you divide by sqrt(d_k) only when scale=True?"
+            else:
+                hint = "Are q and k unit-variance (torch.randn), with the q_len, k_len and samples you are given?"
             raise CheckFailure(
                 f"For d_k={d_k}, scale={scale}, q_len={q_len}, k_len={k_len}, samples={samples} you measured "
                 f"{value:.3f} nats; a fresh sample gives about {reference:.3f} (difference "
-                f"{abs(value - reference):.3f}, allowed 0.15). {hint}"
+                f"{abs(value - reference):.3f}, allowed {allowed}: 5.2 standard deviations of the difference "
+                f"between two such samples). {hint}"
             )
+    first = (table[4, True], (4,), dict(scale=True, q_len=q_len, k_len=k_len, samples=samples, seed=seed))
+    _check_measurement_arguments(fn, "mean_attention_entropy", "scale", 0.0, "the entropy", seed, SINGLE_DRAW_SD,
+                                 first)
     passed(
         f"unscaled entropy falls from {table[4, False]:.2f} to {table[256, False]:.2f} nats as d_k goes 4 → 256; "
-        f"scaled stays near {table[256, True]:.2f} (over {k_len} keys)"
+        f"scaled stays near {table[256, True]:.2f} (over {k_len} keys); 0 over one key; seed and samples used"
+    )
+
+
+def _check_measurement_arguments(fn: Callable[..., Any], name: str, option: str, one_key: float, what: str,
+                                 seed: int, single_draw_sd: float, first: tuple[float, tuple, dict]) -> None:
+    """The arguments that a mean over random draws hides, for a measurement ``name(d_k, *, option, q_len, k_len,
+    samples, seed)``: k_len = 1 has an exact answer (``one_key``, whatever the option), the same seed gives the same
+    value (``first`` is a value and the arguments it was called with), and calls with samples = 1 (one query over
+    two keys) at different seeds are single draws, spread out like one (see ``_noise.SPREAD_THRESHOLD``).
+
+    Shared by chapter 00's top weight and chapter 01's entropy measurements."""
+    for choice in (True, False):
+        got = call(fn, 4, **{option: choice}, q_len=3, k_len=1, samples=2, seed=seed)
+        if not (type(got) is float and abs(got - one_key) <= 1e-9):
+            shown = f"{got:.4g}" if type(got) is float else kind(got)
+            raise CheckFailure(
+                f"With one key (k_len=1) each query gives it all its weight, so {what} is exactly {one_key:g}; "
+                f"{name}(4, {option}={choice}, q_len=3, k_len=1, samples=2) gave {shown}. Look at how your keys "
+                "are drawn: k_len rows (torch.randn(samples, k_len, d_k)), whatever q_len is."
+            )
+    value, args, kwargs = first
+    again = call(fn, *args, **kwargs)
+    if again != value:
+        raise CheckFailure(
+            f"Called twice with the same arguments and seed={kwargs['seed']}, {name} gave {value!r} and then "
+            f"{again!r}: draw from torch.Generator().manual_seed(seed) (passed as generator=...), so that a seed "
+            "gives one answer."
+        )
+    seeds = range(seed + 1000, seed + 1000 + SPREAD_CALLS)
+    singles = torch.tensor([call(fn, 4, **{option: False}, q_len=1, k_len=2, samples=1, seed=s) for s in seeds],
+                           dtype=torch.float64)
+    if singles.std().item() >= SPREAD_THRESHOLD * single_draw_sd:
+        return
+    if bool((singles == singles[0]).all()):
+        found, hint = f"all gave {singles[0].item():.4g}", "Your function ignores seed: seed its generator with it."
+    else:
+        found = f"their standard deviation is {singles.std().item():.3g}"
+        hint = "That is the spread of a mean over many draws: does your function use samples?"
+    raise CheckFailure(
+        f"With samples=1, q_len=1 and k_len=2 each call measures one random draw, so {SPREAD_CALLS} calls at seeds "
+        f"{seeds[0]} ... {seeds[-1]} should spread like single draws (standard deviation about {single_draw_sd}); "
+        f"{found}. {hint}"
     )

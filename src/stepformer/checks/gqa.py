@@ -621,11 +621,13 @@ def check_gqa_cross_attention(cls: Callable[..., Any], seed: int = 0, dtype: tor
             _compare(module, state, s, kv_heads, dtype, what, query, key, value, mask)
     _compare(module, state, s, 1, dtype, "cross-attention on one sentence (batch=1) with a padding mask",
              query[:1], key[:1], value[:1], padding[:1])
+    _compare(module, state, s, 1, dtype, "cross-attention over one key (k_len=1)", query, key[:, :1], value[:, :1],
+             None)
     module, state = _build(cls, s, s["kv_heads"], dtype, seed + 7, fast=True)
     _compare(module, state, s, s["kv_heads"], dtype, "cross-attention with fast=True and a padding mask whose last "
              "sentence is all padding", query, key, value, _padding_mask(s, s["k_len"], seed, empty=True))
     passed(f"cross-attention (q_len={s['q_len']}, k_len={s['k_len']}) equal to "
-           f"F.scaled_dot_product_attention(enable_gqa=True) for GQA and MQA, batch=1, fast=True "
+           f"F.scaled_dot_product_attention(enable_gqa=True) for GQA and MQA, batch=1, one key, fast=True "
            f"({_dtype_name(dtype)})")
 
 

@@ -759,8 +759,9 @@ def _scaling_hint(got: Tensor, base: _Weights, state: dict[str, Tensor], alpha: 
                           (r / alpha, "You scale the update by r / alpha; LoRA scales it by alpha / r."),
                           (1.0, "You do not scale the update: multiply B(A(x)) by alpha / r."),
                           (alpha * r, "You scale the update by alpha · r; LoRA scales it by alpha / r."),
-                          (0.0, "Your layer ignores lora_a and lora_b: add (alpha / r) · lora_b(lora_a(x)) to "
-                                "base(x).")):
+                          (0.0, "Your output is base(x) alone: the update (alpha / r) · lora_b(lora_a(x)) does "
+                                "not reach it. Look at whether forward adds it, and at the dropout on its input "
+                                "(nn.Dropout(dropout): with dropout=0 it keeps everything).")):
         if close(got, _lora_reference(base, state, alpha, r, x, scaling=scaling), got.dtype):
             return hint
     return "Compute base(x) + (alpha / r) * lora_b(lora_a(dropout(x))), the dropout on the update's input only."
@@ -894,9 +895,24 @@ def check_lora_forward(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtyp
         raise CheckFailure(f"In train(), with self.dropout replaced by a module that zeroes a fixed half of its input "
                            f"and doubles the rest, your output differs from base(x) + (alpha / r) · B(A(dropout(x))) "
                            f"({difference(got, expected, s)}). {hint}")
+    # The stand-in above replaced the layer's own dropout, so its p was never used: with p = 1 nn.Dropout zeroes
+    # every input of the update, and the layer computes base(x) exactly (nn.Dropout(1 - dropout), or a dropout that
+    # ignores the argument, keeps the update).
+    layer, base, state = _build_lora(cls, s, r, alpha, dtype, seed + 6, dropout=1.0)
+    call(_set_training, layer, True)
+    got = call(layer, x)
+    expected = F.linear(x, base.weight, base.bias)
+    if not close(got, expected, dtype):
+        hint = ("it keeps the whole update, as if nothing were dropped: build self.dropout = nn.Dropout(dropout) with "
+                "the dropout given (nn.Dropout's p is the probability of dropping, not of keeping)."
+                if close(got, _lora_reference(base, state, alpha, r, x), dtype) else
+                "it is neither that nor base(x) plus the whole update. Look at the p your self.dropout gets: "
+                "nn.Dropout(dropout), the probability of dropping, with the dropout given.")
+        raise CheckFailure(f"LoRALinear(r={r}, alpha={alpha}, dropout=1.0) in train() drops every input of the update, "
+                           f"so it computes base(x) alone; yours differs ({difference(got, expected, s)}): {hint}")
     passed(f"LoRALinear computes base(x) + (alpha / r) · B(A(dropout(x))) for r = 1, {s['r']}, {s['r'] + 1} and "
            f"alpha = 1, 16, 3, with and without a bias, on (batch, seq, in) and (batch, in); dropout on the update's "
-           f"input, only in train() ({_dtype_name(dtype)})")
+           f"input with the p given (1.0 leaves base(x)), only in train() ({_dtype_name(dtype)})")
 
 
 def _merged(layer: nn.Module, x: Tensor) -> dict[str, Any]:

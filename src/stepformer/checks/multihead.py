@@ -468,6 +468,7 @@ def check_mha_cross_attention(cls: Callable[..., Any], seed: int = 0, dtype: tor
         ("cross-attention with a padding mask (batch, 1, 1, k_len)", query, key, value, padding),
         ("cross-attention with a (q_len, k_len) mask", query, key, value, _random_mask((s["q_len"], s["k_len"]), seed)),
         ("cross-attention with batch=1 and a padding mask", query[:1], key[:1], value[:1], padding[:1]),
+        ("cross-attention over one key (k_len=1)", query, key[:, :1], value[:, :1], None),
     ):
         _compare(module, oracle, state, s, dtype, what, q_, k_, v_, mask)
     one = dict(s, heads=1, d_head=s["d_model"])
@@ -475,7 +476,7 @@ def check_mha_cross_attention(cls: Callable[..., Any], seed: int = 0, dtype: tor
     _compare(single, single_oracle, single_state, one, dtype, "cross-attention with heads=1 and a padding mask",
              query, key, value, padding)
     passed(f"cross-attention (q_len={s['q_len']}, k_len={s['k_len']}) equal to torch.nn.MultiheadAttention, with "
-           f"padding and (q_len, k_len) masks, batch=1 and heads=1 ({_dtype_name(dtype)})")
+           f"padding and (q_len, k_len) masks, batch=1, one key and heads=1 ({_dtype_name(dtype)})")
 
 
 # -- exercise 4: predict, then measure -----------------------------------------------------
