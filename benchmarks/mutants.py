@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import random
+import re
 import shlex
 import sys
 import tempfile
@@ -63,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grade-only", action="store_true", help="only the --grade sample, from the results file")
     parser.add_argument("--grade-workers", type=int, default=2, help="grading workers for --grade (2)")
     parser.add_argument("--table-only", action="store_true", help="only write the table from the results file")
+    parser.add_argument("--redo-timeouts", action="store_true",
+                        help="run again only the mutants of the results file that timed out or died (a busy or "
+                             "paused machine), replacing their rows")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs' files here (default: a temporary "
                                                                    "folder in /dev/shm or /tmp, removed)")
     args = parser.parse_args(argv)
@@ -114,14 +118,26 @@ def run_chapters(args: argparse.Namespace, data: dict) -> None:
     if unknown:
         sys.exit(f"error: unknown chapter(s) {', '.join(unknown)}; known: {', '.join(known)}")
     cap = min(args.cap, args.limit) if args.limit else args.cap
-    plan = list(mutants(ROOT, cap=cap, seed=args.seed, only=args.chapters))
+    redo = None
+    if args.redo_timeouts:
+        redo = {r["key"] for r in data["mutants"]
+                if timed_out(r) and (not args.chapters or r["chapter"] in args.chapters)}
+        plan = [m for m in mutants(ROOT, cap=None, only=args.chapters) if m.key in redo]
+        print(f"running again {len(plan)} mutants that timed out or died", file=sys.stderr)
+        if not plan:
+            return
+    else:
+        plan = list(mutants(ROOT, cap=cap, seed=args.seed, only=args.chapters))
     by_chapter: dict[str, list] = {}
     for m in plan:
         by_chapter.setdefault(m.chapter, []).append(m)
     options = Options(mutant_seconds=args.mutant_timeout, property_tests=not args.no_property_tests, jobs=args.jobs)
     if args.cell_timeout:
         options.cell_seconds = args.cell_timeout
-    data["about"] = {**provenance(args), "options": {k: v for k, v in vars(options).items()}}
+    if redo is None:
+        data["about"] = {**provenance(args), "options": {k: v for k, v in vars(options).items()}}
+    else:
+        data["about"].setdefault("redone", []).append({**provenance(args), "mutants": len(plan)})
     started = time.monotonic()
     contexts = {m.key: m.edit.context for m in plan}
     with tqdm(total=len(plan), unit="mutant", desc="mutants") as bar:
@@ -130,18 +146,33 @@ def run_chapters(args: argparse.Namespace, data: dict) -> None:
             rows, controls, meta, error = _chapter_in_child(chapter, mutants_of, options, args, bar)
             for row in rows:
                 row["context"] = contexts.get(row["key"], "")
-            data["mutants"] = [r for r in data["mutants"] if r["chapter"] != chapter] + rows
+            date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+            if redo is None:
+                data["mutants"] = [r for r in data["mutants"] if r["chapter"] != chapter] + rows
+                data["controls"] = [c for c in data["controls"] if c.get("chapter") != chapter] + controls
+                meta.update(mutants=len(mutants_of), finished=len(rows), error=error, date=date)
+                data["chapters"][chapter] = meta
+                data["about"]["seconds"] = round(time.monotonic() - started)
+                data["about"]["load_average_after"] = os.getloadavg()[0]
+            else:  # only these rows, and the controls of their cells, are replaced
+                done = {r["key"] for r in rows}
+                cells = {c["cell"] for c in controls}
+                data["mutants"] = [r for r in data["mutants"] if r["key"] not in done] + rows
+                data["controls"] = [c for c in data["controls"]
+                                    if not (c.get("chapter") == chapter and c.get("cell") in cells)] + controls
+                data["chapters"][chapter].setdefault("redone", []).append(
+                    {"date": date, "mutants": len(mutants_of), "finished": len(rows), "error": error})
             data["mutants"].sort(key=lambda r: (r["chapter"], r["cell"], r["line"], r["col"], r["key"]))
-            data["controls"] = [c for c in data["controls"] if c.get("chapter") != chapter] + controls
-            meta.update(mutants=len(mutants_of), finished=len(rows), error=error,
-                        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"))
-            data["chapters"][chapter] = meta
-            data["about"]["seconds"] = round(time.monotonic() - started)
-            data["about"]["load_average_after"] = os.getloadavg()[0]
             save(data, args.out)
             write_table(data, args.table)
             if error:
                 tqdm.write(f"error in {chapter}: {error}", file=sys.stderr)
+
+
+def timed_out(row: dict) -> bool:
+    """A row whose run ran out of time or died: worth running again on a quieter machine."""
+    return row.get("status") in ("timeout", "crashed", "cell-timeout") or \
+        (row.get("first_failure") or {}).get("ename") in ("CellTimeoutError", "Timeout", "KernelDied")
 
 
 def _chapter_in_child(chapter: str, mutants_of: list, options, args, bar) -> tuple[list, list, dict, str | None]:
@@ -320,10 +351,15 @@ def _first_failure(path: Path) -> dict | None:
 
 
 def _same_failure(fast: dict | None, real: dict | None) -> bool:
+    """The same cell, exception and message (up to white space and the addresses of objects in reprs)."""
     if fast is None or real is None:
         return fast is None and real is None
+
+    def text(message: str) -> str:
+        return re.sub(r"0x[0-9a-f]+", "0x…", " ".join(message.split()))
+
     return fast["cell"] == real["cell"] and fast["ename"] == real["ename"] and \
-        " ".join(fast["message"].split()) == " ".join(real["message"].split())
+        text(fast["message"]) == text(real["message"])
 
 
 # --- the table ------------------------------------------------------------------------------------
@@ -443,6 +479,8 @@ def _agreement(data: dict) -> list[str]:
     if not agreement:
         return out + ["Not measured yet (`--grade N`)."]
     entries = [e for a in agreement.values() for e in a["entries"]]
+    for e in entries:  # the rule may have changed since they were graded
+        e["first_failure_agrees"] = _same_failure(e["fast_first"], e["grader_first"])
     points = sum(e["points_agree"] for e in entries)
     first = sum(e["first_failure_agrees"] for e in entries)
     out += [f"{len(entries)} notebooks ({len(agreement)} chapters: the unmutated solution and a sample of mutants of "
