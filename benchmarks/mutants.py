@@ -366,8 +366,11 @@ def _same_failure(fast: dict | None, real: dict | None) -> bool:
 
 def write_table(data: dict, path: Path) -> None:
     from tests.fixtures.mutant_messages import classify
+    from tests.fixtures.mutants import mutants
 
+    contexts = {m.key: m.edit.context for m in mutants(ROOT, cap=None)}  # as the rules read them today
     for row in data["mutants"]:
+        row["context"] = contexts.get(row["key"], row.get("context", ""))
         if row.get("caught") and row.get("first_failure"):
             row["class"], row["class_why"] = classify(row)
         else:
