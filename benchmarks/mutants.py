@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grade-only", action="store_true", help="only the --grade sample, from the results file")
     parser.add_argument("--grade-workers", type=int, default=2, help="grading workers for --grade (2)")
     parser.add_argument("--table-only", action="store_true", help="only write the table from the results file")
+    parser.add_argument("--keys", nargs="+", metavar="KEY", help="run only these mutants (keys of the results file, "
+                        "chapter/cell/operator/line/hash), replacing their rows")
     parser.add_argument("--redo-timeouts", action="store_true",
                         help="run again only the mutants of the results file that timed out or died (a busy or "
                              "paused machine), replacing their rows")
@@ -119,11 +121,14 @@ def run_chapters(args: argparse.Namespace, data: dict) -> None:
         sys.exit(f"error: unknown chapter(s) {', '.join(unknown)}; known: {', '.join(known)}")
     cap = min(args.cap, args.limit) if args.limit else args.cap
     redo = None
-    if args.redo_timeouts:
-        redo = {r["key"] for r in data["mutants"]
-                if timed_out(r) and (not args.chapters or r["chapter"] in args.chapters)}
+    if args.redo_timeouts or args.keys:
+        redo = set(args.keys or []) | {r["key"] for r in data["mutants"] if args.redo_timeouts and timed_out(r)}
+        redo = {k for k in redo if not args.chapters or k.split("/")[0] in args.chapters}
         plan = [m for m in mutants(ROOT, cap=None, only=args.chapters) if m.key in redo]
-        print(f"running again {len(plan)} mutants that timed out or died", file=sys.stderr)
+        missing = redo - {m.key for m in plan}
+        if missing:
+            sys.exit(f"error: no such mutant of today's solutions: {', '.join(sorted(missing))}")
+        print(f"running again {len(plan)} mutants", file=sys.stderr)
         if not plan:
             return
     else:
