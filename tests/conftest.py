@@ -67,6 +67,8 @@ HEAVY_TESTS = {
     "test_a_late_first_hand_in_then_a_changed_notebook_are_graded_and_manual_scores_survive": 30,
     "test_way_b_set_up_runs_as_written_in_a_course_folder_outside_the_checkout": 25,
     "test_release_fetch_submit_collect_grade_and_return_feedback": 35,
+    # A chapter's sample of mutants (tests/test_mutants.py): its definitions, then a few exercises' cells.
+    "test_sampled_mutants_of_each_chapter_lose_points": 6,
 }
 
 
