@@ -410,6 +410,13 @@ class _OpWatch(TorchDispatchMode):
         super().__init__()
         self.ops, self.tripped = ops, tripped
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Otherwise PyTorch wraps __torch_dispatch__ in torch._dynamo.disable, whose first call imports
+        # torch._dynamo: 1.5 s of CPU in every grading kernel. Dynamo compiles nothing while a dispatch mode
+        # is active, and a function compiled with torch.compile is watched all the same (tried on sdpa).
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func.namespace == "aten" and (label := self.ops.get(func.overloadpacket.__name__)):
             self.tripped.append(label)

@@ -21,6 +21,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import pkgutil
 import shutil
 import sys
 import tempfile
@@ -701,9 +702,14 @@ def _submit(root: Path, workdir: Path, assignment: str, intake: Intake) -> None:
 
 # Each student's worker is a fresh process forked from a server that imported the grader once
 # (torch, nbgrader, nbformat: about five seconds a process otherwise), so a crash or a timeout
-# still costs only that student while the imports are paid once per run.
+# still costs only that student while the imports are paid once per run. The server imports every
+# check module too, which the re-check needs (``trusted.check_namespace``): the masks checks alone
+# bring in torch._dynamo, a second and a half of CPU in every student's process otherwise.
+_CHECKS = Path(__file__).resolve().parents[1] / "checks"
+_CHECK_MODULES = [f"stepformer.checks.{m.name}" for m in pkgutil.iter_modules([str(_CHECKS)])
+                  if not m.name.startswith("_")]
 _WORKERS = multiprocessing.get_context("forkserver")
-_WORKERS.set_forkserver_preload(["stepformer.course.worker"])
+_WORKERS.set_forkserver_preload(["stepformer.course.worker", *_CHECK_MODULES])
 
 
 def _run_worker(root: Path, workdir: Path, assignment: str, student: str, limits: Limits, kernel: str | None,

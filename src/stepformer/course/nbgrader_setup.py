@@ -1,5 +1,6 @@
 """Loading the course's nbgrader configuration, with the folders a command needs."""
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ def load_config(course: Path, **course_directory: str) -> Config:
 
 
 def tools_on_path() -> None:
-    """Put this environment's bin/ first on PATH.
+    """Put this environment's bin/ first on PATH, and have nbgrader ask `alembic` only once per process.
 
     nbgrader's gradebook runs `alembic`, and nbgrader starts kernels by name: they must be this
     environment's even when the command was started as .venv/bin/stepformer-course without activating it.
@@ -25,6 +26,19 @@ def tools_on_path() -> None:
     bin_dir = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    _alembic_once()
+
+
+def _alembic_once() -> None:
+    """Every new gradebook runs the `alembic` command (3 s of CPU) for the head revision of nbgrader's own
+    migrations, a constant of the installed nbgrader: remember its answer for the rest of the process.
+
+    A failed run (no `alembic` on PATH) is not remembered: it fails again, as it would without this.
+    """
+    import nbgrader.api
+
+    if not hasattr(nbgrader.api.get_alembic_version, "cache_info"):
+        nbgrader.api.get_alembic_version = functools.cache(nbgrader.api.get_alembic_version)
 
 
 def api(config: Config):
