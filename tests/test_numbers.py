@@ -25,12 +25,14 @@ RESULTS = BOOK / "results"
 # Keys whose values describe how a run was made, not what it measured.
 NOT_MEASURED = {"settings", "overrides", "config", "seed", "seeds", "bootstrap_seed", "torch", "python", "commit",
                 "train_commit", "eval_commit", "length_penalty", "beam", "label_smoothing", "dropout",
-                "cooldown", "peak_lr", "warmup", "date", "command", "sides", "argv", "args"}
+                "cooldown", "peak_lr", "warmup", "date", "command", "sides", "argv", "args", "recipe", "mask_rate",
+                "chosen_when_evaluated"}
 
 # (page, number as written): why it is not a measured result.
 ALLOWED = {
     ("00_before.md", "0.01"): "the smoothing constant alpha that the page chooses, a setting",
     ("12_models.md", "7.24"): "Mistral's parameter count, computed from its published configuration",
+    ("12_models.md", "6.74"): "LLaMA 7B's parameter count, computed from its published configuration",
     ("12_models.md", "0.39"): "an answer's arithmetic: 65,536 of 16,777,216 parameters",
     ("12_models.md", "0.15"): "a probability that a question gives",
     ("appendix_questions.md", "0.09"): "the variance of the experiment's noise, 0.3 squared: a setting",
