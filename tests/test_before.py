@@ -322,7 +322,7 @@ def probability(word, history, counts, contexts, *, n, vocab_size, alpha=1.0, co
 
 
 def attention(q, k, v, w_q, w_k, v_a, mask=None, *, tanh=True, dim=-1, scale=1.0, use_v_a=True, mask_style="fill",
-              safe_rows=True, pattern=None):
+              safe_rows=True, keepdim=True, pattern=None):
     if pattern:  # written for one fixed number of axes
         query, key = torch.einsum(pattern[0], q, w_q), torch.einsum(pattern[1], k, w_k)
     else:
@@ -341,7 +341,7 @@ def attention(q, k, v, w_q, w_k, v_a, mask=None, *, tanh=True, dim=-1, scale=1.0
         scores = scores + mask.to(scores.dtype)
     weights = torch.softmax(scores, dim=dim)
     if mask is not None and mask_style in ("fill", "inverted") and safe_rows:
-        weights = weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        weights = weights.masked_fill(~mask.any(-1, keepdim=keepdim), 0.0)
     if mask is not None and mask_style == "after":
         weights = weights * mask
     return weights @ v, weights
@@ -419,6 +419,11 @@ MISTAKES = [
     (check_additive_attention_mask, lambda *a: attention(*a, mask_style="zero"), "filled the masked scores with 0"),
     (check_additive_attention_mask, lambda *a: attention(*a, mask_style="add"), "added the mask to the scores"),
     (check_additive_attention_mask, lambda *a: attention(*a, safe_rows=False), r"gives NaN \(the softmax of a row"),
+    # The fully masked rows' guard without keepdim: a shape error that the mask alone causes, named as such (and
+    # not as the weights' layout, which the same call without a mask shows to be right).
+    (check_additive_attention_mask, lambda *a: attention(*a, keepdim=False),
+     r"raised RuntimeError.*The same call without the mask runs, so the error comes from where your code uses the "
+     r"mask"),
     (check_additive_attention_shapes, lambda *a: attention(*a, pattern=("bqd,ad->bqa", "bkd,ad->bka")),
      r"With 2-D \(q_len, d\) inputs.*any number of them, none included"),
     (check_additive_attention_shapes, lambda q, k, v, w_q, w_k, v_a, mask=None: attention(q, k, v, w_q.T, w_k.T, v_a),

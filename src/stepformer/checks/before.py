@@ -420,6 +420,15 @@ def _attention_names(q: Tensor, k: Tensor, v: Tensor, w_q: Tensor) -> dict[str, 
             "d_v": v.shape[-1], "d_attn": w_q.shape[0]}
 
 
+def _runs(fn: Callable[..., Any], inputs: tuple[Tensor, ...]) -> bool:
+    """Whether ``fn(*inputs)`` returns without raising: tells a failure of the mask's path from the rest."""
+    try:
+        call(fn, *inputs)
+    except CheckFailure:
+        return False
+    return True
+
+
 def _attend(fn: Callable[..., Any], inputs: tuple[Tensor, ...], mask: Tensor | None,
             where: str) -> tuple[Tensor, Tensor]:
     """Call ``fn``; check that it returns (output, weights) of the right types, shapes and dtype."""
@@ -431,7 +440,10 @@ def _attend(fn: Callable[..., Any], inputs: tuple[Tensor, ...], mask: Tensor | N
         if ") raised " not in str(failure):
             raise
         hint = ""
-        if q.dim() == 2:
+        if mask is not None and _runs(fn, inputs):
+            hint = (" The same call without the mask runs, so the error comes from where your code uses the mask: "
+                    "compare the shape of each tensor you make from it with the scores' (..., q_len, k_len).")
+        elif q.dim() == 2:
             hint = (" The leading axes are *batch, any number of them, none included: write einsum patterns with "
                     "'...' (\"... q_len d_q, d_attn d_q -> ... q_len d_attn\"), never with fixed axis numbers.")
         elif "shape" in str(failure) or "size" in str(failure):
