@@ -317,21 +317,26 @@ def part_ffn_dropout(seeds: int) -> dict:
                     torch.manual_seed(seed)
                     reached, _ = _reaching_linear2(layer, module(x))
                     shares.append((reached[live].abs() <= 1e-8 * (1 + hidden.abs().max())).double().mean().item())
-            shares_t = torch.tensor(shares)
-            low, high = binomial_bounds(n, p, ALPHA / 2)  # two comparisons per check call, as there
             key = f"seed={check_seed}, {activation}"
-            results["cases"][key] = {
-                "live_units": n, "mean_share": shares_t.mean().item(), "sd_share": _sd(shares_t),
-                "binomial_sd": math.sqrt(p * (1 - p) / n), "min_share": shares_t.min().item(),
-                "max_share": shares_t.max().item(), "bounds": [low / n, high / n],
-                "mistakes": _rate_mistakes(n, p, low, high),
-            }
-            print(f"  {key}: {n} live units, share over {seeds} seeds {shares_t.mean().item():.3f} "
-                  f"± {_sd(shares_t):.3f} (binomial {math.sqrt(p * (1 - p) / n):.3f}), "
-                  f"range {shares_t.min().item():.3f}.."
-                  f"{shares_t.max().item():.3f}; allowed {low / n:.3f}..{high / n:.3f}", flush=True)
-            _print_rates(results["cases"][key]["mistakes"])
+            results["cases"][key] = _share_case(shares, n, p, "live_units", key)
     return results
+
+
+def _share_case(shares: list[float], n: int, p: float, units: str, key: str) -> dict:
+    """The spread of the dropped share over the seeds against the check's binomial interval, printed and returned."""
+    shares_t = torch.tensor(shares)
+    low, high = binomial_bounds(n, p, ALPHA / 2)  # two comparisons per check call, as there
+    case = {
+        units: n, "mean_share": shares_t.mean().item(), "sd_share": _sd(shares_t),
+        "binomial_sd": math.sqrt(p * (1 - p) / n), "min_share": shares_t.min().item(),
+        "max_share": shares_t.max().item(), "bounds": [low / n, high / n],
+        "mistakes": _rate_mistakes(n, p, low, high),
+    }
+    print(f"  {key}: {n} {units.replace('_', ' ')}, share over {len(shares)} seeds {case['mean_share']:.3f} "
+          f"± {case['sd_share']:.3f} (binomial {case['binomial_sd']:.3f}), range {case['min_share']:.3f}.."
+          f"{case['max_share']:.3f}; allowed {low / n:.3f}..{high / n:.3f}", flush=True)
+    _print_rates(case["mistakes"])
+    return case
 
 
 def _print_rates(mistakes: dict) -> None:
@@ -360,19 +365,8 @@ def part_residual_dropout(seeds: int) -> dict:
                 for seed in range(seeds):
                     torch.manual_seed(seed)
                     shares.append(((module(x) - x).abs() <= 1e-12).double().mean().item())
-            shares_t = torch.tensor(shares)
-            low, high = binomial_bounds(n, p, ALPHA / 2)  # two comparisons per check call, as there
             key = f"seed={check_seed}, norm_first={norm_first}"
-            results["cases"][key] = {
-                "entries": n, "mean_share": shares_t.mean().item(), "sd_share": _sd(shares_t),
-                "binomial_sd": math.sqrt(p * (1 - p) / n), "min_share": shares_t.min().item(),
-                "max_share": shares_t.max().item(), "bounds": [low / n, high / n],
-                "mistakes": _rate_mistakes(n, p, low, high),
-            }
-            print(f"  {key}: {n} entries, share over {seeds} seeds {shares_t.mean().item():.3f} ± {_sd(shares_t):.3f} "
-                  f"(binomial {math.sqrt(p * (1 - p) / n):.3f}), range {shares_t.min().item():.3f}.."
-                  f"{shares_t.max().item():.3f}; allowed {low / n:.3f}..{high / n:.3f}", flush=True)
-            _print_rates(results["cases"][key]["mistakes"])
+            results["cases"][key] = _share_case(shares, n, p, "entries", key)
     return results
 
 

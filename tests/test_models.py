@@ -182,16 +182,20 @@ MARIAN_CONFIGS = [  # (d_model, encoder layers, decoder layers, heads, ffn, voca
 ]
 
 
-@pytest.mark.parametrize("d_model, enc, dec, heads, ffn, vocab, activation", MARIAN_CONFIGS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_marian_logits_equal_huggingfaces(d_model, enc, dec, heads, ffn, vocab, activation, dtype) -> None:
-    config = transformers.MarianConfig(
+def marian_config(d_model, enc, dec, heads, ffn, vocab, activation) -> transformers.MarianConfig:
+    """One of MARIAN_CONFIGS, laid out as opus-mt is: the decoder starts with the padding id."""
+    return transformers.MarianConfig(
         d_model=d_model, encoder_layers=enc, decoder_layers=dec, encoder_attention_heads=heads,
         decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, vocab_size=vocab,
         max_position_embeddings=48, pad_token_id=0, decoder_start_token_id=0, scale_embedding=True,
         activation_function=activation,
     )  # fmt: skip
-    theirs = transformers.MarianMTModel(config)
+
+
+@pytest.mark.parametrize("d_model, enc, dec, heads, ffn, vocab, activation", MARIAN_CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_marian_logits_equal_huggingfaces(d_model, enc, dec, heads, ffn, vocab, activation, dtype) -> None:
+    theirs = transformers.MarianMTModel(marian_config(d_model, enc, dec, heads, ffn, vocab, activation))
     randomise(theirs, seed=d_model, skip=("embed_positions",))  # its sinusoidal table is fixed, not learned
     with torch.no_grad():
         theirs.final_logits_bias.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(1))
@@ -210,13 +214,7 @@ def test_marian_logits_equal_huggingfaces(d_model, enc, dec, heads, ffn, vocab, 
 def test_marian_reads_its_start_token_although_it_is_the_padding_id(d_model, enc, dec, heads, ffn, vocab,
                                                                     activation, dtype) -> None:
     """The opus-mt layout: every target starts with decoder_start_token_id == pad_token_id, read by every position."""
-    config = transformers.MarianConfig(
-        d_model=d_model, encoder_layers=enc, decoder_layers=dec, encoder_attention_heads=heads,
-        decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, vocab_size=vocab,
-        max_position_embeddings=48, pad_token_id=0, decoder_start_token_id=0, scale_embedding=True,
-        activation_function=activation,
-    )  # fmt: skip
-    theirs = transformers.MarianMTModel(config)
+    theirs = transformers.MarianMTModel(marian_config(d_model, enc, dec, heads, ffn, vocab, activation))
     randomise(theirs, seed=d_model + 1, skip=("embed_positions",))
     theirs = theirs.to(dtype).eval()
     ours = hf_convert.from_marian(theirs).eval()
@@ -224,7 +222,7 @@ def test_marian_reads_its_start_token_although_it_is_the_padding_id(d_model, enc
         src = tokens(seed, batch, src_len, vocab, low=1)
         src[0, max(1, src_len - 3):] = 0
         tgt = tokens(seed + 5, batch, tgt_len, vocab, low=1)
-        tgt[:, 0] = config.decoder_start_token_id  # as shift_tokens_right makes them from the labels
+        tgt[:, 0] = theirs.config.decoder_start_token_id  # as shift_tokens_right makes them from the labels
         tgt[-1, max(1, tgt_len - 3):] = 0  # a shorter sentence, padded at the end
         real = tgt != 0
         real[:, 0] = True  # the start token is not padding, whatever its id

@@ -53,6 +53,16 @@ def binomial_bounds(n: int, p: float, alpha: float = ALPHA) -> tuple[int, int]:
     return low, high
 
 
+def dropped_count_problem(count: int, n: int, p: float, comparisons: int = 2) -> str | None:
+    """``None`` if ``count`` units dropped of ``n`` fits dropout with probability ``p`` (the binomial interval of
+    :func:`binomial_bounds`, ALPHA shared by a call's ``comparisons``); else the message's end that says why not."""
+    low, high = binomial_bounds(n, p, ALPHA / comparisons)
+    if low <= count <= high:
+        return None
+    return (f"dropping each with probability {p} drops {low} to {high} of them, but for one time in a million: look "
+            "at the p your nn.Dropout gets (dropout, the probability of dropping).")
+
+
 # The argument check of the measurement exercises (chapters 00 and 01): SPREAD_CALLS calls with samples = 1 at
 # different seeds must be single draws, spread like one. benchmarks/check_noise.py ("single draws"): over 20000
 # repetitions the ratio (sample sd of the calls) / (single-draw sd) is 0.996 ± 0.091 for correct code (entropy,

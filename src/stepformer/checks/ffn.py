@@ -11,7 +11,7 @@ from jaxtyping import Float, jaxtyped
 from torch import Tensor, nn
 
 from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, passed
-from stepformer.checks._noise import ALPHA, binomial_bounds
+from stepformer.checks._noise import binomial_bounds, dropped_count_problem
 from stepformer.checks.attention import _expect_kept
 
 AXES = ("batch", "seq", "d_model", "d_ff")
@@ -311,12 +311,10 @@ def check_feedforward_dropout(cls: Callable[..., Any], seed: int = 0) -> None:
         live = hidden.abs() > 1e-3
         count, n = int((reached[live].abs() <= 1e-8 * (1 + hidden.abs().max())).sum()), int(live.sum())
         shares.append(count / n)
-        low, high = binomial_bounds(n, p, ALPHA / 2)  # two comparisons per call
-        if not low <= count <= high:
+        problem = dropped_count_problem(count, n, p)  # two comparisons per call
+        if problem is not None:
             raise CheckFailure(f"With dropout={p}, {count} of {n} hidden activations ({count / n:.0%}) were dropped "
-                               f"(activation={activation!r}, sizes {_named(s)}); dropping each with probability {p} "
-                               f"drops {low} to {high} of them, but for one time in a million: look at the p your "
-                               "nn.Dropout gets (dropout, the probability of dropping).")
+                               f"(activation={activation!r}, sizes {_named(s)}); {problem}")
     if len(shares) < 2:
         passed("dropout is on in training and off in eval mode; where it acts is checked once your forward ends in "
                "linear2 (see the values check)")

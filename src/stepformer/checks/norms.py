@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from stepformer.checks._core import CheckFailure, call, check, difference, expect_tensor, kind, passed, show
 from stepformer.checks._modules import parameters_of as _parameters
 from stepformer.checks._modules import set_training as _set_training
-from stepformer.checks._noise import ALPHA, binomial_bounds
+from stepformer.checks._noise import binomial_bounds, dropped_count_problem
 from stepformer.checks.attention import _first_line
 
 AXES = ("batch", "seq", "d_model")
@@ -592,12 +592,11 @@ def check_residual_dropout(cls: Any, seed: int = 0) -> None:
             )
         count, n = int(dropped.sum()), dropped.numel()
         shares.append(count / n)
-        low, high = binomial_bounds(n, p, ALPHA / 2)  # two comparisons per call
-        if not low <= count <= high:
+        problem = dropped_count_problem(count, n, p)  # two comparisons per call
+        if problem is not None:
             raise CheckFailure(f"With dropout={p}, {count} of the sublayer's {n} outputs ({count / n:.0%}) were "
-                               f"dropped in {name} (sizes {', '.join(f'{a}={v}' for a, v in sizes.items())}); dropping "
-                               f"each with probability {p} drops {low} to {high} of them, but for one time in a "
-                               "million: look at the p your nn.Dropout gets (dropout, the probability of dropping).")
+                               f"dropped in {name} (sizes {', '.join(f'{a}={v}' for a, v in sizes.items())}); "
+                               f"{problem}")
     passed(f"dropout hits the sublayer's output only ({shares[0]:.0%} and {shares[1]:.0%} dropped at p={p}, post- "
            "and pre-norm), and only in training mode")
 
