@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--redo-timeouts", action="store_true",
                         help="run again only the mutants of the results file that timed out or died (a busy or "
                              "paused machine), replacing their rows")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="RESULTS",
+                        help="take the chapters run in these results files (each chapter's rows, controls and "
+                             "provenance, its commit included) into --out, then write the table")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs' files here (default: a temporary "
                                                                    "folder in /dev/shm or /tmp, removed)")
     args = parser.parse_args(argv)
@@ -155,7 +158,8 @@ def run_chapters(args: argparse.Namespace, data: dict) -> None:
             if redo is None:
                 data["mutants"] = [r for r in data["mutants"] if r["chapter"] != chapter] + rows
                 data["controls"] = [c for c in data["controls"] if c.get("chapter") != chapter] + controls
-                meta.update(mutants=len(mutants_of), finished=len(rows), error=error, date=date)
+                meta.update(mutants=len(mutants_of), finished=len(rows), error=error, date=date,
+                            commit=data["about"].get("commit"), command=data["about"].get("command"))
                 data["chapters"][chapter] = meta
                 data["about"]["seconds"] = round(time.monotonic() - started)
                 data["about"]["load_average_after"] = os.getloadavg()[0]
@@ -369,6 +373,28 @@ def _same_failure(fast: dict | None, real: dict | None) -> bool:
 
 # --- the table ------------------------------------------------------------------------------------
 
+def merge(data: dict, files: list[Path]) -> None:
+    """Replace the chapters that ``files`` ran (whole chapters, not ``--keys`` reruns) with their results."""
+    for path in files:
+        other = load(path)
+        same = ("seed", "cap", "limit")
+        if data["about"] and any(other["about"].get(k) != data["about"].get(k) for k in same):
+            sys.exit(f"error: {path} was run with another seed, cap or limit than {', '.join(same)} of --out")
+        for chapter, meta in other.get("chapters", {}).items():
+            if meta.get("redone") or meta.get("error") or meta.get("finished") != meta.get("mutants"):
+                sys.exit(f"error: {path} holds an incomplete or partly rerun {chapter}; run it whole with --chapters")
+            meta.setdefault("commit", other["about"].get("commit"))
+            meta.setdefault("command", other["about"].get("command"))
+            meta["hardware"], meta["torch"] = other["about"].get("hardware"), other["about"].get("torch")
+            data["mutants"] = [r for r in data["mutants"] if r["chapter"] != chapter] + \
+                [r for r in other["mutants"] if r["chapter"] == chapter]
+            data["controls"] = [c for c in data["controls"] if c.get("chapter") != chapter] + \
+                [c for c in other["controls"] if c.get("chapter") == chapter]
+            data["chapters"][chapter] = meta
+            print(f"{chapter}: from {path} (commit {meta['commit']}, {meta.get('date')})", file=sys.stderr)
+    data["mutants"].sort(key=lambda r: (r["chapter"], r["cell"], r["line"], r["col"], r["key"]))
+
+
 def write_table(data: dict, path: Path) -> None:
     from tests.fixtures.mutant_messages import classify
     from tests.fixtures.mutants import mutants
@@ -404,6 +430,12 @@ def render(data: dict) -> str:
                 + f"; {about.get('seconds', 0) / 60:.0f} minutes (load average "
                 f"{about.get('load_average_before', 0):.1f} before, "
                 f"{about.get('load_average_after', 0):.1f} after).", ""]
+    others = {c: m for c, m in sorted(data.get("chapters", {}).items())
+              if m.get("commit") and m["commit"] != about.get("commit")}
+    if others:
+        out += ["Chapters run again later, whole, with the same seed and cap (`--merge` took them in): "
+                + "; ".join(f"{c} at commit `{m['commit']}`, {m.get('date')}, on {m.get('hardware')}"
+                            for c, m in others.items()) + ".", ""]
     out += ["Caught: the mutant loses points. Equivalent: no input tells it from the solution (the checks' inputs, "
             "more seeds, the library's property tests). The classes of the first failing message, of the caught "
             "mutants: *named* (names the mutated construct), *generic* (reports observations only), *else* (names "
@@ -521,7 +553,9 @@ def _quote(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     data = load(args.out)
-    if args.table_only:
+    if args.merge:
+        merge(data, args.merge)
+    if args.table_only or args.merge:
         if not data["mutants"]:
             sys.exit(f"error: {args.out} holds no results yet; run without --table-only first")
         write_table(data, args.table)

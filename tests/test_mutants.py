@@ -242,3 +242,32 @@ def test_the_table_counts_caught_equivalent_and_message_classes():
     assert "| 01_attention | 4 | 1 | 3 | 2 | 66.7% | 50.0% | 0.0% | 1 |" in table
     assert "## Survivors (1)" in table and "more seeds tell it apart" in table
     assert "## Messages that name something else (1)" in table and "Your mask is inverted" in table
+
+
+def test_merge_takes_whole_chapters_with_their_commit_and_refuses_other_settings(tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("mutants_command", ROOT / "benchmarks" / "mutants.py")
+    command = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(command)
+    about = {"commit": "aaaaaaa", "seed": 27, "cap": 40, "limit": None, "hardware": "CPU A"}
+    row = {"chapter": "02_masks", "cell": "ex1-solution", "line": 3, "col": 0, "key": "02_masks/x", "operator": "sign",
+           "original": "a - b", "mutated": "a + b", "caught": False, "equivalent": True, "first_failure": None}
+    base = {"about": about, "chapters": {"02_masks": {"mutants": 1, "finished": 1, "commit": "aaaaaaa"}},
+            "mutants": [row], "controls": [], "agreement": {}}
+    later = {"about": {**about, "commit": "bbbbbbb", "hardware": "CPU B"},
+             "chapters": {"02_masks": {"mutants": 1, "finished": 1, "date": "2026-11-27 06:00 UTC"}},
+             "mutants": [{**row, "key": "02_masks/y"}], "controls": [], "agreement": {}}
+    (tmp_path / "later.json").write_text(json.dumps(later))
+    command.merge(base, [tmp_path / "later.json"])
+    assert [r["key"] for r in base["mutants"]] == ["02_masks/y"]
+    assert base["chapters"]["02_masks"]["commit"] == "bbbbbbb"
+    assert "02_masks at commit `bbbbbbb`, 2026-11-27 06:00 UTC, on CPU B" in command.render(base)
+    (tmp_path / "other_seed.json").write_text(json.dumps({**later, "about": {**later["about"], "seed": 1}}))
+    with pytest.raises(SystemExit, match="another seed"):
+        command.merge(base, [tmp_path / "other_seed.json"])
+    partial = {**later, "chapters": {"02_masks": {"mutants": 2, "finished": 1}}}
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    with pytest.raises(SystemExit, match="incomplete"):
+        command.merge(base, [tmp_path / "partial.json"])
