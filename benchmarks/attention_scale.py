@@ -56,9 +56,12 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from stepformer.attention import scaled_dot_product_attention  # noqa: E402
-from stepformer.lm import save_json  # noqa: E402
 from stepformer.masks import causal_mask  # noqa: E402
-from stepformer.runs import commit, hardware  # noqa: E402
+from stepformer.runs import (  # noqa: E402
+    commit,
+    hardware,
+    save_json,  # noqa: E402
+)
 from stepformer.scale import LiveBytes, flash_attention, tiled_attention  # noqa: E402
 
 METHODS = ("naive", "fused", "tiled")

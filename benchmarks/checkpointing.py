@@ -38,8 +38,11 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from stepformer.encoder import Encoder  # noqa: E402
-from stepformer.lm import save_json  # noqa: E402
-from stepformer.runs import commit, hardware  # noqa: E402
+from stepformer.runs import (  # noqa: E402
+    commit,
+    hardware,
+    save_json,  # noqa: E402
+)
 from stepformer.scale import LiveBytes, checkpointed_encoder  # noqa: E402
 
 WAYS = {"plain": lambda encoder, x: encoder(x), "checkpointed": checkpointed_encoder}

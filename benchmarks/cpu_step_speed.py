@@ -295,8 +295,7 @@ def main() -> None:
 
     import torch
 
-    from stepformer.lm import save_json
-    from stepformer.runs import commit, hardware
+    from stepformer.runs import commit, hardware, save_json
 
     # A plain kill runs the clean-up too: the workers are stopped and the temporary folder removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))

@@ -79,7 +79,8 @@ def profile_step(config, data_dir: Path | None, device: torch.device, steps: int
     from stepformer.translator.batching import PaddedTable, token_batches
     from stepformer.translator.config import autocast_dtype
     from stepformer.translator.fast import loss_for
-    from stepformer.translator.train import build_model, compile_model, make_optimizer, prepare_data, train_step
+    from stepformer.translator.model import build_model, compile_model
+    from stepformer.translator.train import make_optimizer, prepare_data, train_step
 
     torch.manual_seed(config.seed)
     tokenizer, train_data, _, _ = prepared or prepare_data(config, Path("/nonexistent"), data_dir, False,

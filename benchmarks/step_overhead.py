@@ -17,7 +17,7 @@ Prints, per precision, the median CPU milliseconds per step (this process's CPU 
 shared machine the wall clock also counts the waits for a core) over ``--repeats`` blocks of ``--steps``
 steps, the variants' blocks alternated: eager with the shape checks off (as the trainer after its first
 step), eager with them on (as every step before), and compiled as the trainer compiles
-(:func:`stepformer.translator.train.compile_model`), with the first step's wall time, which compiles.
+(:func:`stepformer.translator.model.compile_model`), with the first step's wall time, which compiles.
 Also the ATen operations of one eager step (a ``TorchDispatchMode`` counter: forward, backward and
 optimiser). ``--profile`` adds cProfile's top functions of the eager steps. Not a test.
 """
@@ -45,7 +45,8 @@ from stepformer.runs import Distributed, commit, hardware  # noqa: E402
 from stepformer.translator.batching import Encoded, PaddedTable, token_batches  # noqa: E402
 from stepformer.translator.config import TranslatorConfig  # noqa: E402
 from stepformer.translator.fast import cross_entropy_sum, loss_for, swap_dropout  # noqa: E402
-from stepformer.translator.train import build_model, compile_model, make_optimizer, train_step  # noqa: E402
+from stepformer.translator.model import build_model, compile_model  # noqa: E402
+from stepformer.translator.train import make_optimizer, train_step  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
 # The gpu preset's structure at a size where arithmetic costs nothing.

@@ -40,9 +40,10 @@ from stepformer.translator.config import autocast_dtype, pick_device, preset  # 
 from stepformer.translator.data import load_split  # noqa: E402
 from stepformer.translator.evaluate import Translator  # noqa: E402
 from stepformer.translator.fast import fused_label_smoothed_loss, packed_dropout, swap_dropout  # noqa: E402
+from stepformer.translator.model import build_model  # noqa: E402
 from stepformer.translator.recipe import label_smoothed_loss  # noqa: E402
 from stepformer.translator.tokenizer import SubwordTokenizer  # noqa: E402
-from stepformer.translator.train import build_model, make_optimizer  # noqa: E402
+from stepformer.translator.train import make_optimizer  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype | None, device: torch.device, size: int = 2048, repeats: int = 10) -> float:

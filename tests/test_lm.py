@@ -13,27 +13,42 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stepformer import lm
 from stepformer.kvcache import cache_bytes
-from stepformer.lm import (
-    PRESETS,
-    Budget,
+from stepformer.lm.cli import main
+from stepformer.lm.config import PRESETS, bert_config, llama_config
+from stepformer.lm.data import (
+    MASK,
     Captions,
     caption_batches,
     collate_captions,
-    cosine_lr,
     encode_captions,
-    evaluate_lm,
-    evaluate_mlm,
-    kv_cache_bytes_per_token,
-    lm_loss,
-    mask_tokens,
-    masked_lm_loss,
-    state_hash,
-    train_loop,
+    mask_id,
     train_tokenizer,
 )
+from stepformer.lm.loop import cosine_lr, train_loop
+from stepformer.lm.measure import (
+    DECODINGS,
+    PROMPTS,
+    decoding_speed,
+    kv_cache_bytes_per_token,
+    kv_cache_comparison,
+    state_hash,
+)
+from stepformer.lm.objectives import (
+    evaluate_lm,
+    evaluate_mlm,
+    frequent_ids,
+    is_long_word,
+    lm_loss,
+    long_word_ids,
+    mask_tokens,
+    maskable_positions,
+    masked_lm_loss,
+    mlm_step_loss,
+    ordinary_ids,
+)
 from stepformer.models import EncoderModel, LanguageModel, LoRALinear, add_lora, generate, merge_lora
+from stepformer.runs import Budget
 from stepformer.translator.data import load_split
 
 TINY = replace(PRESETS["tiny"], eval_every=1000)
@@ -61,7 +76,7 @@ def captions(tokenizer, texts) -> dict[str, Captions]:
 
 def tiny_lm(vocab: int, seed: int = 0) -> LanguageModel:
     torch.manual_seed(seed)
-    return LanguageModel(lm.llama_config(vocab, TINY))
+    return LanguageModel(llama_config(vocab, TINY))
 
 
 def train_tiny(model, data: Captions, tokenizer, steps: int, run=TINY, metrics=None, **options) -> dict:
@@ -88,8 +103,8 @@ def test_captions_are_bos_caption_eos_cut_to_max_len_and_padded_on_the_right(tok
 
 def test_the_tokenizer_has_mask_last_and_the_translators_specials(tokenizer):
     assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (0, 1, 2)
-    assert lm.mask_id(tokenizer) == tokenizer.vocab_size - 1
-    assert tokenizer.decode([[5, lm.mask_id(tokenizer), 6]]) == tokenizer.decode([[5, 6]])
+    assert mask_id(tokenizer) == tokenizer.vocab_size - 1
+    assert tokenizer.decode([[5, mask_id(tokenizer), 6]]) == tokenizer.decode([[5, 6]])
 
 
 def test_batches_hold_every_caption_once_within_the_token_budget_and_follow_the_seed(captions):
@@ -122,10 +137,10 @@ def test_the_same_seed_gives_the_same_losses_and_another_seed_other_ones(tokeniz
         log, run = io.StringIO(), replace(TINY, seed=seed)
         torch.manual_seed(seed)
         if objective == "next token":
-            model, step_loss = LanguageModel(lm.llama_config(tokenizer.vocab_size, run)), None
+            model, step_loss = LanguageModel(llama_config(tokenizer.vocab_size, run)), None
         else:  # dropout and the masks draw random numbers too
-            model = EncoderModel(lm.bert_config(tokenizer.vocab_size, run))
-            step_loss = lambda m, t, g: lm.mlm_step_loss(m, t, tokenizer, g)  # noqa: E731
+            model = EncoderModel(bert_config(tokenizer.vocab_size, run))
+            step_loss = lambda m, t, g: mlm_step_loss(m, t, tokenizer, g)  # noqa: E731
         train_loop(model, captions["en"], step_loss or (lambda m, t, g: lm_loss(m, t, tokenizer.pad_id)[0]), run,
                    Budget(max_steps=15), run.peak_lr, tokenizer.pad_id, torch.device("cpu"), "test", metrics=log,
                    progress=False)
@@ -183,7 +198,7 @@ def test_the_kv_cache_holds_heads_over_kv_heads_times_fewer_bytes_with_gqa(token
     model = tiny_lm(tokenizer.vocab_size)
     config = model.config
     tokens = collate_captions(captions["en_val"], [0, 1, 2], tokenizer.pad_id)
-    result = lm.kv_cache_comparison(model, tokens)
+    result = kv_cache_comparison(model, tokens)
     d_head = config.d_model // config.heads
     assert result["bytes_per_token_gqa"] == cache_bytes(config.layers, config.kv_heads, d_head, 1)
     assert result["bytes_per_token_mha"] == cache_bytes(config.layers, config.heads, d_head, 1)
@@ -194,7 +209,7 @@ def test_the_kv_cache_holds_heads_over_kv_heads_times_fewer_bytes_with_gqa(token
 def test_decoding_with_and_without_the_cache_gives_the_same_tokens(tokenizer, captions):
     model = tiny_lm(tokenizer.vocab_size)
     prompt = collate_captions(captions["en_val"], [0, 1], tokenizer.pad_id)[:, :3]
-    speed = lm.decoding_speed(model, prompt, 6, repeats=1)
+    speed = decoding_speed(model, prompt, 6, repeats=1)
     assert speed["same_tokens"] and speed["batch"] == 2 and speed["new_tokens"] == 6
     assert speed["with_cache_tokens_per_s"] > 0 and speed["without_cache_tokens_per_s"] > 0
 
@@ -252,12 +267,12 @@ def test_the_masked_lm_loss_counts_the_chosen_positions_only():
 
 def test_masked_lm_training_raises_the_held_out_accuracy(tokenizer, captions):
     torch.manual_seed(0)
-    model = EncoderModel(lm.bert_config(tokenizer.vocab_size, TINY))
+    model = EncoderModel(bert_config(tokenizer.vocab_size, TINY))
     device = torch.device("cpu")
     before = evaluate_mlm(model, captions["en_val"], tokenizer, 1024, device)
     again = evaluate_mlm(model, captions["en_val"], tokenizer, 1024, device)
     assert before == again, "the held-out masks must be the same at every evaluation"
-    train_loop(model, captions["en"], lambda m, t, g: lm.mlm_step_loss(m, t, tokenizer, g), TINY,
+    train_loop(model, captions["en"], lambda m, t, g: mlm_step_loss(m, t, tokenizer, g), TINY,
                Budget(max_steps=150), 3e-3, tokenizer.pad_id, device, "mlm", progress=False)
     after = evaluate_mlm(model, captions["en_val"], tokenizer, 1024, device)
     assert after["accuracy"] > before["accuracy"] + 0.05, (before, after)
@@ -265,32 +280,32 @@ def test_masked_lm_training_raises_the_held_out_accuracy(tokenizer, captions):
 
 
 def test_a_long_word_is_a_piece_that_starts_a_word_of_five_letters_or_more():
-    assert lm.is_long_word(" woman") and lm.is_long_word(" people")
-    assert not lm.is_long_word(" with") and not lm.is_long_word("eople") and not lm.is_long_word(" 12345")
+    assert is_long_word(" woman") and is_long_word(" people")
+    assert not is_long_word(" with") and not is_long_word("eople") and not is_long_word(" 12345")
 
 
 def test_too_small_a_vocabulary_for_long_words_is_an_error(tokenizer, captions):
     # The module's 400 pieces hold no English word of five letters.
     with pytest.raises(ValueError, match="too small to measure long words"):
-        lm.frequent_ids(captions["en"], tokenizer)
+        frequent_ids(captions["en"], tokenizer)
 
 
 def test_the_frequency_baseline_is_the_share_of_masked_pieces_that_are_the_most_frequent_one(texts):
     tokenizer = train_tokenizer(texts["en"] + texts["de"], 800)  # enough pieces for English words of 5+ letters
     captions = {name: encode_captions(tokenizer, texts[name], TINY.max_len) for name in ("en", "en_val")}
-    frequent = lm.frequent_ids(captions["en"], tokenizer)
+    frequent = frequent_ids(captions["en"], tokenizer)
     pieces = [i for s in captions["en"].sequences for i in s[1:-1]]
     assert pieces.count(frequent["any"]) == max(pieces.count(i) for i in set(pieces))
-    long = lm.long_word_ids(tokenizer)
+    long = long_word_ids(tokenizer)
     assert long[frequent["long"]] and not long[frequent["any"]]  # the most frequent piece is short ("a")
-    model = EncoderModel(lm.bert_config(tokenizer.vocab_size, TINY))
+    model = EncoderModel(bert_config(tokenizer.vocab_size, TINY))
     result = evaluate_mlm(model, captions["en_val"], tokenizer, 1024, torch.device("cpu"), frequent=frequent)
     # The same corruption drawn again, counted one position at a time.
     generator, hits, long_hits, long_count = torch.Generator().manual_seed(0), 0, 0, 0
-    for indices in lm.caption_batches(captions["en_val"], 1024, 0, 0, shuffle=False):
-        tokens = lm.collate_captions(captions["en_val"], indices, tokenizer.pad_id)
-        _, chosen = lm.mask_tokens(tokens, lm.maskable_positions(tokens, tokenizer), lm.mask_id(tokenizer),
-                                   lm.ordinary_ids(tokenizer), generator)
+    for indices in caption_batches(captions["en_val"], 1024, 0, 0, shuffle=False):
+        tokens = collate_captions(captions["en_val"], indices, tokenizer.pad_id)
+        _, chosen = mask_tokens(tokens, maskable_positions(tokens, tokenizer), mask_id(tokenizer),
+                                   ordinary_ids(tokenizer), generator)
         for token, is_chosen in zip(tokens.flatten().tolist(), chosen.flatten().tolist(), strict=True):
             if is_chosen:
                 hits += token == frequent["any"]
@@ -349,7 +364,7 @@ def test_full_fine_tuning_holds_a_gradient_and_two_adam_moments_for_every_weight
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    code = lm.main([*args, "--no-progress", "--threads", "1"])
+    code = main([*args, "--no-progress", "--threads", "1"])
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -365,9 +380,9 @@ def test_all_writes_every_result_and_refuses_to_overwrite_without_replace(tmp_pa
     language_model = results["language_model"]
     assert language_model["steps"] == 4 and language_model["config"]["kv_heads"] < language_model["config"]["heads"]
     for state in ("untrained", "trained"):
-        assert set(language_model["samples"][state]) == set(lm.DECODINGS)
-        assert all(len(texts) == len(lm.PROMPTS) for texts in language_model["samples"][state].values())
-        assert language_model["samples"][state]["greedy"][0].startswith(lm.PROMPTS[0])
+        assert set(language_model["samples"][state]) == set(DECODINGS)
+        assert all(len(texts) == len(PROMPTS) for texts in language_model["samples"][state].values())
+        assert language_model["samples"][state]["greedy"][0].startswith(PROMPTS[0])
     assert language_model["decoding_speed"]["same_tokens"]
     assert language_model["prompting_changes_no_weight"]["equal"]
     assert language_model["kv_cache"]["bytes_per_token_mha"] > language_model["kv_cache"]["bytes_per_token_gqa"]
@@ -378,7 +393,7 @@ def test_all_writes_every_result_and_refuses_to_overwrite_without_replace(tmp_pa
     assert masked["recipe"]["chosen_when_evaluated"] == 0.15
     assert 0 < masked["accuracy"]["frequency_baseline"] < 1 and set(masked["frequent_guesses"]) == {"any", "long"}
     assert set(masked["long_words"]) == {"untrained", "trained", "frequency_baseline", "masked"}
-    assert masked["examples"] and all(lm.MASK in e["masked"] and len(e["top5"]) == 5 for e in masked["examples"])
+    assert masked["examples"] and all(MASK in e["masked"] and len(e["top5"]) == 5 for e in masked["examples"])
     lora, full = results["adaptation"]["lora"], results["adaptation"]["full"]
     assert lora["steps"] == full["steps"] == 3
     assert lora["trainable_parameters"] < full["trainable_parameters"]
@@ -430,7 +445,7 @@ def test_a_data_folder_without_the_files_is_named_in_the_error(tmp_path, capsys)
 
 def test_help_names_every_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        lm.main(["--help"])
+        main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for command in ("train", "mlm", "lora", "all", "--data-dir", "--threads 1"):

@@ -405,7 +405,7 @@ def test_command_line_errors_are_one_clear_line(tmp_path):
 def test_a_checkpoint_refuses_another_vocabulary(tmp_path, tokenizer):
     from stepformer.runs import average_checkpoints, save_atomically
     from stepformer.translator.evaluate import Translator
-    from stepformer.translator.train import build_model
+    from stepformer.translator.model import build_model
 
     config = preset("tiny")
     small = SubwordTokenizer.train(["ein hund", "a dog", "zwei hunde", "two dogs"] * 50, 300)

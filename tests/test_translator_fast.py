@@ -13,8 +13,8 @@ from torch import nn
 from stepformer.translator import train as trainer
 from stepformer.translator.config import preset
 from stepformer.translator.fast import PackedDropout, fused_label_smoothed_loss, packed_dropout
+from stepformer.translator.model import build_model
 from stepformer.translator.recipe import label_smoothed_loss
-from stepformer.translator.train import build_model
 
 
 def _case(seed: int, dtype: torch.dtype):

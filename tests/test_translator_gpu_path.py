@@ -20,8 +20,9 @@ from stepformer.translator.batching import Encoded, PaddedTable, collate
 from stepformer.translator.config import TranslatorConfig, preset
 from stepformer.translator.evaluate import gpu_readme_row, gpu_rows
 from stepformer.translator.fast import cross_entropy_sum, fused_label_smoothed_loss, loss_for
+from stepformer.translator.model import build_model
 from stepformer.translator.recipe import label_smoothed_loss
-from stepformer.translator.train import build_model, make_optimizer, train_step
+from stepformer.translator.train import make_optimizer, train_step
 
 ROOT = Path(__file__).resolve().parent.parent
 PAD = 0
@@ -244,7 +245,7 @@ def test_the_compiled_model_takes_every_batch_shape_without_compiling_again():
 
     from stepformer.translator.batching import token_batches
     from stepformer.translator.fast import swap_dropout
-    from stepformer.translator.train import compile_model
+    from stepformer.translator.model import compile_model
 
     torch.manual_seed(0)
     config = preset("tiny").with_overrides({"d_model": "16", "d_ff": "32", "vocab_size": "60"})

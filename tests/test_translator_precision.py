@@ -7,8 +7,9 @@ No GPU is needed: the tests stand in for CUDA's capability query, as PyTorch ans
 import pytest
 import torch
 
+from stepformer.runs import load_checkpoint
 from stepformer.translator.config import autocast_dtype, preset
-from stepformer.translator.train import load_checkpoint, train
+from stepformer.translator.train import train
 
 CUDA, CPU, MPS = torch.device("cuda"), torch.device("cpu"), torch.device("mps")
 

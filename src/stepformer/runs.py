@@ -16,11 +16,12 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NamedTuple, Protocol
 
+import jaxtyping
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -243,6 +244,11 @@ def save_atomically(state: object, path: Path, write=torch.save) -> None:
 def save_text_atomically(text: str, path: Path) -> None:
     """:func:`save_atomically` for UTF-8 text."""
     save_atomically(text, path, write=lambda obj, file: file.write(obj.encode("utf-8")))
+
+
+def save_json(results: dict, path: Path) -> None:
+    """``results`` as indented UTF-8 JSON, written atomically (:func:`save_atomically`): a run's results file."""
+    save_text_atomically(json.dumps(results, indent=1, ensure_ascii=False) + "\n", path)
 
 
 def checkpoint_paths(out_dir: Path) -> list[Path]:
@@ -518,3 +524,18 @@ def training_loop(
         if progress is not None:
             progress.close()
     return position
+
+
+@contextlib.contextmanager
+def shape_checks(enabled: bool) -> Iterator[None]:
+    """jaxtyping's runtime shape checks on or off inside the block, and as they were after it.
+
+    jaxtyping reads its setting at every call of a checked function: with it off, the call is the
+    function's own plus one test of the setting (no beartype, no shape memo).
+    """
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", not enabled)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)

@@ -28,9 +28,9 @@ from stepformer.transformer import Transformer
 from stepformer.translator.batching import Encoded, encode_pairs
 from stepformer.translator.config import TranslatorConfig, pick_device
 from stepformer.translator.data import load_split
+from stepformer.translator.model import build_model
 from stepformer.translator.search import translate_encoded
 from stepformer.translator.tokenizer import SubwordTokenizer
-from stepformer.translator.train import build_model
 
 
 @dataclass

@@ -10,15 +10,11 @@ process takes every N-th sentence of the same global batch, and the loss is divi
 batch's token count, so the gradients (and the losses) are those of one process on the whole batch.
 """
 
-import contextlib
 import json
 import math
-import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import jaxtyping
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -37,36 +33,21 @@ from stepformer.runs import (
     init_distributed,
     load_checkpoint,
     restore_rng_states,
-    save_checkpoint,
     save_text_atomically,
     seed_everything,
+    shape_checks,
     training_loop,
     truncate_metrics,
 )
-from stepformer.transformer import Transformer
 from stepformer.translator.batching import Encoded, PaddedTable, collate, encode_pairs, token_batches
+from stepformer.translator.checkpoints import resumed_config, write_checkpoint
 from stepformer.translator.config import TranslatorConfig, autocast_dtype, pick_device
 from stepformer.translator.data import load_split
-from stepformer.translator.fast import fused_label_smoothed_loss, loss_for, packed_dropout
+from stepformer.translator.fast import fused_label_smoothed_loss, loss_for
+from stepformer.translator.model import build_model, compile_model
+from stepformer.translator.plots import plot_curves
 from stepformer.translator.recipe import inverse_sqrt_lr
 from stepformer.translator.tokenizer import SubwordTokenizer
-
-
-def build_model(config: TranslatorConfig, vocab_size: int, pad_id: int) -> Transformer:
-    """Chapter 08's Transformer with one embedding matrix shared by source, target and output layer.
-
-    Tying the three (Press and Wolf 2017; section 3.4 of the paper) fits a joint vocabulary: a
-    subword is the same row whichever language it comes from, and the model has a third fewer
-    parameters to learn from 29,000 sentences. With ``config.fast`` its dropout draws its masks
-    four elements per random number (:class:`.fast.PackedDropout`).
-    """
-    model = Transformer(
-        vocab_size, vocab_size, d_model=config.d_model, heads=config.heads, n_encoder_layers=config.layers,
-        n_decoder_layers=config.layers, d_ff=config.d_ff, dropout=config.dropout, norm_first=config.norm_first,
-        tie_embeddings=True, max_len=config.max_len, pad_id=pad_id, activation=config.activation,
-        kv_heads=config.kv_heads, fast=config.fast,
-    )
-    return packed_dropout(model) if config.fast else model
 
 
 def make_optimizer(model: torch.nn.Module, config: TranslatorConfig, device: torch.device) -> torch.optim.AdamW:
@@ -233,47 +214,6 @@ def train(
     return averaged
 
 
-@contextlib.contextmanager
-def shape_checks(enabled: bool) -> Iterator[None]:
-    """jaxtyping's runtime shape checks on or off inside the block, and as they were after it.
-
-    jaxtyping reads its setting at every call of a checked function: with it off, the call is the
-    function's own plus one test of the setting (no beartype, no shape memo).
-    """
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", not enabled)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", before)
-
-
-def compile_model(model: torch.nn.Module):
-    """``model`` compiled for batches of every shape: one graph, no recompiles as batch sizes and lengths vary.
-
-    The returned ``forward(src, tgt_in)`` marks the batch's size and its two lengths dynamic before each
-    call, since only those vary between steps; ``dynamic=True`` would make every number symbolic, the
-    dropout rates and norm epsilons too, and Dynamo would then trace the model a second time to make
-    them constants again (benchmarks/step_overhead.py: the compile's time, cold and from the cache).
-    Sizes that happen to be equal in the first batch (15 sentences of 15 tokens) are not assumed equal
-    ever after: PyTorch's "duck sizing" is switched off for this process, or the next batch would
-    compile again. The shape checks are off inside the compiled call: the compiler cannot trace them.
-    """
-    from torch.fx.experimental import _config as shape_config
-
-    shape_config.use_duck_shape = False
-    compiled = torch.compile(model)
-
-    def forward(src: Tensor, tgt_in: Tensor) -> Tensor:
-        for tensor in (src, tgt_in):  # (batch, length)
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            torch._dynamo.maybe_mark_dynamic(tensor, 1)
-        with shape_checks(False):
-            return compiled(src, tgt_in)
-
-    return forward
-
-
 def train_step(forward, model, optimizer, scaler, table: PaddedTable, indices: list[int], index: Tensor,
                pad_id: int, config, lr: float, amp_dtype, loss_fn, world: Distributed) -> tuple[Tensor, Tensor, Tensor]:
     """One optimiser step at learning rate ``lr`` on this process's share of a global batch.
@@ -330,35 +270,6 @@ def validate(model, tokenizer, val: Encoded, val_refs: list[str], config, amp_dt
     return {"val_loss": loss_sum / tokens, "val_perplexity": math.exp(loss_sum / tokens), "val_bleu": bleu.score}
 
 
-def write_checkpoint(out_dir: Path, model, optimizer, config, tokenizer, position: Position, rng: list[dict]) -> Path:
-    """Everything a resumed run needs to continue exactly (``rng``: each process's random states, by rank), and
-    a translation needs to run; older ones beyond ``keep_checkpoints`` are removed."""
-    return save_checkpoint({
-        "config": config.to_dict(), "tokenizer": tokenizer.to_json(), "fingerprint": tokenizer.fingerprint,
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(), **position.to_checkpoint(), "rng": rng,
-        "commit": commit(), "torch": torch.__version__, "hardware": hardware(next(model.parameters()).device),
-        "precision": str(autocast_dtype(config.precision, next(model.parameters()).device)
-                         or torch.float32).removeprefix("torch."),
-        # The machine's load when the checkpoint was written: a run that shared its cores says so.
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-    }, out_dir, position.step, config.keep_checkpoints)
-
-
-BUDGET_FIELDS = ("max_steps", "max_epochs", "max_minutes")
-# Settings that change how a run reports, never what it computes: a resumed run may change them too.
-REPORTING_FIELDS = ("log_every",)
-
-
-def resumed_config(saved: TranslatorConfig, given: TranslatorConfig) -> TranslatorConfig:
-    """The saved run's settings with the budget given now (a run may be extended); any other
-    difference is refused, since it would silently make the resumed run another run."""
-    differences = [f"{k}: saved {v!r}, given {given.to_dict()[k]!r}" for k, v in saved.to_dict().items()
-                   if k not in BUDGET_FIELDS + REPORTING_FIELDS and given.to_dict()[k] != v]
-    if differences:
-        raise ValueError("resuming with other settings than the saved run's: " + "; ".join(differences))
-    return given
-
-
 def scheduled_lr(c: TranslatorConfig, step: int, spent: float) -> float:
     """The paper's warmup and inverse square-root decay, times a linear cooldown to 0 over the budget's last part.
 
@@ -373,30 +284,3 @@ def scheduled_lr(c: TranslatorConfig, step: int, spent: float) -> float:
     return lr
 
 
-def plot_curves(metrics: Path, out: Path) -> Path | None:
-    """The training loss (smoothed), the validation loss and the validation BLEU against steps, in one figure."""
-    # A Figure of its own, not pyplot: a notebook that calls train() keeps its own plotting backend.
-    from matplotlib.figure import Figure
-
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-    train_rows = [r for r in rows if "loss" in r]
-    val_rows = [r for r in rows if "val_bleu" in r]
-    if not train_rows:
-        return None
-    fig = Figure(figsize=(10, 3.6))
-    ax_loss, ax_bleu = fig.subplots(1, 2)
-    steps = [r["step"] for r in train_rows]
-    window = max(1, len(train_rows) // 50)
-    losses = [r["loss"] for r in train_rows]
-    smoothed = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
-                for i in range(len(losses))]
-    ax_loss.plot(steps, smoothed, label="training (label-smoothed)")
-    if val_rows:
-        ax_loss.plot([r["step"] for r in val_rows], [r["val_loss"] for r in val_rows], "o-", label="validation (plain)")
-        ax_bleu.plot([r["step"] for r in val_rows], [r["val_bleu"] for r in val_rows], "o-", color="C2")
-    ax_loss.set(xlabel="step", ylabel="cross-entropy per token (nats)", title="loss")
-    ax_loss.legend()
-    ax_bleu.set(xlabel="step", ylabel="BLEU", title="validation BLEU (greedy, sample)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    return out
