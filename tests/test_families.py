@@ -7,6 +7,7 @@ LlamaConfig/MistralConfig from its own numbers, so that its parameter count agre
 
 import os
 import re
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,9 +16,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from stepformer.families import FAMILIES, PARTS, SIZES, Family, table_markdown  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "book"))  # the table's data sits beside the book's figures: only the book uses it
+
+from families import FAMILIES, PARTS, SIZES, Family, table_markdown  # noqa: E402
+
 FFN_NAMES = {"gelu_new": "GELU (tanh)", "gelu": "GELU", "relu": "ReLU", "silu": "SwiGLU"}
 
 

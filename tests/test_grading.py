@@ -125,14 +125,14 @@ def test_manual_scores_and_comments_survive_a_change_of_the_checks(tmp_path):
     """A regrade after the checks or solutions change keeps what the instructor set in formgrader."""
     from nbgrader.api import Gradebook
 
-    from stepformer.course.worker import COURSE_ID, db_url
+    from stepformer.course.worker import COURSE_ID, course_config
 
     folder = write_submissions(ATTENTION[:1], ASSIGNMENT, NOTEBOOK, ROOT / "exercises", tmp_path / "class")
     work = tmp_path / "work"
     first = grade(ROOT, folder, ASSIGNMENT, tmp_path / "out", work, progress=False, sandbox=SANDBOX)
     cell, other = sorted(first[0].cells)[:2]
     notebook_name, cell_id = cell.split(":")
-    with Gradebook(db_url(work), course_id=COURSE_ID) as gb:
+    with Gradebook(course_config(ROOT, work).CourseDirectory.db_url, course_id=COURSE_ID) as gb:
         grade_row = gb.find_grade(cell_id, notebook_name, ASSIGNMENT, "correct")
         grade_row.manual_score = 0.5
         gb.find_comment("ex1-solution", notebook_name, ASSIGNMENT, "correct").manual_comment = "see me"
@@ -148,7 +148,7 @@ def test_manual_scores_and_comments_survive_a_change_of_the_checks(tmp_path):
     assert again[0].cells[cell] == 0.5 and again[0].cells[other] == first[0].cells[other]
     assert f"{cell}: manual score kept" in again[0].detail
     assert "a-cell-since-removed: a manual score or comment was set aside (the cell is gone)" in again[0].detail
-    with Gradebook(db_url(work), course_id=COURSE_ID) as gb:
+    with Gradebook(course_config(ROOT, work).CourseDirectory.db_url, course_id=COURSE_ID) as gb:
         assert gb.find_comment("ex1-solution", notebook_name, ASSIGNMENT, "correct").manual_comment == "see me"
         assert gb.find_grade(cell_id, notebook_name, ASSIGNMENT, "correct").manual_score == 0.5
     # A dated copy of what was set aside stays; the cell that is gone waits in pending-<assignment>.json.
@@ -274,14 +274,14 @@ def test_a_manual_score_and_comment_reach_the_feedback_page_with_the_total_of_gr
     run (which grades nobody again) and after ``stepformer-course feedback``."""
     from nbgrader.api import Gradebook
 
-    from stepformer.course.worker import COURSE_ID, db_url
+    from stepformer.course.worker import COURSE_ID, course_config
 
     results, _ = graded
     work, page_name = folders["work"], NOTEBOOK.replace(".ipynb", ".html")
     assert results["correct"].score == 9  # ex3-explain, 2 points, waits for a grade by hand
 
     def set_by_hand(score: float | None, comment: str | None) -> None:
-        with Gradebook(db_url(work), course_id=COURSE_ID) as gb:
+        with Gradebook(course_config(ROOT, work).CourseDirectory.db_url, course_id=COURSE_ID) as gb:
             gb.find_grade("ex3-explain", "attention", ASSIGNMENT, "correct").manual_score = score
             gb.find_comment("ex3-explain", "attention", ASSIGNMENT, "correct").manual_comment = comment
             gb.db.commit()

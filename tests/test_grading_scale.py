@@ -129,9 +129,9 @@ def _cells(work: Path, students: list[str]) -> dict[str, dict[str, float | None]
     """Every automatic score of the gradebook: student -> {notebook:cell: score}."""
     from nbgrader.api import Gradebook
 
-    from stepformer.course.worker import COURSE_ID, db_url
+    from stepformer.course.worker import COURSE_ID, course_config
 
-    with Gradebook(db_url(work), course_id=COURSE_ID) as gb:
+    with Gradebook(course_config(ROOT, work).CourseDirectory.db_url, course_id=COURSE_ID) as gb:
         return {s: {f"{nb.name}:{g.name}": g.auto_score
                     for nb in gb.find_submission(ASSIGNMENT, s).notebooks for g in nb.grades} for s in students}
 

@@ -37,7 +37,6 @@ from stepformer.kvcache import (
     gather_blocks,
     new_cache,
     paged_attention,
-    positions_after,
 )
 from stepformer.masks import causal_mask, padding_mask
 from stepformer.multihead import MultiHeadAttention
@@ -185,13 +184,6 @@ def test_a_fixed_cache_refuses_append_and_a_growing_one_refuses_store():
         fixed.append(k[:, :, :1], k[:, :, :1])
     with pytest.raises(ValueError, match="appended to"):
         KVCache().store(k, k)
-
-
-def test_positions_after_the_cache():
-    cache = KVCache()
-    assert positions_after(cache, 3).tolist() == [0, 1, 2]
-    cache.append(torch.randn(1, 1, 5, 2), torch.randn(1, 1, 5, 2))
-    assert positions_after(cache, 2).tolist() == [5, 6]
 
 
 # -- one cached attention step -----------------------------------------------------------------

@@ -88,7 +88,7 @@ def test_a_late_first_hand_in_then_a_changed_notebook_are_graded_and_manual_scor
     """Three runs over one student: missing, then handed in late, then changed (two notebooks graded in all)."""
     from nbgrader.api import Gradebook
 
-    from stepformer.course.worker import COURSE_ID, db_url
+    from stepformer.course.worker import COURSE_ID, course_config
 
     sandbox = sandbox_problem() is None
     answers = write_submissions(ATTENTION[:1], ASSIGNMENT, NOTEBOOK, ROOT / "exercises", tmp_path / "answers")
@@ -107,7 +107,7 @@ def test_a_late_first_hand_in_then_a_changed_notebook_are_graded_and_manual_scor
     assert late.detail.startswith("graded again: new submission (was missing on ")
     cell = sorted(late.cells)[0]
     notebook_name, cell_id = cell.split(":")
-    with Gradebook(db_url(work), course_id=COURSE_ID) as gb:
+    with Gradebook(course_config(ROOT, work).CourseDirectory.db_url, course_id=COURSE_ID) as gb:
         assert gb.find_submission(ASSIGNMENT, "kim").timestamp is not None
         gb.find_grade(cell_id, notebook_name, ASSIGNMENT, "kim").manual_score = 0.5
         gb.find_comment("ex1-solution", notebook_name, ASSIGNMENT, "kim").manual_comment = "see me"
@@ -122,7 +122,7 @@ def test_a_late_first_hand_in_then_a_changed_notebook_are_graded_and_manual_scor
     assert changed.detail.startswith("graded again: submission changed since it was graded on ")
     assert "(attention.ipynb changed)" in changed.detail and f"{cell}: manual score kept" in changed.detail
     assert changed.cells[cell] == 0.5 and changed.score == late.score - late.cells[cell] + 0.5
-    with Gradebook(db_url(work), course_id=COURSE_ID) as gb:
+    with Gradebook(course_config(ROOT, work).CourseDirectory.db_url, course_id=COURSE_ID) as gb:
         assert gb.find_comment("ex1-solution", notebook_name, ASSIGNMENT, "kim").manual_comment == "see me"
     done = json.loads((work / ".stepformer-grader" / ASSIGNMENT / "done" / "kim.json").read_text())
     assert done["timestamp"] == "2026-12-03 09:00:00 UTC" and set(done["digests"]) == {NOTEBOOK}

@@ -219,10 +219,3 @@ def paged_attention(
         )
         running_max = new_max
     return rearrange(accumulator / running_sum, "kv_heads group q_len d_head -> (kv_heads group) q_len d_head")
-
-
-@jaxtyped(typechecker=beartype)
-def positions_after(cache: KVCache, new: int, device: torch.device | None = None) -> Int[Tensor, " new"]:
-    """The positions of ``new`` tokens that follow the ones already in ``cache``."""
-    start = len(cache)
-    return torch.arange(start, start + new, device=device)

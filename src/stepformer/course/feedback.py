@@ -164,7 +164,7 @@ def work_config() -> str:
         "c.CourseDirectory.root = os.path.dirname(os.path.abspath(__file__))",
         *(f"c.CourseDirectory.{name}_directory = {name!r}"
           for name in ("source", "release", "submitted", "autograded", "feedback")),
-        "# The grader's gradebook, as stepformer.course.worker.db_url names it.",
+        "# The grader's gradebook, as stepformer.course.worker.course_config names it.",
         "c.CourseDirectory.db_url = (os.environ.get('STEPFORMER_DB_URL')",
         "                            or 'sqlite:///' + os.path.join(c.CourseDirectory.root, 'gradebook.db'))",
         f"c.CourseDirectory.course_id = {COURSE_ID!r}",

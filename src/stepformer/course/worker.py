@@ -40,11 +40,6 @@ PREPROCESSORS = [
 ]
 
 
-def db_url(workdir: Path) -> str:
-    """The gradebook: ``STEPFORMER_DB_URL`` (e.g. PostgreSQL shared by many graders) or SQLite in the work folder."""
-    return os.environ.get("STEPFORMER_DB_URL") or f"sqlite:///{workdir / 'gradebook.db'}"
-
-
 COURSE_ID = "stepformer"  # the course id when the configuration names none
 
 

@@ -1,5 +1,8 @@
 """Chapter 12's family table: the 2017 Transformer and the models since, part by part.
 
+The data of two tables of ``12_models.md``, which hold ``table_markdown(...)`` verbatim; it sits beside the
+book's figures because only the book (and its test) reads it.
+
 Each row is one model's smallest size. Where ``transformers`` ships a configuration class whose
 defaults are that model (``GPT2Config()`` is GPT-2 small, ``LlamaConfig()`` is LLaMA 7B, ...),
 ``config`` names it and tests/test_families.py reads every number of the row back from it and
