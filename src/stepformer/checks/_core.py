@@ -68,14 +68,17 @@ def check(fn: Callable[..., None] | None = None, *, forbid: dict[str, str] | Non
 
 
 def library_modules() -> list[str]:
-    """The course's reference modules: every ``stepformer`` module but the checks and the tools,
-    with the translator's package (chapter 11)."""
+    """The course's reference modules: every ``stepformer`` module but the checks and the tools, with
+    the modules of its packages (the translator, chapter 11; the language-model runs, chapter 12)."""
     import stepformer
 
     folder = Path(stepformer.__file__).parent
     modules = [f"stepformer.{p.stem}" for p in sorted(folder.glob("*.py")) if not p.stem.startswith("_")]
-    return modules + [f"stepformer.translator.{p.stem}" for p in sorted((folder / "translator").glob("*.py"))
-                      if not p.stem.startswith("_")]
+    for package in sorted(p.parent for p in folder.glob("*/__init__.py")):
+        if package.name not in ("checks", "course"):
+            modules += [f"stepformer.{package.name}.{p.stem}" for p in sorted(package.glob("*.py"))
+                        if not p.stem.startswith("_")]
+    return modules
 
 
 def library_callables() -> list[tuple[Any, str, Any]]:
