@@ -1,5 +1,6 @@
 """Chapter 09: the KV-cache. Keys and values kept between decoding steps, so each step projects one token."""
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -190,9 +191,10 @@ def paged_attention(
 
     Nothing is gathered into a contiguous copy: each block of the table is read where it lies,
     as a PagedAttention kernel does, and the softmax is computed online across blocks (Milakov
-    and Gimelshein, 2018; FlashAttention): a running maximum of the scores, a running sum of
-    their exponentials and an accumulator of weighted values, both rescaled by
-    ``exp(old max - new max)`` whenever a block raises the maximum. Every query reads all
+    and Gimelshein, 2018; FlashAttention): each query row keeps ``row_max``, its largest score so
+    far, ``row_sum``, the sum of exp(score - row_max), and ``out``, the unnormalised output; the
+    last two are rescaled by ``exp(old max - new max)`` whenever a block raises the maximum
+    (chapter 13's ``tile_step`` keeps the same state, and adds masks). Every query reads all
     ``length`` positions (a decoding step); query head ``h`` reads key/value head
     ``h // (heads // kv_heads)``, the ``(kv_heads group)`` order of chapter 10.
     """
@@ -200,22 +202,24 @@ def paged_attention(
     if not 0 < length <= len(table) * block_size:
         raise ValueError(f"length {length} must be at least 1 and fit in {len(table)} blocks of {block_size}")
     q = rearrange(query, "(kv_heads group) q_len d_head -> kv_heads group q_len d_head", kv_heads=kv_heads)
-    q = q / query.shape[-1] ** 0.5
-    running_max = torch.full((*q.shape[:-1], 1), -torch.inf, dtype=q.dtype, device=q.device)
-    running_sum = torch.zeros_like(running_max)
-    accumulator = torch.zeros_like(q)
+    # Each query row's state, named and shaped as chapter 13's tile_step keeps it: its largest score so far,
+    # the sum of exp(score - row_max) so far, and the unnormalised output.
+    row_max = torch.full(q.shape[:-1], -torch.inf, dtype=q.dtype, device=q.device)
+    row_sum = torch.zeros_like(row_max)
+    out = torch.zeros_like(q)
     for i, block in enumerate(table.tolist()):
         filled = min(block_size, length - i * block_size)  # only the last block may be partly empty
         if filled <= 0:
             break
         k, v = key_pool[block, :, :filled], value_pool[block, :, :filled]
         scores = einsum(q, k, "kv_heads group q_len d_head, kv_heads slot d_head -> kv_heads group q_len slot")
-        new_max = torch.maximum(running_max, reduce(scores, "... q_len slot -> ... q_len 1", "max"))
-        rescale = torch.exp(running_max - new_max)  # 0 at the first block, where the old max is -inf
-        weights = torch.exp(scores - new_max)
-        running_sum = running_sum * rescale + reduce(weights, "... q_len slot -> ... q_len 1", "sum")
-        accumulator = accumulator * rescale + einsum(
+        scores = scores / math.sqrt(query.shape[-1])
+        new_max = torch.maximum(row_max, reduce(scores, "... q_len slot -> ... q_len", "max"))
+        rescale = torch.exp(row_max - new_max)  # 0 at the first block, where the old max is -inf
+        weights = torch.exp(scores - new_max[..., None])
+        row_sum = row_sum * rescale + reduce(weights, "... q_len slot -> ... q_len", "sum")
+        out = out * rescale[..., None] + einsum(
             weights, v, "kv_heads group q_len slot, kv_heads slot d_head -> kv_heads group q_len d_head"
         )
-        running_max = new_max
-    return rearrange(accumulator / running_sum, "kv_heads group q_len d_head -> (kv_heads group) q_len d_head")
+        row_max = new_max
+    return rearrange(out / row_sum[..., None], "kv_heads group q_len d_head -> (kv_heads group) q_len d_head")
