@@ -692,9 +692,9 @@ def _eval_mode_hint(module: Any, args: tuple, output: Tensor, expected: Tensor, 
         finally:
             call(_set_training, module, False)
         if type(again) is Tensor and close(again, expected, dtype):
-            return ("In train() mode (dropout p = 0) the same module gives the right output, so what it does "
-                    "differently in eval() mode is wrong: check the dropout probability it uses outside training (0.0: "
-                    "with fast=True, dropout_p=self.dropout.p if self.training else 0.0).")
+            return ("In train() mode (dropout p = 0) the same module gives the right output; only in eval() mode "
+                    "does it differ. Look at the dropout probability used outside training (it is 0.0; with fast=True, "
+                    "dropout_p=self.dropout.p if self.training else 0.0).")
         return ""
     dropout = call(getattr, module, "dropout", None)
     call(_set_dropout, module, nn.Dropout(0.0))
