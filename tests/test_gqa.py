@@ -707,3 +707,277 @@ def test_failure_messages_give_the_sizes_and_the_largest_difference():
     with pytest.raises(CheckFailure) as failure:
         check_grouped_attention(_grouped(repeat=repeat_tiled))
     assert "on sizes batch=3, heads=8, kv_heads=2" in str(failure.value)
+
+
+# Diagnoses verified by a second call (issue 27): each names a mistake only when the call that tells it apart agrees,
+# and a similar mistake does not get its name.
+
+def repeat_kv_heads_from_seq(x, heads):
+    kv_heads = x.shape[2]
+    if heads % kv_heads:
+        raise ValueError("heads must be a multiple of kv_heads")
+    return x.repeat_interleave(heads // kv_heads, dim=1)
+
+
+def repeat_refusing_everything(x, heads):
+    raise ValueError("heads must be a multiple of kv_heads")
+
+
+def repeat_by_remainder(x, heads):
+    return rearrange(x[:, :, None].expand(-1, -1, heads % x.shape[1], -1, -1),
+                     "batch kv_heads group seq d_head -> batch (kv_heads group) seq d_head")
+
+
+def repeat_one_too_many(x, heads):
+    return x.repeat_interleave(heads // x.shape[1] + 1, dim=1)
+
+
+def test_repeat_kv_check_names_the_axis_and_the_group_size_it_verified():
+    with pytest.raises(CheckFailure, match=r"reads kv_heads from x.shape\[2\], the seq axis"):
+        check_repeat_kv(repeat_kv_heads_from_seq)
+    with pytest.raises(CheckFailure) as failure:
+        check_repeat_kv(repeat_refusing_everything)
+    assert "reads kv_heads from" not in str(failure.value)
+    with pytest.raises(CheckFailure, match=r"repeated 0 times.*heads % kv_heads, the remainder"):
+        check_repeat_kv(repeat_by_remainder)
+    with pytest.raises(CheckFailure, match="repeated 5 times") as failure:
+        check_repeat_kv(repeat_one_too_many)
+    assert "remainder" not in str(failure.value)
+
+
+def _attention(q, k, v, mask=None, dropout=None, slip=""):
+    """grouped_attention as the solution writes it, with one slip."""
+    heads = q.shape[2] if slip == "heads from q_len" else q.shape[1]
+    k, v = student.repeat_kv(k, heads), student.repeat_kv(v, heads)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        pattern = {"has_key transposed": "... q_len k_len -> ... 1 q_len",
+                   "has_key leading axes moved": "... q_len k_len -> q_len ... 1"}.get(slip, "... q_len k_len -> ... "
+                                                                                           "q_len 1")
+        has_key = reduce(mask, pattern, "max")
+        fill = mask if slip == "mask inverted" else ~mask
+        scores = scores.masked_fill(fill, -math.inf)
+        scores = scores.masked_fill(has_key if slip == "scores guard inverted" else ~has_key, 0.0)
+    weights = torch.softmax(scores, dim=-1)
+    if (mask is None) if slip == "mask guard inverted" else (mask is not None):
+        weights = weights.masked_fill(has_key if slip == "weights guard inverted" else ~has_key, 0.0)
+    if (dropout is None) if slip == "dropout guard inverted" else (dropout is not None):
+        weights = dropout(weights)
+    if slip == "always raises":
+        raise RuntimeError("something else went wrong")
+    return weights @ v
+
+
+def _slipped(slip):
+    def fn(q, k, v, mask=None, dropout=None):
+        return _attention(q, k, v, mask, dropout, slip)
+    return fn
+
+
+@pytest.mark.parametrize(("slip", "message"), [
+    ("heads from q_len", r"reads the number of heads from q.shape\[2\], the q_len axis"),
+    ("mask guard inverted", "a step meant for the mask runs when mask is None"),
+    ("dropout guard inverted", "a step meant for `dropout` runs when dropout is None"),
+    ("has_key transposed", "with q_len == k_len the masked call runs and is right"),
+    ("has_key leading axes moved", r"one sentence \(batch=1\) runs and is right"),
+    ("mask inverted", "equals attention with the mask inverted"),
+    ("scores guard inverted", "weights are uniform over all k_len keys.*its condition is inverted"),
+    ("weights guard inverted", "output is zero for every query that may read a key.*its condition is inverted"),
+])
+def test_grouped_attention_check_names_what_a_second_call_confirms(slip, message):
+    check_grouped_attention(_slipped(""))
+    with pytest.raises(CheckFailure, match=message):
+        check_grouped_attention(_slipped(slip))
+
+
+def test_grouped_attention_check_names_nothing_a_second_call_does_not_confirm():
+    with pytest.raises(CheckFailure) as failure:
+        check_grouped_attention(_slipped("always raises"))
+    for name in ("mask is None", "dropout is None", "reads the number of heads", "q_len == k_len", "batch=1"):
+        assert name not in str(failure.value)
+    # Ignoring the mask is not inverting it, and zeroing every output is not the inverted guard.
+    with pytest.raises(CheckFailure, match="ignores the mask") as failure:
+        check_grouped_attention(_grouped(use_mask=False))
+    assert "inverted" not in str(failure.value)
+
+    def zeros(q, k, v, mask=None, dropout=None):
+        return torch.zeros_like(q) if mask is not None else _attention(q, k, v, mask, dropout)
+
+    with pytest.raises(CheckFailure) as failure:
+        check_grouped_attention(zeros)
+    assert "inverted" not in str(failure.value)
+
+
+class Slip(StudentGQA):
+    """The library's module with one slip in its __init__ or forward."""
+
+    slip = ""
+
+    def __init__(self, d_model, heads, kv_heads=None, bias=True, dropout=0.0, rope=False, fast=False):
+        super().__init__(d_model, heads, kv_heads, bias, dropout, rope=rope != (self.slip == "rope inverted"),
+                         fast=fast)
+        if self.slip == "float width":
+            nn.Linear(d_model, self.kv_heads / self.d_head)
+
+    def forward(self, query, key, value, mask=None, cache: StudentKVCache | None = None, positions=None):
+        slip = self.slip
+        q = _split(self.w_q(query), self.heads)
+        reads = cache is not None and cache.keys is not None and (cache.fixed or slip == "reads a growing cache")
+        if slip == "fixed cache without keys check":
+            reads = cache is not None and cache.fixed
+        if reads:
+            k, v = cache.keys, cache.values
+        else:
+            k, v = _split(self.w_k(key), self.kv_heads), _split(self.w_v(value), self.kv_heads)
+            if (self.rope is None) == (slip == "rope guard inverted"):
+                if positions is None:
+                    start = len(cache) if (cache is None) == (slip == "cache guard inverted") else 0
+                    stop = start if slip == "positions stop" else start + query.shape[1]
+                    positions = torch.arange(start, stop)
+                q, k = self.rope(q, positions), self.rope(k, positions)
+            if (cache is None) if slip == "store guard inverted" else (cache is not None and cache.fixed):
+                cache.store(k, v)
+            elif cache is not None:
+                k, v = cache.append(k, v)
+        fast = not self.fast if slip == "fast inverted" else self.fast
+        if fast:
+            training = not self.training if slip == "training inverted" else self.training
+            p = self.dropout.p if training else (1.0 if slip == "eval dropout 1" else 0.0)
+            out = student._fused_attention(q, k, v, mask, p)
+        else:
+            out = student.grouped_attention(q, k, v, mask, self.dropout)
+        return self.w_o(rearrange(out, "batch heads seq d_head -> batch seq (heads d_head)"))
+
+
+def slip(name):
+    return type(name.replace(" ", "_"), (Slip,), {"slip": name})
+
+
+@pytest.mark.parametrize(("check", "name", "message"), [
+    (check_gqa_init, "float width", "a size .* is a float.*kv_heads \\* d_head"),
+    (check_gqa_init, "rope inverted", "makes a RotaryEmbedding when rope is False"),
+    (check_gqa_self_attention, "rope guard inverted", "a step meant for RoPE runs when self.rope is None"),
+    (check_gqa_self_attention, "cache guard inverted", "default positions your code computes"),
+    (check_gqa_self_attention, "positions stop", "default positions your code computes"),
+    (check_gqa_self_attention, "store guard inverted", "a step meant for the cache runs when cache is None"),
+    (check_gqa_self_attention, "fast inverted", "are the two paths swapped"),
+    (check_gqa_self_attention, "training inverted", r"Your module drops in eval\(\) mode.*self.training"),
+    (check_gqa_self_attention, "eval dropout 1", r"In train\(\) mode \(dropout p = 0\).*outside training"),
+])
+def test_module_checks_name_what_a_second_call_confirms(check, name, message):
+    check(Slip, seed=0)
+    with pytest.raises(CheckFailure, match=message):
+        check(slip(name), seed=301 if name == "rope inverted" else 0)
+
+
+def test_module_checks_name_nothing_a_second_call_does_not_confirm():
+    for name in ("own F.dropout", "manual w_o"):
+        with pytest.raises(CheckFailure) as failure:
+            check_gqa_self_attention(mistake(name))
+        for confirmed in ("paths swapped", "when cache is None", "self.rope is None", "default positions",
+                          "drops in eval"):
+            assert confirmed not in str(failure.value)
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("reads a growing cache", "read the cache instead of appending to it.*fixed"),
+    ("fixed cache without keys check", "reads a fixed KVCache that holds keys.*first call"),
+])
+def test_cache_check_names_what_a_second_call_confirms(name, message):
+    check_gqa_cache((Slip, StudentKVCache))
+    with pytest.raises(CheckFailure, match=message):
+        check_gqa_cache((slip(name), StudentKVCache))
+
+
+class CacheAfterFirst(Attention):
+    """Appends only on the first step, and then attends to the new position's own keys: not a read of the cache."""
+
+    def forward(self, query, key, value, mask=None, cache=None, positions=None):
+        if cache is not None and len(cache):
+            return super().forward(query, key, value, None, None, positions)
+        return super().forward(query, key, value, mask, cache, positions)
+
+
+def test_cache_check_names_no_fixed_cache_it_did_not_see():
+    with pytest.raises(CheckFailure, match="cache's keys should have shape") as failure:
+        check_gqa_cache((CacheAfterFirst, StudentKVCache))
+    assert "fixed" not in str(failure.value)
+    check_gqa_cache((Attention, StudentKVCache))  # appends to a fixed cache: left out, as the notebook allows
+
+
+def _pooling(slip):
+    """from_multihead with one slip."""
+    def fn(mha, kv_heads):
+        source_kv = getattr(mha, "kv_heads", mha.heads)
+        if slip == "refuses dividing":  # pools first (einops refuses what does not divide), then the inverted test
+            reduce(mha.w_k.weight, "(kv_heads group d_head) ... -> (kv_heads d_head) ...", "mean", kv_heads=kv_heads,
+                   d_head=mha.w_q.in_features // mha.heads)
+            if not source_kv % kv_heads:
+                raise ValueError("cannot pool")
+        if slip == "refuses everything":
+            raise ValueError("cannot pool")
+        width = {"no kv_heads": mha.heads}.get(slip, kv_heads)
+        fast = getattr(mha, "fast", slip == "fast default")
+        gqa = StudentGQA(mha.w_q.in_features, mha.heads, width, bias=mha.w_q.bias is not None,
+                         dropout=mha.dropout.p, rope=getattr(mha, "rope", None) is not None, fast=fast)
+        if slip != "no dtype":
+            gqa = gqa.to(mha.w_q.weight.dtype)
+        with torch.no_grad():
+            gqa.w_q.load_state_dict(mha.w_q.state_dict())
+            gqa.w_o.load_state_dict(mha.w_o.state_dict())
+            for ours, theirs in ((gqa.w_k, mha.w_k), (gqa.w_v, mha.w_v)):
+                for p, t in ((ours.weight, theirs.weight), (ours.bias, theirs.bias)):
+                    if t is None:
+                        continue
+                    sizes = {"kv_heads": kv_heads} if slip == "no d_head" else {"kv_heads": kv_heads,
+                                                                                 "d_head": gqa.d_head}
+                    pooled = reduce(t, "(kv_heads group d_head) ... -> (kv_heads d_head) ...", "mean", **sizes)
+                    p.copy_(pooled.T if slip == "transposed" and t.dim() == 2 else pooled)
+        return gqa
+    return fn
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("refuses dividing", "condition that refuses groups of unequal size is inverted"),
+    ("refuses everything", r"raise only when the remainder source_kv_heads % kv_heads is not 0"),
+    ("no kv_heads", r"must get kv_heads=\d+: GroupedQueryAttention\(d_model, heads, kv_heads"),
+    ("no d_head", "pass d_head=... to reduce"),
+    ("transposed", "w_k.weight is the source's transposed"),
+    ("no dtype", "is torch.float32, the source's torch.float64"),
+    ("fast default", "A multi-head source has no `fast` attribute"),
+])
+def test_from_multihead_check_names_what_a_second_call_confirms(name, message):
+    check_from_multihead(_pooling(""), seed=401, dtype=torch.float64)
+    with pytest.raises(CheckFailure, match=message):
+        check_from_multihead(_pooling(name), seed=401 if name == "no dtype" else 0,
+                             dtype=torch.float64 if name == "no dtype" else torch.float32)
+
+
+def test_from_multihead_check_names_nothing_a_second_call_does_not_confirm():
+    with pytest.raises(CheckFailure) as failure:
+        check_from_multihead(_pooling("refuses everything"))
+    assert "inverted" not in str(failure.value)
+    with pytest.raises(CheckFailure, match="averaged across the groups") as failure:
+        check_from_multihead(_converter("(group kv_heads d_head)"))
+    assert "transposed" not in str(failure.value) and "must get kv_heads" not in str(failure.value)
+
+
+def _measuring(positions):
+    """measure_cache_bytes that feeds the given number of positions for a length."""
+    def fn(d_model, heads, kv_heads, length, batch=1):
+        return student.measure_cache_bytes(d_model, heads, kv_heads, positions(length), batch) if positions(length) \
+            else 0
+    return fn
+
+
+def test_cache_measurement_check_counts_the_cached_positions():
+    with pytest.raises(CheckFailure, match=r"cache of 6 positions, one fewer than length=7"):
+        check_cache_measurement(_measuring(lambda n: n - 1))
+    with pytest.raises(CheckFailure, match=r"cache of 13 positions, more than length=7"):
+        check_cache_measurement(_measuring(lambda n: 2 * n - 1))
+    with pytest.raises(CheckFailure, match="The cache is empty after 7 steps"):
+        check_cache_measurement(_measuring(lambda n: 0))
+    with pytest.raises(CheckFailure, match="count the values") as failure:
+        check_cache_measurement(lambda d_model, heads, kv_heads, length, batch=1:
+                                student.measure_cache_bytes(d_model, heads, kv_heads, length, batch) // 2)
+    assert "positions" not in str(failure.value)

@@ -10,6 +10,8 @@ through :func:`call`, with the small helpers below.
 """
 
 import math
+import re
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +104,60 @@ def _fixed_dropout(x: Float[Tensor, "*shape"], p: float, seed: int) -> Float[Ten
 
 # -- exercise 1: repeat_kv -----------------------------------------------------------------
 
+def _raised_repeat(fn: Callable[..., Any], x: Tensor, heads: int) -> str:
+    """After ``repeat_kv(x, heads)`` raised on sizes that divide: which axis of x the code takes for kv_heads, found by
+    re-running with that axis as long as the kv_heads axis."""
+    g = torch.Generator().manual_seed(19)
+    kv_heads = x.shape[1]
+    for axis, name in ((0, "batch"), (2, "seq"), (3, "d_head")):
+        if x.shape[axis] == kv_heads:
+            continue
+        shape = list(x.shape)
+        shape[axis] = kv_heads
+        probe = torch.randn(*shape, generator=g, dtype=x.dtype)
+        try:
+            got = call(fn, probe, heads)
+        except CheckFailure:
+            continue
+        if type(got) is Tensor and got.shape == (shape[0], heads, *shape[2:]) and \
+                torch.equal(got, probe.repeat_interleave(heads // kv_heads, dim=1)):
+            return (f" With x's {name} axis (dim {axis}) as long as its kv_heads axis (both {kv_heads}) the same call "
+                    f"runs and is right: your code reads kv_heads from x.shape[{axis}], the {name} axis, not "
+                    "x.shape[1].")
+    return ""
+
+
+def _head_count_failure(fn: Callable[..., Any], x: Tensor, heads: int, got: Tensor, what: str,
+                        dtype: torch.dtype) -> str:
+    """repeat_kv gave the wrong number of heads: how many times it repeated each key/value head, and whether that
+    count is one of the usual wrong ones on a second pair of sizes too."""
+    kv_heads = x.shape[1]
+    shape = f"(batch={x.shape[0]}, heads={heads}, seq={x.shape[2]}, d_head={x.shape[3]})"
+    message = f"{what} should have shape {shape}, got {tuple(got.shape)}."
+    if got.shape[1] % kv_heads:
+        return message + " Repeat every key/value head group = heads // kv_heads times: (kv_heads group) heads."
+    times = got.shape[1] // kv_heads
+    message += f" Each key/value head was repeated {times} times; it should be heads // kv_heads = {heads // kv_heads}."
+    other_kv, other_heads = (1, 3) if kv_heads != 1 else (2, 6)
+    counts = {"heads % kv_heads, the remainder (0 whenever kv_heads divides heads), not the quotient heads // "
+              "kv_heads": lambda h, kv: h % kv,
+              "heads, not heads // kv_heads": lambda h, kv: h,
+              "kv_heads, not heads // kv_heads": lambda h, kv: kv}
+    probe = torch.randn(x.shape[0], other_kv, *x.shape[2:], generator=torch.Generator().manual_seed(23), dtype=dtype)
+    try:
+        again = call(fn, probe, other_heads)
+    except CheckFailure:
+        return message
+    if type(again) is not Tensor or again.dim() != 4 or again.shape[1] % other_kv:
+        return message
+    for name, count in counts.items():
+        if count(heads, kv_heads) == times and count(other_heads, other_kv) == again.shape[1] // other_kv and \
+                count(heads, kv_heads) != heads // kv_heads and count(other_heads, other_kv) != other_heads // other_kv:
+            return (message + f" With kv_heads={other_kv} and heads={other_heads} too (got {again.shape[1]} heads): "
+                    f"your group size is {name}.")
+    return message
+
+
 @check
 def check_repeat_kv(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """(batch, kv_heads, seq, d_head) -> (batch, heads, seq, d_head), query head h reading key head h // group."""
@@ -112,8 +168,17 @@ def check_repeat_kv(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = 
     for batch, kv_heads, heads in ((b, kv, kv * group), (b, 1, group), (b, kv, kv), (1, kv, kv * group)):
         x = torch.randn(batch, kv_heads, seq, d_head, generator=g, dtype=dtype)
         sizes = {"batch": batch, "kv_heads": kv_heads, "heads": heads, "seq": seq, "d_head": d_head}
-        got = expect_tensor(call(fn, x, heads), f"repeat_kv(x, heads={heads}) with kv_heads={kv_heads}",
-                            (batch, heads, seq, d_head), "batch heads seq d_head", dtype)
+        what = f"repeat_kv(x, heads={heads}) with kv_heads={kv_heads}"
+        try:
+            got = call(fn, x, heads)
+        except CheckFailure as failure:
+            if ") raised " not in str(failure):
+                raise
+            raise CheckFailure(f"{failure}{_raised_repeat(fn, x, heads)}") from failure
+        if type(got) is Tensor and got.dim() == 4 and tuple(got.shape) != (batch, heads, seq, d_head) and \
+                got.shape[0] == batch and got.shape[2:] == x.shape[2:]:
+            raise CheckFailure(_head_count_failure(fn, x, heads, got, what, dtype))
+        got = expect_tensor(got, what, (batch, heads, seq, d_head), "batch heads seq d_head", dtype)
         expected = x.repeat_interleave(heads // kv_heads, dim=1)
         if torch.equal(got, expected):
             continue
@@ -146,9 +211,11 @@ def check_repeat_kv(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = 
 
 def _grouped_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, order: str = "kv_heads group",
                        scale: float | None = None, use_mask: bool = True,
-                       drop: Callable[[Tensor], Tensor] | None = None, drop_at: str = "weights") -> Tensor:
+                       drop: Callable[[Tensor], Tensor] | None = None, drop_at: str = "weights",
+                       nan: bool = False) -> Tensor:
     """Grouped attention written out, with switches for the usual mistakes (to name them); ``drop`` acts on the
-    weights, or where ``drop_at`` says ("values", "output")."""
+    weights, or where ``drop_at`` says ("values", "output"); ``nan`` keeps softmax's NaN for a query that reads
+    nothing."""
     def dropped(t: Tensor, where: str) -> Tensor:
         return drop(t) if drop is not None and where == drop_at else t
 
@@ -158,7 +225,8 @@ def _grouped_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, 
     scores = einsum(q, k, "batch heads q_len d_head, batch heads k_len d_head -> batch heads q_len k_len") / scale
     if mask is not None and use_mask:
         scores = scores.masked_fill(~mask, -math.inf)
-    weights = torch.softmax(scores, dim=-1).nan_to_num()
+    weights = torch.softmax(scores, dim=-1)
+    weights = weights if nan else weights.nan_to_num()  # ``nan``: a query that reads nothing gives NaN
     out = einsum(dropped(weights, "weights"), dropped(v, "values"),
                  "batch heads q_len k_len, batch heads k_len d_head -> batch heads q_len d_head")
     return dropped(out, "output")
@@ -178,10 +246,69 @@ def _attention_sizes(q: Tensor, k: Tensor) -> dict[str, int]:
             "k_len": k.shape[2], "d_head": q.shape[3]}
 
 
-def _diagnose_grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tensor) -> str:
+def _has_key(mask: Tensor, shape: torch.Size) -> Tensor:
+    """(batch, heads, q_len): whether each query may read at least one key."""
+    return mask.expand(*shape[:-1], mask.shape[-1]).any(dim=-1)
+
+
+def _guard_variants(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """The outputs of the guard for queries with no readable key applied to the wrong queries: "before" (their
+    scores set to one value, so uniform weights over every key) and "after" (their weights zeroed)."""
+    has_key = rearrange(_has_key(mask, q.shape[:-1] + k.shape[-2:-1]), "... q_len -> ... q_len 1")
+    values = repeat(v, "batch kv_heads k_len d_head -> batch (kv_heads group) k_len d_head",
+                    group=q.shape[1] // k.shape[1])
+    mean = reduce(values, "batch heads k_len d_head -> batch heads 1 d_head", "mean").expand_as(q)
+    zero = torch.zeros_like(q)
+    return {"before": torch.where(has_key, mean, zero), "after": torch.where(has_key, zero, mean)}
+
+
+def _with_empty_rows(mask: Tensor, batch: int) -> Tensor:
+    """The mask as (batch, 1, q_len, k_len) with the last sentence's queries reading nothing."""
+    probe = mask.expand(batch, 1, *mask.shape[-2:]).clone()
+    probe[-1] = False
+    return probe
+
+
+def _diagnose_grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tensor,
+                      fn: Callable[..., Any] | None = None) -> str:
+    if mask is not None:
+        rows = _has_key(mask, output.shape[:-1] + k.shape[-2:-1])
+        inverted = _grouped_reference(q, k, v, ~mask.expand(*q.shape[:-1], k.shape[-2]), nan=True)
+        expected = _fused_oracle(q, k, v, mask)
+        if rows.any() and torch.allclose(output[rows], inverted[rows], rtol=1e-5, atol=1e-5, equal_nan=True) \
+                and not torch.allclose(expected[rows], inverted[rows], rtol=1e-5, atol=1e-5, equal_nan=True):
+            return ("On every query that may read a key your output equals attention with the mask inverted "
+                        "(NaN where such a query may read every key: all its scores became -inf): fill the scores "
+                        "with -inf where mask is False (~mask), since True means may attend.")
+        for at, variant in _guard_variants(q, k, v, mask).items():
+            if not close(output, variant, output.dtype):
+                continue
+            # Confirmed on queries of both kinds: the same inputs with one sentence that may read nothing.
+            probe = _with_empty_rows(mask, q.shape[0])
+            try:
+                again = call(fn, q, k, v, probe) if fn is not None else None
+            except CheckFailure:
+                again = None
+            if type(again) is not Tensor or not close(again, _guard_variants(q, k, v, probe)[at], output.dtype):
+                break
+            if at == "before":
+                return ("Your weights are uniform over all k_len keys, masked ones included, for every query that may "
+                        "read a key, and zero for the queries that may read none (confirmed with a mask whose last "
+                        "sentence reads nothing): the step meant for queries with no readable key (set their scores "
+                        "to one value before the softmax) acts on the other queries: its condition is inverted.")
+            return ("Your output is zero for every query that may read a key, and the mean of all the values for the "
+                    "queries that may read none (confirmed with a mask whose last sentence reads nothing): the "
+                    "zeroing of the weights meant for queries with no readable key acts on the other queries: its "
+                    "condition is inverted.")
     if torch.isnan(output).any():
-        return ("Your output contains NaN: a query whose keys are all masked must get zero weights and a zero "
-                "output, as in chapter 01 (softmax over all -inf is NaN: fill such rows before and after it).")
+        nan_rows = torch.isnan(output).any(dim=-1)
+        if mask is not None and not (nan_rows & _has_key(mask, output.shape[:-1] + k.shape[-2:-1])).any():
+            return ("Your output contains NaN, only for queries whose keys are all masked: such a query must get zero "
+                    "weights and a zero output, as in chapter 01 (softmax over all -inf is NaN: fill such rows "
+                    "before and after it).")
+        where = [int(i) for i in nan_rows.nonzero()[0]]
+        return (f"Your output contains NaN, e.g. for the query at [batch, head, q_len] = {where}, which may read "
+                f"{'some keys' if mask is not None else 'every key'}.")
     variants = {
         "You repeated the key/value heads in the (group kv_heads) order (Tensor.repeat): query head h must read "
         "key/value head h // group, the (kv_heads group) order of your repeat_kv.": dict(order="group kv_heads"),
@@ -195,8 +322,78 @@ def _diagnose_grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, outp
     for hint, mistake in variants.items():
         if close(output, _grouped_reference(q, k, v, mask, **mistake), output.dtype):
             return hint
-    return ("Repeat k and v with your repeat_kv to `heads` heads, then attend as in chapter 01: scores q·k / "
-            "sqrt(d_head) with einsum, masked keys -inf, softmax over k_len, weighted sum of the repeated values.")
+    return ("It matches none of the common mistakes. Repeat k and v with repeat_kv to `heads` heads, then attend as "
+            "in chapter 01: scores q·k / sqrt(d_head) with einsum, masked keys -inf, softmax over k_len, weighted sum "
+            "of the repeated values.")
+
+
+def _runs_right(fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                *extra: Any) -> bool | None:
+    """None when ``fn(q, k, v, mask, *extra)`` raises; else whether it equals the oracle (dropout, if any, is
+    one that does nothing)."""
+    try:
+        got = call(fn, q, k, v, mask, *extra)
+    except CheckFailure:
+        return None
+    return type(got) is Tensor and close(got, _fused_oracle(q, k, v, mask), q.dtype)
+
+
+def _raised_grouped(fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                    error: str) -> str:
+    """After ``fn(q, k, v, mask)`` raised ``error``: the same call with one thing changed that leaves the attention as
+    it is, to find which input the error comes from."""
+    g = torch.Generator().manual_seed(17)
+    b, heads, q_len, d_head = q.shape
+    kv, k_len = k.shape[1], k.shape[2]
+    if _runs_right(fn, q, k, v, mask, nn.Identity()):
+        return (" With dropout=nn.Identity() (a dropout that does nothing) the same call runs and is right, so a "
+                "step meant for `dropout` runs when dropout is None: check its condition (dropout is not None).")
+    if mask is None:
+        everything = torch.ones(q_len, k_len, dtype=torch.bool)
+        try:
+            call(fn, q, k, v, everything)
+        except CheckFailure as failure:
+            if str(failure).split(" raised ", 1)[-1] == error.split(" raised ", 1)[-1]:
+                everything = None
+            else:
+                return (" With an all-True (q_len, k_len) mask (the same attention) that error is gone (it raised "
+                        f"{str(failure).split(' raised ', 1)[-1]}), so it comes from a step meant for the mask that "
+                        "runs when mask is None: check the conditions (mask is not None) around the mask's steps.")
+        if everything is not None:
+            return (" With an all-True (q_len, k_len) mask (the same attention) the same call runs, so a step meant "
+                    "for the mask runs when mask is None: check the conditions (mask is not None) around the mask's "
+                    "steps.")
+    else:
+        square = torch.randn(b, heads, k_len, d_head, generator=g, dtype=q.dtype)
+        square_mask = mask if mask.dim() > 2 and mask.shape[-2] == 1 else torch.ones(k_len, k_len,
+                                                                                      dtype=torch.bool).tril()
+        if _runs_right(fn, q, k, v, None) and q_len != k_len and _runs_right(fn, square, k, v, square_mask):
+            return (" The same call without the mask runs, and with q_len == k_len the masked call runs and is right: "
+                    "your code puts q_len and k_len in each other's place in a tensor it makes from the mask: check "
+                    "the order of the axes in the patterns that take the mask (..., q_len, k_len).")
+        if mask.dim() > 2 and b > 1 and _runs_right(fn, q[:1], k[:1], v[:1], mask[:1]):
+            return (" The same mask for one sentence (batch=1) runs and is right, so your code moves the mask's "
+                    "leading axes (batch, heads): check the order of the axes in the patterns that take the mask "
+                    "('...' first, then q_len k_len).")
+        if _runs_right(fn, q, k, v, None):
+            return (" The same call without the mask runs, so the error comes from where your code uses the mask: "
+                    "compare the shape of each tensor you make from it with the scores' (batch, heads, q_len, "
+                    "k_len).")
+    # Which axis of q the number of heads is read from: re-run with that axis as long as the heads axis.
+    names = {0: "batch", 2: "q_len", 3: "d_head"}
+    for axis, name in names.items():
+        shape = [b, heads, q_len, d_head]
+        if shape[axis] == heads:
+            continue
+        shape[axis] = heads
+        q2 = torch.randn(*shape, generator=g, dtype=q.dtype)
+        k2, v2 = (t if axis == 2 else torch.randn(shape[0], kv, k_len, shape[3], generator=g, dtype=q.dtype)
+                  for t in (k, v))
+        if _runs_right(fn, q2, k2, v2, None):
+            return (f" It runs and is right when q's {name} axis (dim {axis}) is as long as its heads axis (both "
+                    f"{heads}): your code reads the number of heads from q.shape[{axis}], the {name} axis, not "
+                    "q.shape[1].")
+    return ""
 
 
 def _grouped_cases(s: dict[str, int], dtype: torch.dtype, seed: int) -> list[tuple[str, tuple[Tensor, ...]]]:
@@ -233,13 +430,18 @@ def check_grouped_attention(fn: Callable[..., Any], seed: int = 0, dtype: torch.
     s = _sizes(seed)
     cases = _grouped_cases(s, dtype, seed)
     for what, (q, k, v, mask) in cases:
-        got = expect_tensor(call(fn, q, k, v, mask), f"the output for {what}", tuple(q.shape),
-                            "batch heads q_len d_head", dtype)
+        try:
+            got = call(fn, q, k, v, mask)
+        except CheckFailure as failure:
+            if ") raised " not in str(failure):
+                raise
+            raise CheckFailure(f"{failure}{_raised_grouped(fn, q, k, v, mask, str(failure))}") from failure
+        got = expect_tensor(got, f"the output for {what}", tuple(q.shape), "batch heads q_len d_head", dtype)
         expected = _fused_oracle(q, k, v, mask)
         if not close(got, expected, dtype):
             raise CheckFailure(
                 f"For {what}, your output differs from F.scaled_dot_product_attention(q, k, v, enable_gqa=True) "
-                f"({difference(got, expected, _attention_sizes(q, k))}). {_diagnose_grouped(q, k, v, mask, got)}"
+                f"({difference(got, expected, _attention_sizes(q, k))}). {_diagnose_grouped(q, k, v, mask, got, fn)}"
             )
     # Dropout: a stand-in that multiplies by a fixed mask, so that the weights it must act on can be computed.
     what, (q, k, v, mask) = cases[-2]
@@ -404,21 +606,107 @@ def _build(cls: Any, s: dict[str, int], kv_heads: int, dtype: torch.dtype, seed:
 
 
 def _compare(module: Any, state: dict[str, Tensor], s: dict[str, int], kv_heads: int, dtype: torch.dtype,
-             what: str, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> None:
+             what: str, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, cls: Any = None) -> None:
     args = (query, key, value) if mask is None else (query, key, value, mask)
     b, q_len, d_model = query.shape
     try:
         output = call(module, *args)
     except CheckFailure as failure:  # say which case broke it (bias=False, say)
-        raise CheckFailure(f"For {what}: {failure}") from failure
+        if ") raised " not in str(failure):
+            raise
+        hint = _raised_module(module, args, str(failure), cls, s, kv_heads, state, dtype)
+        raise CheckFailure(f"For {what}: {failure}{hint}") from failure
     output = expect_tensor(output, f"the output for {what}", (b, q_len, d_model), "batch q_len d_model", dtype)
     expected = _module_oracle(state, s["heads"], kv_heads, query, key, value, mask)
     if not close(output, expected, dtype):
+        hint = (_eval_mode_hint(module, args, output, expected, state, dtype) or
+                _diagnose_module(state, s["heads"], kv_heads, query, key, value, mask, output))
         raise CheckFailure(
             f"For {what}, your output differs from F.scaled_dot_product_attention(..., enable_gqa=True) with the same "
-            f"projections ({difference(output, expected, _module_sizes(s, kv_heads, query, key))}). "
-            f"{_diagnose_module(state, s['heads'], kv_heads, query, key, value, mask, output)}"
+            f"projections ({difference(output, expected, _module_sizes(s, kv_heads, query, key))}). {hint}"
         )
+
+
+def _cache_class(cls: Any) -> Any:
+    """The cache class that ``cls.forward`` is annotated with (the notebook's KVCache), or None."""
+    annotation = getattr(getattr(cls, "forward", None), "__annotations__", {}).get("cache")
+    return next((t for t in (typing.get_args(annotation) or (annotation,)) if isinstance(t, type) and
+                 t is not type(None)), None)
+
+
+def _error_after(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """What ``fn(*args, **kwargs)`` raised (the text after "raised"), or None when it ran."""
+    try:
+        call(fn, *args, **kwargs)
+    except CheckFailure as failure:
+        return str(failure).split(") raised ", 1)[-1]
+    return None
+
+
+def _raised_module(module: Any, args: tuple, error: str, cls: Any, s: dict[str, int], kv_heads: int,
+                   state: dict[str, Tensor], dtype: torch.dtype) -> str:
+    """After ``module(*args)`` raised ``error``: the same call with one thing given that leaves the attention as it is
+    (the default positions, an empty cache, a module built with rope=True), to find which step the error comes from."""
+    error = error.split(") raised ", 1)[-1]
+    q_len = args[0].shape[1]
+    if _error_after(module, *args, positions=torch.arange(q_len)) is None:
+        return (f" With positions=torch.arange({q_len}) given, the same call runs, so the error comes from the default "
+                "positions your code computes when positions is None: start, ..., start + query.shape[1] - 1, one "
+                "per query, with start = len(cache) with a cache and 0 without (cache is None).")
+    cache_cls = _cache_class(cls) if cls is not None else None
+    if cache_cls is not None:
+        other = _error_after(module, *args, cache=call(cache_cls))
+        if other is None:
+            return (" With an empty KVCache passed the same call runs, so a step meant for the cache runs when cache "
+                    "is None: check the conditions (cache is not None, cache.fixed) around the cache's steps.")
+        if other != error:
+            return (f" With an empty KVCache passed that error is gone (it raised {other}), so the error with "
+                    "cache=None comes from a step meant for the cache that runs when cache is None: check the "
+                    "conditions (cache is not None, cache.fixed) around the cache's steps.")
+    if cls is not None and s["d_head"] % 2 == 0 and "'NoneType' object is not callable" in error and \
+            call(getattr, module, "rope", 1) is None:
+        try:
+            turning, _ = _build(cls, s, kv_heads, dtype, 0, rope=True, bias="w_q.bias" in state,
+                                fast=call(getattr, module, "fast", False) is True)
+            call(_load, turning, state)
+        except CheckFailure:
+            return ""
+        if _error_after(turning, *args) is None:
+            return (" Built with rope=True and the same weights, the same call runs, so a step meant for RoPE runs "
+                    "when self.rope is None: check the condition around self.rope(...).")
+    return ""
+
+
+def _eval_mode_hint(module: Any, args: tuple, output: Tensor, expected: Tensor, state: dict[str, Tensor],
+                    dtype: torch.dtype) -> str:
+    """In eval() mode a wrong output that the same module gives right without dropout: dropout acting in eval()."""
+    if call(getattr, module, "training", True) is not False:
+        return ""
+    p = call(_settings, module)["dropout"]
+    if p is None:
+        return ""
+    if p == 0:
+        call(_set_training, module, True)
+        try:
+            again = call(module, *args)
+        finally:
+            call(_set_training, module, False)
+        if type(again) is Tensor and close(again, expected, dtype):
+            return ("In train() mode (dropout p = 0) the same module gives the right output; only in eval() mode "
+                    "does it differ. Look at the dropout probability used outside training (it is 0.0; with fast=True, "
+                    "dropout_p=self.dropout.p if self.training else 0.0).")
+        return ""
+    dropout = call(getattr, module, "dropout", None)
+    call(_set_dropout, module, nn.Dropout(0.0))
+    try:
+        again = call(module, *args)
+    finally:
+        call(_set_dropout, module, dropout)
+    if type(again) is Tensor and close(again, expected, dtype):
+        return ("With self.dropout's p set to 0 the same eval() call gives the right output. Your module drops "
+                "in eval() mode: dropout acts only in training (self.training): nn.Dropout does that itself, and with "
+                "fast=True the given _fused_attention takes dropout_p=self.dropout.p if self.training else 0.0.")
+    return ""
 
 
 def _set_dropout(module: nn.Module, dropout: nn.Module) -> None:
@@ -431,7 +719,7 @@ def _check_dropout(cls: Callable[..., Any], s: dict[str, int], dtype: torch.dtyp
     path = " and fast=True" if fast else ""
     dropping, state = _build(cls, s, s["kv_heads"], dtype, seed, dropout=1.0, **({"fast": True} if fast else {}))
     _compare(dropping, state, s, s["kv_heads"], dtype, f"self-attention built with dropout=1.0{path}, in eval() mode",
-             x, x, x, None)
+             x, x, x, None, cls=cls)
     call(_set_training, dropping, True)
     got = expect_tensor(call(dropping, x, x, x), "the output in training", tuple(x.shape), "batch q_len d_model", dtype)
     expected = state["w_o.bias"].expand_as(x)
@@ -460,6 +748,19 @@ def _check_dropout_place(cls: Callable[..., Any], s: dict[str, int], dtype: torc
         return
     sizes = _module_sizes(s, kv, x, x)
     if not torch.equal(got, call(module, x, x, x)):  # the stand-in is deterministic: the randomness is elsewhere
+        fast, _ = _build(cls, s, kv, dtype, seed + 4, dropout=0.5, fast=True)
+        call(_load, fast, state)
+        call(_set_dropout, fast, drop)
+        call(_set_training, fast, True)
+        on_fast = call(fast, x, x, x)
+        if type(on_fast) is Tensor and close(on_fast, expected, dtype) and torch.equal(on_fast, call(fast, x, x, x)):
+            raise CheckFailure(
+                f"In training, with self.dropout replaced by a module that zeroes a fixed half of its input, two calls "
+                f"on the same input give different outputs ({difference(got, expected, sizes)}), while the same "
+                "module built with fast=True gives the right output: with fast=False (the default) your module drops "
+                "on its own, as the fused path does, and with fast=True it uses self.dropout: are the two paths "
+                "swapped? fast=False calls grouped_attention(q, k, v, mask, self.dropout), fast=True the given "
+                "_fused_attention.")
         raise CheckFailure(
             f"In training, with self.dropout replaced by a module that zeroes a fixed half of its input, two calls on "
             f"the same input give different outputs ({difference(got, expected, sizes)}): your module drops with a "
@@ -501,8 +802,14 @@ def _check_rope(module: Any, state: dict[str, Tensor], s: dict[str, int], dtype:
     """
     kv, heads = s["kv_heads"], s["heads"]
     sizes = _module_sizes(s, kv, x, x)
-    got = expect_tensor(call(module, x, x, x, mask), "the output with rope=True", tuple(x.shape),
-                        "batch q_len d_model", dtype)
+    try:
+        got = call(module, x, x, x, mask)
+    except CheckFailure as failure:
+        if ") raised " not in str(failure):
+            raise
+        hint = _raised_module(module, (x, x, x, mask), str(failure), None, s, kv, state, dtype)
+        raise CheckFailure(f"For self-attention built with rope=True: {failure}{hint}") from failure
+    got = expect_tensor(got, "the output with rope=True", tuple(x.shape), "batch q_len d_model", dtype)
     default = torch.arange(x.shape[1])
     expected = _module_oracle(state, heads, kv, x, x, x, mask, default)
     if not close(got, expected, dtype):
@@ -528,15 +835,40 @@ def _check_rope(module: Any, state: dict[str, Tensor], s: dict[str, int], dtype:
     return True
 
 
+def _construct(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``cls(*args, **kwargs)``; when it raises, what the error and the same sizes with rope=True tell."""
+    try:
+        return call(cls, *args, **kwargs)
+    except CheckFailure as failure:
+        text = str(failure)
+        if ") raised " not in text:
+            raise
+        hint = ""
+        if "TypeError" in text and "float" in text:
+            hint = (" A size your __init__ passes to a layer is a float, not an int (the error says so): a size "
+                    "computed with `/` is a float even when it divides evenly: w_k and w_v have kv_heads * d_head "
+                    "output features, d_head = d_model // heads.")
+        elif not kwargs.get("rope") and ("RotaryEmbedding" in text or "rotated in pairs" in text):
+            try:
+                call(cls, *args, **kwargs, rope=True)
+            except CheckFailure:
+                pass
+            else:
+                hint = (" The same sizes with rope=True build, and without rope (rope=False, the default) the "
+                        "RotaryEmbedding's error is raised: your __init__ makes a RotaryEmbedding when rope is False: "
+                        "its condition is inverted (self.rope = RotaryEmbedding(d_head) if rope else None).")
+        raise CheckFailure(f"{failure}{hint}") from failure
+
+
 @check
 def check_gqa_init(cls: Callable[..., Any], seed: int = 0) -> None:
     """w_k, w_v map d_model to kv_heads * d_head; kv_heads=None means heads; bad sizes raise ValueError."""
     s = _sizes(seed)
     d_model, heads, kv = s["d_model"], s["heads"], s["kv_heads"]
     for kv_heads in (kv, 1, heads):
-        _expect_parameters(call(cls, d_model, heads, kv_heads), d_model, heads, kv_heads, bias=True)
-    _expect_parameters(call(cls, d_model, heads, kv, bias=False), d_model, heads, kv, bias=False)
-    _expect_parameters(call(cls, d_model, heads), d_model, heads, heads, bias=True)
+        _expect_parameters(_construct(cls, d_model, heads, kv_heads), d_model, heads, kv_heads, bias=True)
+    _expect_parameters(_construct(cls, d_model, heads, kv, bias=False), d_model, heads, kv, bias=False)
+    _expect_parameters(_construct(cls, d_model, heads), d_model, heads, heads, bias=True)
     for args, why in (((d_model, heads, heads - 1), f"{heads - 1} key/value heads cannot be shared equally by "
                        f"{heads} query heads (check heads % kv_heads)"),
                       ((d_model + 1, heads, kv), f"{heads} heads cannot share {d_model + 1} features equally "
@@ -562,9 +894,9 @@ def check_gqa_self_attention(cls: Callable[..., Any], seed: int = 0, dtype: torc
         for what, mask in (("self-attention without a mask", None),
                            ("self-attention with a padding mask (batch, 1, 1, k_len)", padding),
                            ("self-attention with a causal mask (q_len, k_len)", causal)):
-            _compare(module, state, s, kv_heads, dtype, what, x, x, x, mask)
+            _compare(module, state, s, kv_heads, dtype, what, x, x, x, mask, cls=cls)
     _compare(module, state, s, 1, dtype, "self-attention on one sentence (batch=1) with a padding mask",
-             x[:1], x[:1], x[:1], padding[:1])
+             x[:1], x[:1], x[:1], padding[:1], cls=cls)
     # kv_heads == heads is multi-head attention: PyTorch's own module, with the same weights.
     module, state = _build(cls, s, s["heads"], dtype, seed)
     with torch.random.fork_rng(devices=[]):  # PyTorch's initialisation would move the student's RNG
@@ -585,13 +917,13 @@ def check_gqa_self_attention(cls: Callable[..., Any], seed: int = 0, dtype: torc
         )
     module, state = _build(cls, s, s["kv_heads"], dtype, seed + 3, bias=False)
     _compare(module, state, s, s["kv_heads"], dtype, "self-attention built with bias=False, with a causal mask",
-             x, x, x, causal)
+             x, x, x, causal, cls=cls)
     # fast=True must give the same results, zeros for queries that may read nothing included.
     module, state = _build(cls, s, s["kv_heads"], dtype, seed + 5, fast=True)
     for what, mask in (("self-attention with fast=True and a causal mask", causal),
                        ("self-attention with fast=True and a padding mask whose last sentence is all padding",
                         _padding_mask(s, seq, seed, empty=True))):
-        _compare(module, state, s, s["kv_heads"], dtype, what, x, x, x, mask)
+        _compare(module, state, s, s["kv_heads"], dtype, what, x, x, x, mask, cls=cls)
     for fast in (False, True):
         _check_dropout(cls, s, dtype, seed, x, fast)
     _check_dropout_place(cls, s, dtype, seed, x)
@@ -618,14 +950,14 @@ def check_gqa_cross_attention(cls: Callable[..., Any], seed: int = 0, dtype: tor
         module, state = _build(cls, s, kv_heads, dtype, seed + 2 * kv_heads)
         for what, mask in (("cross-attention without a mask", None),
                            ("cross-attention with a padding mask (batch, 1, 1, k_len)", padding)):
-            _compare(module, state, s, kv_heads, dtype, what, query, key, value, mask)
+            _compare(module, state, s, kv_heads, dtype, what, query, key, value, mask, cls=cls)
     _compare(module, state, s, 1, dtype, "cross-attention on one sentence (batch=1) with a padding mask",
-             query[:1], key[:1], value[:1], padding[:1])
+             query[:1], key[:1], value[:1], padding[:1], cls=cls)
     _compare(module, state, s, 1, dtype, "cross-attention over one key (k_len=1)", query, key[:, :1], value[:, :1],
-             None)
+             None, cls=cls)
     module, state = _build(cls, s, s["kv_heads"], dtype, seed + 7, fast=True)
     _compare(module, state, s, s["kv_heads"], dtype, "cross-attention with fast=True and a padding mask whose last "
-             "sentence is all padding", query, key, value, _padding_mask(s, s["k_len"], seed, empty=True))
+             "sentence is all padding", query, key, value, _padding_mask(s, s["k_len"], seed, empty=True), cls=cls)
     passed(f"cross-attention (q_len={s['q_len']}, k_len={s['k_len']}) equal to "
            f"F.scaled_dot_product_attention(enable_gqa=True) for GQA and MQA, batch=1, one key, fast=True "
            f"({_dtype_name(dtype)})")
@@ -657,6 +989,41 @@ def _stepwise_failure(what: str, got: Tensor, expected: Tensor, sizes: dict[str,
                         f"under a causal mask with the same projections ({difference(got, expected, sizes)}). {hint}")
 
 
+def _store(cache: Any, keys: Tensor, values: Tensor) -> None:
+    cache.store(keys, values)
+
+
+def _check_fixed_cache_taken(module: Any, state: dict[str, Tensor], s: dict[str, int], cache_cls: Callable[..., Any],
+                             dtype: torch.dtype, inputs: tuple[Tensor, ...], error: str) -> None:
+    """The first call with an empty fixed cache raised: a module that leaves fixed caches out passes, but one that
+    reads or stores a fixed cache (seen with a fixed cache that the check filled with the memory's keys and values)
+    must not fail on the first call."""
+    query, memory, other, padding = inputs
+    kv = s["kv_heads"]
+    _, keys, values = _projected(state, s["heads"], kv, query, memory, memory)
+    try:
+        filled = call(cache_cls, fixed=True)
+        call(_store, filled, keys, values)
+        later = call(module, query[:, 1:], other, other, padding, cache=filled)
+        held = call(_cache_keys, filled)[0]
+    except CheckFailure:
+        return
+    expected = _module_oracle(state, s["heads"], kv, query[:, 1:], memory, memory, padding)
+    error = error.split(") raised ", 1)[-1].splitlines()[0]
+    if type(later) is Tensor and close(later, expected, dtype):
+        raise CheckFailure(
+            "Your module reads a fixed KVCache that holds keys: with the memory's keys and values stored in it, its "
+            f"output is attention over the memory. But its first call, on an empty fixed cache (cache.keys is None), "
+            f"raised {error}: on the first call, while cache.keys is None, project key and value and "
+            "cache.store(k, v) them; on later calls read cache.keys and cache.values.")
+    if type(held) is Tensor and not torch.equal(held, keys):
+        raise CheckFailure(
+            "Your module stores into a fixed KVCache: given one that already holds the memory's keys and values, it "
+            f"replaced them ({difference(held, keys)}). But its first call, on an empty fixed cache (cache.keys is "
+            f"None), raised {error}: store only on the first call, while cache.keys is None, and read cache.keys and "
+            "cache.values once it holds keys.")
+
+
 def _check_fixed_cache(module: Any, state: dict[str, Tensor], s: dict[str, int], cache_cls: Callable[..., Any],
                        dtype: torch.dtype, seed: int) -> bool:
     """Cross-attention with a fixed cache: the memory's keys and values are projected on the first call and read
@@ -671,6 +1038,7 @@ def _check_fixed_cache(module: Any, state: dict[str, Tensor], s: dict[str, int],
     except CheckFailure as failure:
         if "Not your own work" in str(failure):
             raise
+        _check_fixed_cache_taken(module, state, s, cache_cls, dtype, (query, memory, other, padding), str(failure))
         return False
     later = call(module, query[:, 1:], other, other, padding, cache=fixed)
     got = expect_tensor(torch.cat([first, later], dim=1) if type(first) is Tensor and type(later) is Tensor else first,
@@ -698,6 +1066,20 @@ def _check_fixed_cache(module: Any, state: dict[str, Tensor], s: dict[str, int],
     return True
 
 
+def _first_position_only(state: dict[str, Tensor], s: dict[str, int], x: Tensor, stepwise: Tensor, keys: Tensor,
+                         values: Tensor, dtype: torch.dtype) -> str:
+    """A cache of one position after several steps: whether it is the first position and every step read only it."""
+    kv = s["kv_heads"]
+    _, first_k, first_v = _projected(state, s["heads"], kv, x[:, :1], x[:, :1], x[:, :1])
+    if not (close(keys, first_k, dtype) and close(values, first_v, dtype)):
+        return ""
+    if not close(stepwise, _module_oracle(state, s["heads"], kv, x, x[:, :1], x[:, :1], None), dtype):
+        return ""
+    return (" It holds the first position's keys and values, and every step attended to that one position only: after "
+            "the first step your module read the cache instead of appending to it, as only a fixed (cross-attention) "
+            "cache (cache.fixed) is read.")
+
+
 @check
 def check_gqa_cache(classes: tuple[Callable[..., Any], Callable[..., Any]], seed: int = 0,
                     dtype: torch.dtype = torch.float32) -> None:
@@ -714,7 +1096,7 @@ def check_gqa_cache(classes: tuple[Callable[..., Any], Callable[..., Any]], seed
     sizes = {**_module_sizes(s, kv, x, x), "d_head": d_head}
     module, state = _build(cls, s, kv, dtype, seed + 9)
     # The full pass against the oracle first: a mistake made alike with and without a cache shows here.
-    _compare(module, state, s, kv, dtype, "self-attention in one pass with a causal mask", x, x, x, causal)
+    _compare(module, state, s, kv, dtype, "self-attention in one pass with a causal mask", x, x, x, causal, cls=cls)
     cache = call(cache_cls)
     stepwise = expect_tensor(call(_decode_with_cache, module, cache, x), "the outputs decoded one at a time",
                              tuple(x.shape), "batch q_len d_model", dtype)
@@ -724,6 +1106,8 @@ def check_gqa_cache(classes: tuple[Callable[..., Any], Callable[..., Any]], seed
             shape = tuple(got.shape) if type(got) is Tensor else kind(got)
             hint = (f" It holds {s['heads']} heads: are your keys and values split into kv_heads heads (and w_k, w_v "
                     "narrower than d_model)?" if type(got) is Tensor and got.shape[1] == s["heads"] else "")
+            if type(got) is Tensor and tuple(got.shape) == (b, kv, 1, d_head) and length > 1:
+                hint = _first_position_only(state, s, x, stepwise, keys, values, dtype)
             raise CheckFailure(
                 f"After {length} steps the cache's {name} should have shape (batch={b}, kv_heads={kv}, "
                 f"length={length}, d_head={d_head}), got {shape}. Append the new positions' k and v (before "
@@ -834,6 +1218,52 @@ def _settings(module: nn.Module) -> dict[str, Any]:
             "dropout": float(dropout.p) if isinstance(dropout, nn.Dropout) else None}
 
 
+def _raised_pooling(fn: Callable[..., Any], source: nn.Module, state: dict[str, Tensor], heads: int, d_head: int,
+                    kv_heads: int, error: str) -> str:
+    """After ``from_multihead(source, kv_heads)`` raised: what the error and calls with other kv_heads tell."""
+    source_kv = state["w_k.weight"].shape[0] // d_head
+    raised = error.split(") raised ", 1)[-1]
+    if "Could not infer sizes" in raised:
+        return ("\neinops could not split the rows into (kv_heads group d_head) from the sizes it was given (the "
+                "error names those it could not infer): pass d_head=... to reduce as well as kv_heads.")
+    if raised.startswith("ValueError") and source_kv % kv_heads == 0:
+        wrong = next(n for n in range(2, source_kv + 2) if source_kv % n)
+        other = _error_after(fn, source, wrong)
+        if other is None or not other.startswith("ValueError"):
+            return (f"\nkv_heads={kv_heads} divides the source's {source_kv} key/value heads, yet it raised a "
+                    f"ValueError, while kv_heads={wrong}, which does not divide them, raised no ValueError: the "
+                    f"condition that refuses groups of unequal size is inverted: raise when source_kv_heads % kv_heads "
+                    "is not 0.")
+        return (f"\nkv_heads={kv_heads} divides the source's {source_kv} key/value heads ({source_kv} % {kv_heads} "
+                f"== 0), yet it raised a ValueError: raise only when the remainder source_kv_heads % kv_heads is not "
+                "0.")
+    if kv_heads == source_kv:
+        return ""
+    try:
+        unpooled = call(fn, source, source_kv)
+        got = call(_state_of, unpooled)
+    except CheckFailure:
+        return ""
+    if type(got) is not dict or type(got.get("w_k.weight")) is not Tensor:
+        return ""
+    pooled, source_w = got["w_k.weight"], state["w_k.weight"]
+    if pooled.shape == source_w.T.shape and torch.equal(pooled, source_w.T) and not torch.equal(pooled, source_w):
+        return (f"\nWith kv_heads={source_kv} (nothing to pool) it runs, but its w_k.weight is the source's "
+                "transposed: the reduce pattern must keep d_model last, '(kv_heads group d_head) d_model -> "
+                "(kv_heads d_head) d_model', the order of the axes of nn.Linear's weight (out, in).")
+    if not torch.equal(got["w_k.weight"], state["w_k.weight"]):
+        return ""
+    sizes = re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\) at non-singleton "
+                      r"dimension 0", raised)
+    if sizes and int(sizes.group(1)) == source_kv * d_head and int(sizes.group(2)) == kv_heads * d_head:
+        return (f"\nWith kv_heads={source_kv} (nothing to pool) it runs and copies w_k right. With kv_heads="
+                f"{kv_heads} the error copies the pooled {kv_heads * d_head} rows (kv_heads * d_head) into a weight of "
+                f"{source_kv * d_head} rows, as many as the source has: the GroupedQueryAttention your code builds "
+                f"must get kv_heads={kv_heads}: GroupedQueryAttention(d_model, heads, kv_heads, ...).")
+    return (f"\nWith kv_heads={source_kv} (nothing to pool) it runs and copies w_k right: the error comes with "
+            "pooling: compare the shape of each pooled weight with the converted module's.")
+
+
 def _check_pooling(fn: Callable[..., Any], source: nn.Module, state: dict[str, Tensor], heads: int, d_head: int,
                    kv_heads: int, dtype: torch.dtype, what: str, settings: dict[str, Any]) -> None:
     """from_multihead(source, kv_heads): shapes, w_q and w_o copied, each group's key/value heads averaged, and the
@@ -844,9 +1274,11 @@ def _check_pooling(fn: Callable[..., Any], source: nn.Module, state: dict[str, T
         converted = call(fn, source, kv_heads)
     except CheckFailure as failure:
         source_kv = state["w_k.weight"].shape[0] // d_head
-        hint = ("\nThe source has no biases: pass bias=False (mha.w_q.bias is None) and copy no bias." if not bias else
-                f"\nThis source has {source_kv} key/value heads, not heads={heads}: read its rows as (kv_heads group "
-                f"d_head) with the new kv_heads, so group = {source_kv} // kv_heads." if source_kv != heads else "")
+        hint = _raised_pooling(fn, source, state, heads, d_head, kv_heads, str(failure))
+        hint = hint or (
+            "\nThe source has no biases: pass bias=False (mha.w_q.bias is None) and copy no bias." if not bias else
+            f"\nThis source has {source_kv} key/value heads, not heads={heads}: read its rows as (kv_heads group "
+            f"d_head) with the new kv_heads, so group = {source_kv} // kv_heads." if source_kv != heads else "")
         raise CheckFailure(f"From {what}: {failure}{hint}") from failure
     got = call(_state_of, converted)
     if type(got) is not dict or any(type(v) is not Tensor for v in got.values()):
@@ -863,8 +1295,11 @@ def _check_pooling(fn: Callable[..., Any], source: nn.Module, state: dict[str, T
     sizes = {"heads": heads, "kv_heads": kv_heads, "d_head": d_head, "d_model": d_model}
     for name in [f"{p}.{w}" for p in ("w_q", "w_o") for w in ("weight", "bias") if f"{p}.{w}" in state]:
         if not torch.equal(got[name], state[name]):
+            hint = (f" The converted module's {name} is {got[name].dtype}, the source's {state[name].dtype}: put the "
+                    "module on the source's dtype and device (gqa.to(dtype=..., device=...)) before copying."
+                    if got[name].dtype != state[name].dtype else "")
             raise CheckFailure(f"From {what}, {name} should be copied unchanged; it is not "
-                               f"({difference(got[name], state[name], sizes)}).")
+                               f"({difference(got[name], state[name], sizes)}).{hint}")
     for name in [f"{p}.{w}" for p in ("w_k", "w_v") for w in ("weight", "bias") if f"{p}.{w}" in state]:
         pattern = "(kv_heads group d_head) ... -> (kv_heads d_head) ..."
         expected = reduce(state[name], pattern, "mean", kv_heads=kv_heads, d_head=d_head)
@@ -888,6 +1323,10 @@ def _check_pooling(fn: Callable[..., Any], source: nn.Module, state: dict[str, T
                            f"heads ({difference(got[name], expected, sizes)}). {hint}")
     found = call(_settings, converted)
     for key, value in settings.items():
+        if found.get(key) != value and key in ("fast", "rope") and not hasattr(source, key):
+            raise CheckFailure(f"From {what}, the converted module's {key} is {found.get(key)!r}; it should be "
+                               f"{value!r}. A multi-head source has no `{key}` attribute, so the converted module "
+                               f"must get {key}'s default, {value!r} (getattr(mha, \"{key}\", ...) with that default).")
         if found.get(key) != value:
             raise CheckFailure(f"From {what}, the converted module's {key} is {found.get(key)!r}; it should be "
                                f"{value!r}: build GroupedQueryAttention(d_model, heads, kv_heads, bias=..., "
@@ -950,18 +1389,33 @@ def check_cache_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
         expected = 2 * kv_heads * d_head * length * batch * 4
         if got == expected:
             continue
-        if got == 2 * heads * d_head * length * batch * 4:
-            hint = ("That is what multi-head attention keeps: your cache holds all the query heads' worth of keys and "
-                    "values. Are w_k and w_v narrower (kv_heads * d_head) and k, v split into kv_heads heads?")
-        elif got == expected // 2:
-            hint = "That is half: count the values as well as the keys."
-        elif got == expected // length or got == expected // batch:
-            hint = "Feed all `length` positions, one at a time, through the layer with the same cache, for the batch."
-        else:
-            hint = ("Build your GroupedQueryAttention(d_model, heads, kv_heads), run the positions through it one at a "
-                    "time in self-attention with one KVCache, and return cache.nbytes.")
         raise CheckFailure(
             f"For d_model={heads * d_head}, heads={heads}, kv_heads={kv_heads}, length={length}, batch={batch} you "
-            f"measured {got:,} bytes; float32 keys and values of kv_heads heads take {expected:,}. {hint}"
+            f"measured {got:,} bytes; float32 keys and values of kv_heads heads take {expected:,}. "
+            f"{_measurement_hint(got, heads, kv_heads, d_head, length, batch)}"
         )
     passed("measured KV-cache bytes equal 2 · kv_heads · d_head · length · batch · 4 for MHA, GQA and MQA")
+
+
+def _measurement_hint(got: int, heads: int, kv_heads: int, d_head: int, length: int, batch: int) -> str:
+    """What a wrong byte count is, read as a number of cached positions, sentences, heads or tensors."""
+    per_position = 2 * kv_heads * d_head * batch * 4
+    positions, rest = divmod(got, per_position)
+    if got == 2 * heads * d_head * length * batch * 4 and heads != kv_heads:
+        return ("That is what multi-head attention keeps: your cache holds all the query heads' worth of keys and "
+                "values. Are w_k and w_v narrower (kv_heads * d_head) and k, v split into kv_heads heads?")
+    if got * 2 == per_position * length:
+        return "That is half: count the values as well as the keys."
+    if batch > 1 and got * batch == per_position * length:
+        return (f"That is the cache of one sentence, not of batch={batch}: feed x of shape (batch, 1, d_model) at "
+                "every step.")
+    if got == 0:
+        return (f"The cache is empty after {length} steps: no step appended a position. Each step must be one "
+                "position, x[:, t:t + 1], run through the layer with cache=cache.")
+    if rest == 0 and positions != length:
+        how = ("one fewer than" if positions == length - 1 else "one more than" if positions == length + 1 else
+               "fewer than" if positions < length else "more than")
+        return (f"That is the cache of {positions} position{'s' if positions != 1 else ''}, {how} length={length}. "
+                "Each of the `length` steps must append exactly one position: x[:, t:t + 1] for t in range(length).")
+    return ("Build the GroupedQueryAttention(d_model, heads, kv_heads), run the positions through it one at a time in "
+            "self-attention with one KVCache, and return cache.nbytes.")
