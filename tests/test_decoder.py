@@ -791,3 +791,192 @@ def test_measurement_check_catches_an_ignored_tol():
     with pytest.raises(CheckFailure, match="ignores tol") as failure:
         check_logits_that_change(ignores_tol)
     assert "on sizes batch=" in str(failure.value)
+
+
+# Diagnoses that are verified before they are named (issue 27): each fires on its mistake and not on a similar one.
+
+def test_target_mask_check_names_the_causal_mask_alone_only_when_the_value_is_it():
+    from beartype import beartype
+    from jaxtyping import Bool, Int, jaxtyped
+    from torch import Tensor
+
+    @jaxtyped(typechecker=beartype)
+    def causal_only(tgt: Int[Tensor, "batch tgt_len"], pad_id: int) -> Bool[Tensor, "batch 1 tgt_len tgt_len"]:
+        return student.causal_mask(tgt.shape[1])
+
+    @jaxtyped(typechecker=beartype)
+    def all_true(tgt: Int[Tensor, "batch tgt_len"], pad_id: int) -> Bool[Tensor, "batch 1 tgt_len tgt_len"]:
+        return torch.ones(tgt.shape[1], tgt.shape[1], dtype=torch.bool)
+
+    with pytest.raises(CheckFailure, match="returns the causal mask alone, without the padding mask"):
+        check_target_mask(causal_only)
+    with pytest.raises(CheckFailure, match="shape of the causal mask alone") as failure:
+        check_target_mask(all_true)
+    assert "returns the causal mask alone" not in str(failure.value)
+
+
+def _init_mistake(mistake):
+    class Mistaken(student.DecoderLayer):
+        def __init__(self, d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu",
+                     cross_attention=True):
+            flipped = not cross_attention if mistake == "inverted" else cross_attention
+            super().__init__(d_model, heads, d_ff, dropout, norm_first, activation, flipped)
+            if mistake == "never":
+                self.cross_attn = None
+
+        def forward(self, x, memory, src_mask=None, tgt_mask=None, cache=None):
+            if mistake == "reads the cache":
+                cache.self_attn  # noqa: B018
+            if mistake == "other attribute":
+                self.missing  # noqa: B018
+            if mistake == "skips cross":
+                add_and_norm = student.add_and_norm
+                x = add_and_norm(x, lambda h: self.self_attn(h, h, h, tgt_mask), self.norm1, self.dropout1,
+                                 self.norm_first)
+                return add_and_norm(x, self.ffn, self.norm3, self.dropout3, self.norm_first)
+            if mistake == "no memory check" and memory is None:
+                return x
+            return super().forward(x, memory, src_mask, tgt_mask, cache)
+
+    return Mistaken
+
+
+@pytest.mark.parametrize(("mistake", "named", "not_named"), [
+    ("inverted", "the condition is inverted", "no parameter"),
+    ("never", "has self.cross_attn None: create it", "inverted"),
+    ("reads the cache", "Read the cache's parts only when cache is not None", "should raise a ValueError"),
+    ("other attribute", "raised AttributeError", "cache"),
+    ("skips cross", "never calls self.cross_attn", "raised"),
+    ("no memory check", "should raise a ValueError", "never calls"),
+])
+def test_init_check_names_only_verified_mistakes(mistake, named, not_named):
+    with pytest.raises(CheckFailure, match=named) as failure:
+        check_decoder_layer_init(_init_mistake(mistake))
+    assert not_named not in str(failure.value)
+
+
+def _loop(mistake):
+    """The greedy loop with one mistake in a size, an axis or the finished flags."""
+    def loop(model, src, max_new_tokens, bos_id, eos_id, next_logits):
+        if max_new_tokens < 1:
+            raise ValueError("at least one step")
+        src_mask = student.padding_mask(src, model.pad_id)
+        memory = model.encode(src, src_mask)
+        rows = src.shape[1] if mistake == "rows from src_len" else src.shape[0]
+        tokens = torch.full((rows, 0 if mistake == "no start" else 1), bos_id)
+        finished = torch.zeros(src.shape[0], dtype=torch.bool)
+        steps = []
+        for _ in range(max_new_tokens):
+            logits = next_logits(tokens, memory, src_mask)
+            steps.append(logits)
+            dims = {"argmax of all": {}, "argmax over batch": {"dim": 0}}
+            token = logits.argmax(**dims.get(mistake, {"dim": -1}))
+            token = token.masked_fill(finished, model.pad_id)
+            if mistake == "wrong token":
+                token = (token + 1) % model.vocab
+            tokens = torch.cat([tokens, token[:, None]], dim=0 if mistake == "rows" else 1)
+            if mistake == "not eos":
+                finished |= token != eos_id
+            elif mistake == "reset":
+                finished = token == eos_id
+            else:
+                finished |= token == eos_id
+            if finished.all():
+                break
+        return tokens, torch.stack(steps, dim=0 if mistake == "stack dim 0" else 1)
+
+    return loop
+
+
+@pytest.mark.parametrize(("mistake", "named"), [
+    ("rows from src_len", r"read from the source's length axis, src\.shape\[1\]"),
+    ("no start", r"shape \(4, 0\), one short"),
+    ("argmax of all", "flattened into one row"),
+    ("argmax over batch", r"over the batch axis \(logits\.argmax\(dim=0\)\)"),
+    ("rows", "appended the new tokens as new rows, along dim 0"),
+    ("not eos", "the comparison is inverted"),
+    ("reset", "forgets the sentences that finished at earlier steps"),
+    ("stack dim 0", "stacked along dim 0"),
+])
+def test_greedy_check_names_verified_loop_mistakes(mistake, named):
+    with pytest.raises(CheckFailure, match=named) as failure:
+        check_greedy(_loop(mistake))
+    others = ("source's length axis", "one short", "flattened", "over the batch axis", "new rows", "inverted",
+              "forgets the sentences", "stacked along dim 0")
+    assert sum(other in str(failure.value) for other in others) == 1
+
+
+def test_greedy_check_names_nothing_for_a_wrong_token_of_the_right_shape():
+    with pytest.raises(CheckFailure, match="Each step: logits = next_logits") as failure:
+        check_greedy(_loop("wrong token"))
+    assert "axis" not in str(failure.value)
+    check_greedy(_loop(""))
+
+
+def _measured(mistake):
+    def measure(model, src, tgt, position, token, tol=1e-6):
+        changed = tgt.clone()
+        changed[:, position] = token
+        after, before = model(src, changed), model(src, tgt)
+        change = {"no subtraction": after.abs(), "no abs": after - before}.get(mistake, (after - before).abs())
+        reduce = {"min": change.amin, "mean": change.mean, "sum": change.sum}.get(mistake, change.amax)
+        return reduce(dim=-1) > tol
+
+    return measure
+
+
+@pytest.mark.parametrize(("mistake", "named"), [
+    ("no subtraction", "subtract the original run"),
+    ("no abs", "largest signed change"),
+    ("min", "smallest change over vocab"),
+    ("mean", "mean change over vocab"),
+])
+def test_measurement_check_names_a_mistake_that_one_variant_explains(mistake, named):
+    with pytest.raises(CheckFailure, match=named) as failure:
+        check_logits_that_change(_measured(mistake))
+    others = ("subtract the original run", "signed change", "smallest change", "mean change", "summed change")
+    assert sum(other in str(failure.value) for other in others) == 1
+    check_logits_that_change(_measured(""))
+
+
+def test_measurement_check_names_no_variant_for_the_causal_pattern():
+    with pytest.raises(CheckFailure, match="not a measurement") as failure:
+        check_logits_that_change(_assumed)
+    assert "change over vocab" not in str(failure.value)
+
+
+def test_target_mask_check_names_an_index_past_the_shape_only_when_one_is_read():
+    def past_the_end(tgt, pad_id):
+        return student.padding_mask(tgt, pad_id) & student.causal_mask(tgt.shape[2])
+
+    def other_index_error(tgt, pad_id):
+        return student.padding_mask(tgt, pad_id) & student.causal_mask([tgt.shape[1]][1])
+
+    with pytest.raises(CheckFailure, match=r"reads tgt\.shape\[2\], but tgt has two axes"):
+        check_target_mask(past_the_end)
+    with pytest.raises(CheckFailure, match="IndexError") as failure:
+        check_target_mask(other_index_error)
+    assert "reads tgt.shape" not in str(failure.value)
+
+
+def _message(check, student):
+    with pytest.raises(CheckFailure) as failure:
+        check(student)
+    return str(failure.value)
+
+
+@pytest.mark.parametrize(("check", "student"), [
+    (check_target_mask, lambda tgt, pad_id: student.padding_mask(tgt, pad_id) & student.causal_mask(tgt.shape[2])),
+    (check_decoder_layer_init, _init_mistake("inverted")),
+    (check_decoder_layer_init, _init_mistake("reads the cache")),
+    (check_decoder_layer_init, _init_mistake("skips cross")),
+    *((check_greedy, _loop(mistake)) for mistake in ("rows from src_len", "argmax over batch", "rows", "reset")),
+    (check_logits_that_change, _measured("no abs")),
+])
+def test_a_verified_diagnosis_replays_as_it_was_recorded(monkeypatch, tmp_path, check, student):
+    """The grader replays the recorded calls: the diagnosis's extra calls must come back the same."""
+    monkeypatch.setenv(RECORD_ENV, str(tmp_path))
+    recorded = _message(check, student)
+    monkeypatch.delenv(RECORD_ENV)
+    with replaying(tmp_path):
+        assert _message(check, object()) == recorded

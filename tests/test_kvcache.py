@@ -644,3 +644,180 @@ def test_every_check_replays_what_it_recorded(monkeypatch, tmp_path):
     with replaying(tmp_path):
         for check, student in runs:  # stand-ins that are never touched, shaped like the graded cells' arguments
             check((object(), object()) if type(student) is tuple else object(), seed=8)
+
+
+# Diagnoses that are verified before they are named (issue 27): each fires on its mistake and not on a similar one.
+
+def _empty_guard_inverted(self, keys, values):
+    """The empty-cache test inverted for the keys or the values: torch.cat gets None."""
+    if self.fixed:
+        raise ValueError("fixed")
+    self.keys = keys if self.keys is not None else torch.cat([self.keys, keys], dim=-2)
+    self.values = values if self.values is None else torch.cat([self.values, values], dim=-2)
+    return self.keys, self.values
+
+
+def _values_guard_inverted(self, keys, values):
+    if self.fixed:
+        raise ValueError("fixed")
+    self.keys = keys if self.keys is None else torch.cat([self.keys, keys], dim=-2)
+    self.values = values if self.values is not None else torch.cat([self.values, values], dim=-2)
+    return self.keys, self.values
+
+
+def _shape_read_when_empty(self, keys, values):
+    if self.fixed:
+        raise ValueError("fixed")
+    if self.keys.shape[:2] != keys.shape[:2]:
+        raise ValueError("do not continue")
+    return _append_along(-2)(self, keys, values)
+
+
+def _refuses_every_continuation(self, keys, values):
+    if self.fixed:
+        raise ValueError("fixed")
+    if self.keys is not None:
+        raise ValueError("do not continue")
+    return _append_along(-2)(self, keys, values)
+
+
+def _type_error(self, keys, values):
+    raise TypeError("not today")
+
+
+@pytest.mark.parametrize(
+    ("cls", "check", "named", "not_named"),
+    [
+        (_cache_with(__len__=lambda self: self.keys.shape[-2]), check_kv_cache_append,
+         r"your __len__ reads \.shape of one of them", "handed None"),
+        (_cache_with(__len__=lambda self: len(self.missing)), check_kv_cache_append, "AttributeError",
+         "as they should be"),
+        (_cache_with(_shape_read_when_empty), check_kv_cache_append, r"your append reads \.shape", "handed None"),
+        (_cache_with(_empty_guard_inverted), check_kv_cache_append, "your append handed None to torch.cat",
+         "self.values is still None"),
+        (_cache_with(_values_guard_inverted), check_kv_cache_append, "self.values is still None", "handed None"),
+        (_cache_with(_type_error), check_kv_cache_append, "not today", "as they should be"),
+        (_cache_with(_refuses_every_continuation), check_kv_cache_append, "Your append refused them",
+         "along the"),
+        (_cache_with(_no_batch_check), check_kv_cache_append, "should raise", "refused them"),
+        (_cache_with(__len__=lambda self: 1 if self.keys is None else self.keys.shape[-2]), check_kv_cache_append,
+         "Your __len__ gives 1, one too many", "reads"),
+        (_cache_with(__len__=lambda self: 2 if self.keys is None else self.keys.shape[-2]), check_kv_cache_append,
+         "got 2", "one too many"),
+        (_cache_with(nbytes=property(lambda self: self.keys.numel() * 8)), check_kv_cache_fixed,
+         r"your nbytes reads \.numel", "one too many"),
+        (_cache_with(nbytes=property(lambda self: 1 if self.keys is None else 2 * self.keys.nbytes)),
+         check_kv_cache_fixed, "Your nbytes gives 1, one too many", "reads"),
+        (_cache_with(nbytes=property(lambda self: 3 if self.keys is None else 2 * self.keys.nbytes)),
+         check_kv_cache_fixed, "got 3", "one too many"),
+    ],
+)
+def test_cache_checks_name_only_verified_mistakes(cls, check, named, not_named):
+    with pytest.raises(CheckFailure, match=named) as failure:
+        check(cls)
+    assert not_named not in str(failure.value)
+
+
+def _step_with(mistake):
+    """The cached step with a mistake in a size or the mask's construction."""
+    split, merge = student_multihead.split_heads, student_multihead.merge_heads
+    attend = student_attention.scaled_dot_product_attention
+
+    def step(attention, x, cache):
+        new = x[:, len(cache) + 1:] if mistake == "skips one" else x[:, len(cache):]
+        q, k, v = (split(w(new), attention.heads) for w in (attention.w_q, attention.w_k, attention.w_v))
+        k, v = cache.append(k, v)
+        new_len = q.shape[-3] if mistake == "heads for new" else q.shape[-2]
+        total = k.shape[-2]
+        if mistake == "one-axis mask":
+            mask = torch.ones(new_len, dtype=torch.bool).tril(diagonal=total - new_len)
+        elif mistake == "raises":
+            raise RuntimeError("something else")
+        else:
+            mask = torch.ones(new_len, total, dtype=torch.bool).tril(diagonal=total - new_len)
+        out, _ = attend(q, k, v, mask)
+        return merge(out) if mistake == "no w_o" else attention.w_o(merge(out))
+
+    return step
+
+
+@pytest.mark.parametrize(
+    ("mistake", "named", "not_named"),
+    [
+        ("skips one", r"returned 4 positions, and len\(cache\) is 4", "heads axis"),
+        ("no w_o", "without the output projection", "heads axis"),
+        ("heads for new", "read from the heads axis", "tril"),
+        ("one-axis mask", "passed to tril has fewer than two axes", "heads axis"),
+        ("raises", "something else", "heads axis"),
+    ],
+)
+def test_step_check_names_only_verified_mistakes(mistake, named, not_named):
+    with pytest.raises(CheckFailure, match=named) as failure:
+        check_cached_attention((_step_with(mistake), StudentKVCache))
+    assert not_named not in str(failure.value)
+    check_cached_attention((_step_with(""), StudentKVCache))
+
+
+@pytest.mark.parametrize(
+    ("formula", "named", "not_named"),
+    [
+        (lambda layers, kv_heads, d_head, length, batch=1, b=4: 2 * layers / kv_heads * d_head * length * batch * b,
+         "divides by kv_heads where it should multiply", "layers where"),
+        (lambda layers, kv_heads, d_head, length, batch=1, b=4: 2 * layers * kv_heads * d_head * length / batch * b,
+         "divides by batch where it should multiply", "kv_heads where"),
+        (lambda layers, kv_heads, d_head, length, batch=1, b=4: 2.0 * layers * kv_heads * d_head * length * batch * b,
+         "its values equal the bytes measured", "divides"),
+        (lambda layers, kv_heads, d_head, length, batch=1, b=4: layers * kv_heads * d_head * length * batch * b / 1,
+         "Python int", "divides"),
+    ],
+)
+def test_formula_check_names_a_division_only_when_one_size_explains_every_case(formula, named, not_named):
+    with pytest.raises(CheckFailure, match=named) as failure:
+        check_cache_formula(formula)
+    assert not_named not in str(failure.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [(1, "one more than the sequence's length"), (-1, "one fewer than the sequence's length"), (-2, "2 too few")],
+)
+def test_gather_check_names_a_length_off_by_some(extra, named):
+    def gather(pool, table, length):
+        return rearrange(pool[table], "used kv_heads slot d_head -> kv_heads (used slot) d_head")[:, :length + extra]
+
+    with pytest.raises(CheckFailure, match=named):
+        check_gather_blocks(gather)
+
+
+def test_gather_check_does_not_call_other_positions_a_length_off_by_one():
+    def gather(pool, table, length):  # one position too many, and the blocks in the pool's order
+        out = rearrange(pool[table.sort().values], "used kv_heads slot d_head -> kv_heads (used slot) d_head")
+        return out[:, :length + 1]
+
+    with pytest.raises(CheckFailure, match="should have shape") as failure:
+        check_gather_blocks(gather)
+    assert "one more" not in str(failure.value)
+
+
+def _message(check, student):
+    with pytest.raises(CheckFailure) as failure:
+        check(student)
+    return str(failure.value)
+
+
+@pytest.mark.parametrize(("check", "student"), [
+    (check_kv_cache_append, _cache_with(_values_guard_inverted)),
+    (check_kv_cache_append, _cache_with(__len__=lambda self: 1 if self.keys is None else self.keys.shape[-2])),
+    (check_kv_cache_fixed, _cache_with(nbytes=property(lambda self: self.keys.numel() * 8))),
+    (check_cached_attention, (_step_with("heads for new"), StudentKVCache)),
+    (check_cached_attention, (_step_with("skips one"), StudentKVCache)),
+    (check_cache_formula, lambda layers, kv_heads, d_head, length, batch=1, b=4: 2 * layers / kv_heads * d_head
+     * length * batch * b),
+])
+def test_a_verified_diagnosis_replays_as_it_was_recorded(monkeypatch, tmp_path, check, student):
+    """The grader replays the recorded calls: the diagnosis's extra calls must come back the same."""
+    monkeypatch.setenv(RECORD_ENV, str(tmp_path))
+    recorded = _message(check, student)
+    monkeypatch.delenv(RECORD_ENV)
+    with replaying(tmp_path):
+        assert _message(check, (object(), object()) if type(student) is tuple else object()) == recorded

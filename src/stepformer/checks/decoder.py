@@ -12,6 +12,7 @@ import contextlib
 import copy
 import inspect
 import math
+import re
 import types
 import typing
 import warnings
@@ -125,6 +126,42 @@ def _return_shape_hint(message: str, s: dict[str, int]) -> str:
     return ""
 
 
+def _unchecked(fn: Callable[..., Any], *args: Any) -> Any:
+    """What ``fn`` returns without its jaxtyping/beartype wrapper (its return value refused by the signature)."""
+    try:
+        return inspect.unwrap(fn)(*args)
+    except Exception:  # the value cannot be had: nothing more to say
+        return None
+
+
+class _Size(tuple):
+    """A shape that notes every index read past its end (and then fails as a shape would)."""
+
+    past: list[int] = []
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, int) and not -len(self) <= i < len(self):
+            _Size.past.append(i)
+        return tuple.__getitem__(self, i)
+
+
+class _ShapeSpy(Tensor):
+    """A tensor whose .shape notes the indexes read past its end."""
+
+    @property
+    def shape(self) -> _Size:
+        return _Size(super().shape)
+
+
+def _shape_indexes_past_the_end(fn: Callable[..., Any], tokens: Tensor, pad_id: int) -> list[int]:
+    """The indexes of tokens.shape past its end that ``fn`` reads (its error is not the point here)."""
+    _Size.past = []
+    with contextlib.suppress(Exception):
+        fn(tokens.as_subclass(_ShapeSpy), pad_id)
+    past, _Size.past = list(_Size.past), []
+    return past
+
+
 @check
 def check_target_mask(fn: Callable[..., Any], seed: int = 0) -> None:
     """Causal and padding together: (batch, 1, tgt_len, tgt_len), True where query i may read key j <= i, not a pad."""
@@ -136,7 +173,21 @@ def check_target_mask(fn: Callable[..., Any], seed: int = 0) -> None:
         try:
             got = call(fn, tokens, pad_id)
         except CheckFailure as failure:
-            raise CheckFailure(f"{failure}{_return_shape_hint(str(failure), s)}") from failure
+            hint = _return_shape_hint(str(failure), s)
+            if hint and "causal mask alone" in hint:
+                # The signature refused the value: look at the value itself, without the signature's check.
+                value = call(_unchecked, fn, tokens, pad_id)
+                lower = torch.ones(s["tgt_len"], s["tgt_len"], dtype=torch.bool).tril()
+                if type(value) is Tensor and value.shape == lower.shape and torch.equal(value, lower):
+                    hint = ("\nYour target_mask returns the causal mask alone, without the padding mask: the padding "
+                            "keys must be hidden too, padding_mask(tgt, pad_id) & causal_mask(...), which broadcast "
+                            "to (batch, 1, tgt_len, tgt_len).")
+            if not hint and "raised IndexError" in str(failure):
+                past = call(_shape_indexes_past_the_end, fn, tokens, pad_id)
+                if past:
+                    hint = (f"\nYour target_mask reads tgt.shape[{past[0]}], but tgt has two axes, (batch, tgt_len): "
+                            "its length is tgt.shape[1] (or tgt.shape[-1]).")
+            raise CheckFailure(f"{failure}{hint}") from failure
         expected = _target_mask_by_definition(tokens, pad_id)
         if type(got) is not Tensor:
             raise CheckFailure(f"target_mask should return a torch.Tensor, got {kind(got)}.")
@@ -349,12 +400,65 @@ def _is_none(module: nn.Module, name: str) -> bool:
     return getattr(module, name, None) is None
 
 
+def _set_to_none(module: nn.Module, name: str) -> bool:
+    """Whether the attribute is there and holds None (not merely missing)."""
+    return hasattr(module, name) and getattr(module, name) is None
+
+
+def _run_with_memory(module: nn.Module, x: Tensor, memory: Tensor, cache: Any = None) -> dict[str, Any]:
+    """Call the layer with a memory: the error it raises (or ""), and how often its cross_attn ran."""
+    calls = []
+    hook = None
+    if isinstance(getattr(module, "cross_attn", None), nn.Module):
+        hook = module.cross_attn.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        extra = {} if cache is None else {"cache": cache}
+        module(x, memory, None, None, **extra)
+        error = ""
+    except Exception as raised:  # the error is what we report
+        error = f"{type(raised).__name__}: {raised}"
+    finally:
+        if hook is not None:
+            hook.remove()
+    return {"error": error, "cross_calls": len(calls)}
+
+
+def _check_runs_with_memory(module: Any, x: Tensor, memory: Tensor) -> None:
+    """Before blaming the memory=None case: the layer must run, cross-attention included, with a memory."""
+    run = call(_run_with_memory, module, x, memory)
+    if run["error"]:
+        hint = ""
+        read = re.search(r"'NoneType' object has no attribute '(self_attn|cross_attn)'", run["error"])
+        if read:
+            # The same call with a cache object that has those attributes: the error must go away (or change).
+            parts = types.SimpleNamespace(self_attn=None, cross_attn=None)
+            with_cache = call(_run_with_memory, module, x, memory, parts)
+            if read.group(0) not in with_cache["error"]:
+                hint = (f" That error reads .{read.group(1)} of None, and it goes away when a cache object is "
+                        f"passed: without a cache (cache=None, as in every call of this chapter) your forward "
+                        f"still reads cache.{read.group(1)}. Read the cache's parts only when cache is not None.")
+        raise CheckFailure(f"Called with a memory, your layer(x, memory, None, None) raised {run['error']}.{hint}")
+    if run["cross_calls"] == 0:
+        raise CheckFailure("Called with a memory, your layer (built with cross-attention) never calls "
+                           "self.cross_attn: the cross-attention sublayer must run whenever self.cross_attn is not "
+                           "None, and there a missing memory raises a ValueError.")
+
+
 @check(forbid=BUILT_IN_DECODER)
 def check_decoder_layer_init(cls: Callable[..., Any], seed: int = 0) -> None:
     """self_attn, cross_attn, ffn, norm1-norm3, dropout1-dropout3; no cross_attn without cross-attention; ValueError
     for a missing memory."""
     s = _sizes(seed)
     module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.25)
+    if call(_set_to_none, module, "cross_attn"):
+        other = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.25, cross_attention=False)
+        if any(name.startswith("cross_attn.") for name in call(_layout, other)["shapes"]):
+            raise CheckFailure("Your DecoderLayer built with cross_attention=True (the default) has self.cross_attn "
+                               "None, and built with cross_attention=False it has a cross-attention: the condition "
+                               "is inverted. Create cross_attn when cross_attention is True.")
+        raise CheckFailure("Your DecoderLayer built with cross_attention=True (the default) has self.cross_attn None: "
+                           "create it, a MultiHeadAttention(d_model, heads, dropout=dropout), when cross_attention is "
+                           "True.")
     layout = _expect_parameters(module, _layer_shapes(s), "Your DecoderLayer", LAYER_HINT)
     if ["self_attn", "cross_attn"] in layout["aliases"]:
         raise CheckFailure("Your self_attn and cross_attn are one and the same module: create two "
@@ -374,6 +478,8 @@ def check_decoder_layer_init(cls: Callable[..., Any], seed: int = 0) -> None:
     x = torch.randn(2, 3, s["d_model"], generator=torch.Generator().manual_seed(seed))
     error = call(_error_of, module, x, None, None, None)
     if error != "ValueError":
+        memory = torch.randn(2, 4, s["d_model"], generator=torch.Generator().manual_seed(seed + 1))
+        _check_runs_with_memory(module, x, memory)
         raise CheckFailure("A layer with cross-attention called with memory=None should raise a ValueError (it has "
                            f"nothing to attend to); it raised {'no error' if error is None else f'a {error}'}. Check "
                            "`memory is None` before the cross-attention sublayer.")
@@ -799,6 +905,12 @@ def _greedy_variants(model: ToyModel, src: Tensor, max_new_tokens: int, tokens: 
                                                                               next_logits),
         "Your loop always runs max_new_tokens steps: stop as soon as every sentence has produced its EOS.":
             torch.cat([tokens, torch.full((src.shape[0], max_new_tokens + 1 - tokens.shape[1]), pad)], dim=1),
+        "Your loop marks a sentence finished when its new token is not eos_id: the comparison is inverted, a "
+        "sentence is finished once it has produced eos_id (finished |= next_token == eos_id).":
+            _unpadded(model, src, max_new_tokens, bos_id, next_logits, "not eos"),
+        "Your loop forgets the sentences that finished at earlier steps: finished is set from the last token alone, "
+        "so a sentence after its EOS (given pad_id) counts as unfinished again. Keep them: finished |= next_token == "
+        "eos_id.": _unpadded(model, src, max_new_tokens, bos_id, next_logits, "reset"),
     }
     if next_logits is not model.next_logits:
         variants["Your loop calls model.next_logits: use the next_logits argument, which may be another function "
@@ -813,18 +925,135 @@ def _greedy_variants(model: ToyModel, src: Tensor, max_new_tokens: int, tokens: 
 
 
 def _unpadded(model: ToyModel, src: Tensor, max_new_tokens: int, bos_id: int,
-              next_logits: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+              next_logits: Callable[[Tensor, Tensor, Tensor], Tensor], mistake: str = "unpadded") -> Tensor:
+    """The batch loop with one mistake: no pad_id after EOS ("unpadded"), finished when the token is not EOS
+    ("not eos"), or finished set from the last token alone ("reset")."""
     src_mask = (src != model.pad_id)[:, None, None, :]
     memory = model.encode(src, src_mask)
     tokens = torch.full((src.shape[0], 1), bos_id)
     finished = torch.zeros(src.shape[0], dtype=torch.bool)
     for _ in range(max_new_tokens):
         token = next_logits(tokens, memory, src_mask).argmax(dim=-1)
+        if mistake != "unpadded":
+            token = token.masked_fill(finished, model.pad_id)
         tokens = torch.cat([tokens, token[:, None]], dim=1)
-        finished |= token == model.eos_id
+        if mistake == "not eos":
+            finished |= token != model.eos_id
+        elif mistake == "reset":
+            finished = token == model.eos_id
+        else:
+            finished |= token == model.eos_id
         if finished.all():
             break
     return tokens
+
+
+class _Recording:
+    """A next_logits that keeps a copy of the tokens each call is given and of the logits it gives back."""
+
+    def __init__(self, next_logits: Callable[[Tensor, Tensor, Tensor], Tensor]) -> None:
+        self.next_logits = next_logits
+        self.tokens: list[Tensor | None] = []
+        self.logits: list[Tensor] = []
+
+    def __call__(self, tokens: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        self.tokens.append(tokens.detach().clone() if type(tokens) is Tensor else None)
+        logits = self.next_logits(tokens, memory, src_mask)
+        self.logits.append(logits.detach().clone())
+        return logits
+
+
+def _recorded_greedy(fn: Callable[..., Any], model: ToyModel, src: Tensor, max_new_tokens: int, bos_id: int,
+                     eos_id: int, next_logits: Callable[[Tensor, Tensor, Tensor], Tensor]) -> dict[str, Any]:
+    """The student's loop run with a recording next_logits: what each call was given, the error, the tokens."""
+    recording = _Recording(next_logits)
+    try:
+        result = fn(model, src, max_new_tokens, bos_id, eos_id, recording)
+        error = ""
+    except Exception as raised:  # what it raised is part of the record
+        result, error = None, f"{type(raised).__name__}: {raised}"
+    tokens = result[0] if type(result) is tuple and len(result) == 2 and type(result[0]) is Tensor else None
+    return {"tokens": recording.tokens, "logits": recording.logits, "result": tokens, "error": error}
+
+
+def _trace_hint(run: dict[str, Any], batch: int) -> str:
+    """Name a mistake from what the loop handed next_logits: no start token, tokens appended as rows, or the
+    argmax of all the logits at once."""
+    seen, logits = run["tokens"], run["logits"]
+    if not seen or type(seen[0]) is not Tensor or seen[0].dim() != 2:
+        return ""
+    first = seen[0]
+    if first.shape == (batch, 0):
+        return (f"The first call of next_logits got tokens of shape {tuple(first.shape)}, one short: it gets the "
+                "start token of each sentence alone, (batch, 1) filled with bos_id.")
+    if len(seen) < 2 or type(seen[1]) is not Tensor or not logits:
+        return ""
+    second, step = seen[1], logits[0].argmax(dim=-1)
+    if second.shape == (2 * batch, first.shape[1]) and torch.equal(second, torch.cat([first, step[:, None]], dim=0)):
+        return (f"At its second call next_logits got tokens of shape {tuple(second.shape)}: your loop appended the "
+                "new tokens as new rows, along dim 0 (the batch axis). Append them as a new column, along the length "
+                "axis: torch.cat([tokens, next_token[:, None]], dim=1).")
+    flat = int(logits[0].flatten().argmax())
+    if second.shape == (batch, first.shape[1] + 1) and bool((second[:, -1] == flat).all()) \
+            and not torch.equal(second[:, -1], step):
+        return (f"The token your loop appended at step 1 is {flat} for every sentence: the argmax of the whole "
+                f"(batch, vocab) logits flattened into one row. Take the argmax over the vocab axis, "
+                "logits.argmax(dim=-1), one token per sentence.")
+    return ""
+
+
+def _error_hint(error: str) -> str:
+    """What some errors say for themselves about the loop."""
+    if "masked_fill() received an invalid combination of arguments - got (Tensor)," in error:
+        return ("masked_fill was called with the mask alone: it needs the value to fill in too, model.pad_id for the "
+                "finished sentences.")
+    found = re.search(r"Dimension out of range \(expected to be in range of \[-2, 1\], but got (-?\d+)\)", error)
+    if found:
+        return (f"An operation in your loop was asked for dim={found.group(1)} of a tensor with two axes: tokens are "
+                "(batch, length) and each step's logits (batch, vocab); a new token goes along dim=1 of tokens.")
+    return ""
+
+
+def _square_hint(fn: Callable[..., Any], s: dict[str, int], seed: int, dtype: torch.dtype) -> str:
+    """Rerun the loop where two sizes coincide: right when batch == src_len (a batch size taken from the source's
+    length), or the argmax over the batch axis when batch == vocab."""
+    src_len, vocab, max_new_tokens = s["src_len"], s["vocab"], 7
+    model = ToyModel(vocab, seed).to(dtype)
+
+    def right_for(batch: int) -> bool:
+        src = _sources([1 + i % 5 for i in range(batch)], src_len, seed)
+        expected, _ = _reference_greedy(model, src, max_new_tokens)
+        got = call(_recorded_greedy, fn, model, src, max_new_tokens, BOS, EOS, model.next_logits)["result"]
+        return got is not None and got.shape == expected.shape and torch.equal(got, expected)
+
+    # The same ids and next_logits on both: only whether batch == src_len differs.
+    if right_for(src_len) and not right_for(src_len - 2):
+        return (f"With as many sentences as source positions (batch = src_len = {src_len}) your loop gives the right "
+                f"tokens, and with batch={src_len - 2} it does not: a size that your loop uses for the batch (of the "
+                "start tokens, or of finished) is read from the source's length axis, src.shape[1]; the batch is "
+                "src.shape[0].")
+    src = _sources([1 + i % 5 for i in range(vocab)], src_len, seed)
+    run = call(_recorded_greedy, fn, model, src, max_new_tokens, BOS, EOS, model.next_logits)
+    seen, logits = run["tokens"], run["logits"]
+    if len(seen) >= 2 and type(seen[1]) is Tensor and seen[1].shape == (vocab, 2) and logits:
+        across = logits[0].argmax(dim=0)
+        if torch.equal(seen[1][:, -1], across) and not torch.equal(across, logits[0].argmax(dim=-1)):
+            return (f"With a batch of {vocab} sentences, as many as vocab ids, your loop runs, and the token it "
+                    "appends to sentence b at step 1 is the argmax of column b over the batch axis "
+                    "(logits.argmax(dim=0)): take the argmax over the vocab axis, dim=-1.")
+    return ""
+
+
+def _loop_hint(fn: Callable[..., Any], model: ToyModel, src: Tensor, max_new_tokens: int, bos_id: int, eos_id: int,
+               next_logits: Callable[[Tensor, Tensor, Tensor], Tensor], error: str, seed: int,
+               dtype: torch.dtype) -> str:
+    """A verified name for a loop that failed (raised ``error``, or gave other tokens), or ""."""
+    run = call(_recorded_greedy, fn, model, src, max_new_tokens, bos_id, eos_id, next_logits)
+    hint = _trace_hint(run, src.shape[0]) or _error_hint(error or run["error"])
+    if not hint and src.shape[0] > 1:
+        sizes = {"batch": src.shape[0], "src_len": src.shape[1], "vocab": model.vocab}
+        hint = _square_hint(fn, sizes, seed, dtype)
+    return hint
 
 
 @check
@@ -845,10 +1074,14 @@ def check_greedy(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = tor
         next_logits = _Shifted(model, seed) if ids else model.next_logits
         order = torch.randperm(len(stops), generator=g).tolist()
         src = _sources([stops[i] for i in order], src_len, seed, pad_id)
-        result = call(fn, model, src, max_new_tokens, bos_id, eos_id, next_logits)
-        expected_tokens, expected_logits = _reference_greedy(model, src, max_new_tokens, bos_id, next_logits)
         sizes = {"batch": src.shape[0], "src_len": src_len, "max_new_tokens": max_new_tokens, "vocab": vocab}
         where = f"With {what} ({', '.join(f'{k}={v}' for k, v in sizes.items())})"
+        try:
+            result = call(fn, model, src, max_new_tokens, bos_id, eos_id, next_logits)
+        except CheckFailure as failure:
+            hint = _loop_hint(fn, model, src, max_new_tokens, bos_id, eos_id, next_logits, str(failure), seed, dtype)
+            raise CheckFailure(f"{failure}\n{where}. {hint}" if hint else str(failure)) from None
+        expected_tokens, expected_logits = _reference_greedy(model, src, max_new_tokens, bos_id, next_logits)
         if type(result) is not tuple or len(result) != 2:
             raise CheckFailure(f"greedy should return a tuple (tokens, logits), got {kind(result)}.")
         tokens, logits = result
@@ -862,10 +1095,17 @@ def check_greedy(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = tor
         if not torch.equal(tokens, expected_tokens):
             variants = _greedy_variants(model, src, max_new_tokens, expected_tokens, bos_id, next_logits)
             hint = next((h for h, v in variants.items() if tokens.shape == v.shape and torch.equal(tokens, v)),
+                        None) or _loop_hint(fn, model, src, max_new_tokens, bos_id, eos_id, next_logits, "", seed,
+                                            dtype) or (
                         "Each step: logits = next_logits(tokens, memory, src_mask), the argmax is the next token "
                         "(pad_id where the sentence is finished), appended to tokens.")
             raise CheckFailure(f"{where}, your tokens\n{tokens.tolist()}\ndiffer from the expected\n"
                                f"{expected_tokens.tolist()}.\n{hint}")
+        if type(logits) is Tensor and logits.shape == expected_logits.transpose(0, 1).shape \
+                and logits.shape != expected_logits.shape and close(logits.transpose(0, 1), expected_logits, dtype):
+            raise CheckFailure(f"{where}, your tokens are right and your logits have shape {tuple(logits.shape)}, "
+                               "(steps, batch, vocab): the steps are stacked along dim 0. Stack them along dim=1, "
+                               "torch.stack(steps, dim=1), for (batch, steps, vocab).")
         logits = expect_tensor(logits, "logits", tuple(expected_logits.shape), "batch steps vocab", dtype)
         if not close(logits, expected_logits, dtype):
             raise CheckFailure(f"{where}, your tokens are right but your logits differ "
@@ -938,6 +1178,36 @@ def _between(changes: Float[Tensor, "batch tgt_len"]) -> float:
     return math.sqrt(moved[i - 1].item() * moved[i].item())
 
 
+PROBE_TOLS = (1e-3, 1e-2, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+def _measure_variants(model: nn.Module, src: Tensor, tgt: Tensor, position: int, token: int,
+                      tol: float | None) -> dict[str, Tensor]:
+    """The answers that the usual mistakes give, by the hint that names each."""
+    tol = 1e-6 if tol is None else tol
+    changed = tgt.clone()
+    changed[:, position] = token
+    after, before = model(src, changed), model(src, tgt)
+    change = after - before
+    return {
+        "Your answer is True where a logit of the changed run itself exceeds tol in size, whether it changed or not: "
+        "subtract the original run, model(src, tgt), before taking .abs().": after.abs().amax(dim=-1) > tol,
+        "Your answer is True where a logit of the changed run itself exceeds tol, whether it changed or not: "
+        "subtract the original run, model(src, tgt), and take .abs() of the difference.": after.amax(dim=-1) > tol,
+        "Your answer takes the largest signed change: a logit that went down by more than tol does not count in it. "
+        "Take .abs() of the difference before the max over vocab.": change.amax(dim=-1) > tol,
+        "Your answer takes the largest signed change of model(src, tgt) - model(src, changed): a logit that went up "
+        "by more than tol does not count in it. Take .abs() of the difference before the max over vocab.":
+            (-change).amax(dim=-1) > tol,
+        "Your answer takes the smallest change over vocab (min): an entry is True when any logit moves by more than "
+        "tol, which is the largest change, the max over vocab.": change.abs().amin(dim=-1) > tol,
+        "Your answer takes the mean change over vocab: an entry is True when any logit moves by more than tol, which "
+        "is the largest change, the max over vocab.": change.abs().mean(dim=-1) > tol,
+        "Your answer takes the summed change over vocab: an entry is True when any logit moves by more than tol, "
+        "which is the largest change, the max over vocab.": change.abs().sum(dim=-1) > tol,
+    }
+
+
 @check
 def check_logits_that_change(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """Measured, not assumed: on a causal model positions >= position change; on a model without the mask, all do."""
@@ -974,15 +1244,26 @@ def check_logits_that_change(fn: Callable[..., Any], seed: int = 0, dtype: torch
         what = "a causal model" if causal else "a model whose decoder has no causal mask"
         if tol is not None:
             what += f" with tol={tol:.3g}"
+        mistaken = [h for h, v in _measure_variants(model, src, tgt, position, token, tol).items()
+                    if torch.equal(got, v) and not torch.equal(v, expected)]
+        for probe in PROBE_TOLS if len(mistaken) > 1 else ():
+            # Several mistakes give this answer: ask again with other tols, where they differ.
+            again = call(_measure, fn, model, src, tgt.clone(), position, token, probe)
+            answer = again[0] if type(again) is tuple and len(again) == 2 else again
+            variants = _measure_variants(model, src, tgt, position, token, probe)
+            mistaken = [h for h in mistaken if type(answer) is Tensor and answer.shape == variants[h].shape
+                        and torch.equal(answer, variants[h])]
         if tol is not None and torch.equal(got, measured > 1e-6):
             hint = ("Your answer ignores tol: an entry is True only where the largest change of a logit exceeds the "
                     "tol passed in (its default is 1e-6).")
         elif torch.equal(got, steps >= position) or torch.equal(got, steps > position):
             hint = ("Your answer is the causal pattern, not a measurement: on a model without the causal mask every "
                     "position reads the changed token. Run the model twice and compare the logits.")
+        elif len(mistaken) == 1:
+            hint = mistaken[0]
         elif torch.equal(got, torch.ones_like(got)):
-            hint = ("Every position changed in your measurement: did you compare the changed run with the original, "
-                    "and compare per position (reduce over vocab only)?")
+            hint = ("Every entry is True, also where the change cannot reach on a causal model: an entry compares the "
+                    "changed run with the original, at one position, reduced over vocab only.")
         else:
             hint = ("Entry [b, i] is True when any logit of sentence b at position i differs by more than tol "
                     "between model(src, tgt) and model(src, changed).")

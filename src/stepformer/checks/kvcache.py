@@ -107,6 +107,57 @@ def _axis_in_error(message: str) -> str:
     return APPEND_AXIS
 
 
+def _is_empty(cache: Any) -> bool:
+    """Whether the cache holds None for its keys and values (what an empty cache should hold)."""
+    try:
+        stored = call(_contents, cache)
+    except CheckFailure:  # no keys or values attribute at all
+        return False
+    return all(t is None for t in stored)
+
+
+def _sentence(message: str, hint: str) -> str:
+    """``hint`` as a sentence of its own after ``message`` (an error's text often ends without a full stop)."""
+    if not hint:
+        return message
+    return f"{message}{'' if message.rstrip().endswith(('.', '!', '?')) else '.'} {hint.strip()}"
+
+
+def _empty_cache_hint(message: str, cache: Any, what: str) -> str:
+    """Name a failure on an empty cache that comes from using its None keys or values as tensors, when the error
+    says so (an attribute of None, or None handed to torch.cat) and the cache does hold None."""
+    attribute = re.search(r"'NoneType' object has no attribute '(\w+)'", message)
+    concatenated = re.search(r"expected Tensor as element \d+ in argument \d+, but got NoneType", message)
+    if not attribute and not concatenated:
+        return ""
+    try:
+        stored = call(_contents, cache)
+    except CheckFailure:  # no keys or values attribute: nothing to say about them
+        return ""
+    if type(stored[0]) is Tensor and stored[1] is None:
+        return (f" After the failed {what} self.keys holds a tensor and self.values is still None: the values were "
+                "used as a tensor while the cache was empty (store the new values as they are while self.values is "
+                "None, else concatenate).")
+    if not all(t is None for t in stored):
+        return ""
+    if attribute:
+        return (f" The cache is empty, so self.keys and self.values are None (as they should be), and your {what} "
+                f"reads .{attribute.group(1)} of one of them: when self.keys is None there is nothing to measure or "
+                "compare (an empty cache has length 0 and nbytes 0, and its first append stores the keys and values "
+                "as they are).")
+    return (f" The cache is empty, so self.keys and self.values are None (as they should be), and your {what} "
+            "handed None to torch.cat: while self.keys is None, store the new keys and values as they are; "
+            "concatenate only once the cache holds tensors.")
+
+
+def _empty_length_hint(got: Any, cache: Any, what: str = "__len__") -> str:
+    """A count of 1 for an empty cache whose keys and values are None, as they should be."""
+    if got != 1 or type(got) is not int or not _is_empty(cache):
+        return ""
+    return (f" Your {what} gives 1, one too many, for a cache whose keys and values are None (as they should be): "
+            "a cache with no keys holds 0 positions and 0 bytes.")
+
+
 # -- exercise 1: the cache -----------------------------------------------------------------
 
 @check
@@ -116,8 +167,13 @@ def check_kv_cache_append(cls: Callable[..., Any], seed: int = 0, dtype: torch.d
     b, kv, d_head = s["batch"], s["kv_heads"], s["d_head"]
     g = torch.Generator().manual_seed(seed + 1)
     cache = call(cls)
-    if call(_length, cache) != 0:
-        raise CheckFailure("A new KVCache() should hold no position: len(cache) should be 0 (keys and values None).")
+    try:
+        length = call(_length, cache)
+    except CheckFailure as failure:
+        raise CheckFailure(_sentence(str(failure), _empty_cache_hint(str(failure), cache, "__len__"))) from None
+    if length != 0:
+        raise CheckFailure(f"A new KVCache() should hold no position: len(cache) should be 0 (keys and values None), "
+                           f"got {length!r}.{_empty_length_hint(length, cache)}")
     all_keys = torch.randn(b, kv, s["prefill"] + s["steps"] + 2, d_head, generator=g, dtype=dtype)
     all_values = torch.randn(b, kv, s["prefill"] + s["steps"] + 2, d_head, generator=g, dtype=dtype)
     # The prefill's positions at once, then one per step, then two at once.
@@ -130,7 +186,14 @@ def check_kv_cache_append(cls: Callable[..., Any], seed: int = 0, dtype: torch.d
             returned = call(_append, cache, keys, values)
         except CheckFailure as failure:
             if total == 0:
-                raise
+                raise CheckFailure(_sentence(str(failure), _empty_cache_hint(str(failure), cache, "append"))) from None
+            if "raised ValueError" in str(failure):
+                # These keys continue the cache by construction: the check that refused them is too eager.
+                raise CheckFailure(
+                    f"Appending {new} position(s) to a cache of {total} failed. {failure} These keys continue the "
+                    f"cache: batch, kv_heads and d_head are those of the cached keys, only the sequence axis is "
+                    "new. Your append refused them: raise the ValueError only when keys.shape[:2] or keys.shape[-1] "
+                    "is not that of self.keys.") from None
             raise CheckFailure(f"Appending {new} position(s) to a cache of {total} failed. {failure} "
                                f"{_axis_in_error(str(failure))}") from None
         if type(returned) is not tuple or len(returned) != 2:
@@ -204,8 +267,14 @@ def check_kv_cache_fixed(cls: Callable[..., Any], seed: int = 0) -> None:
         got = "no error" if error is None else f"a {error}"
         raise CheckFailure(f"store on a growing (self-attention) cache should raise a ValueError; it raised {got}.")
     # nbytes: 0 when empty; keys and values both counted, whatever the dtype.
-    if call(_nbytes, call(cls)) != 0:
-        raise CheckFailure("An empty cache holds no tensor: its nbytes should be 0.")
+    empty = call(cls)
+    try:
+        nbytes = call(_nbytes, empty)
+    except CheckFailure as failure:
+        raise CheckFailure(_sentence(str(failure), _empty_cache_hint(str(failure), empty, "nbytes"))) from None
+    if nbytes != 0:
+        raise CheckFailure(f"An empty cache holds no tensor: its nbytes should be 0, got {nbytes!r}."
+                           f"{_empty_length_hint(nbytes, empty, 'nbytes')}")
     for dtype in (torch.float32, torch.float64):
         growing = call(cls)
         k = torch.randn(b, kv, s["prefill"], d_head, generator=g, dtype=dtype)
@@ -344,6 +413,33 @@ STEP_HINTS = {
 }
 
 
+def _step_error_hint(message: str) -> str:
+    """What an error raised inside the step says for itself: tril refuses a tensor of fewer than two axes."""
+    if "tril: input tensor must have at least 2 dimensions" in message:
+        return ("The tensor your step passed to tril has fewer than two axes: the causal mask is (new, total), "
+                "torch.ones(new, total, dtype=torch.bool).tril(diagonal=total - new), both sizes passed.")
+    return ""
+
+
+def _heads_for_positions(fn: Callable[..., Any], cache_cls: Callable[..., Any], s: dict[str, int],
+                         dtype: torch.dtype, seed: int) -> str:
+    """A prefill that fails on these sizes but is right when it has as many positions as heads: a size taken
+    from the heads axis where the sequence's is meant (the two coincide there)."""
+    square = {**s, "prefill": s["kv_heads"]}
+    _, module, x, expected = _attention_setup(square, dtype, seed + 7)
+    heads = square["kv_heads"]
+    try:
+        got = call(fn, module, x[:, :heads], call(cache_cls))
+    except CheckFailure:
+        return ""
+    if type(got) is not Tensor or not close(got, expected[:, :heads], dtype):
+        return ""
+    return (f"With a prefill of {heads} positions, as many as heads, your step gives the right output, and with "
+            f"{s['prefill']} it does not: a size that your step uses for the positions (new or total, for the mask "
+            f"say) is read from the heads axis, dim=-3 of q or k (batch, heads, seq, d_head), not from the sequence "
+            "axis, dim=-2.")
+
+
 @check
 def check_cached_attention(functions: tuple[Callable[..., Any], Callable[..., Any]], seed: int = 0,
                            dtype: torch.dtype = torch.float32) -> None:
@@ -365,13 +461,23 @@ def check_cached_attention(functions: tuple[Callable[..., Any], Callable[..., An
         try:
             got = call(fn, module, x[:, :length], cache)
         except CheckFailure as failure:
-            raise CheckFailure(f"{failure} (during {what}; if the error comes from cache.append, your KVCache of "
-                               "exercise 1 needs fixing first)") from None
+            hint = _step_error_hint(str(failure))
+            if not hint and cached == 0:
+                hint = _heads_for_positions(fn, cache_cls, s, dtype, seed)
+            raise CheckFailure(_sentence(f"{failure} (during {what}; if the error comes from cache.append, your "
+                                         "KVCache of exercise 1 needs fixing first)", hint)) from None
+        if type(got) is Tensor and got.dim() == 3 and got.shape[::2] == (b, d_model) and got.shape[1] != new:
+            held = call(_length, cache)
+            raise CheckFailure(
+                f"For {what} your step returned {got.shape[1]} positions, and len(cache) is {held} after it "
+                f"(it was {cached}). The new positions are the {new} of x after the {cached} cached ones: "
+                "x[:, len(cache):], taken before appending; return one output row for each of them.")
         got = expect_tensor(got, f"the output for {what}", (b, new, d_model), "batch new d_model", dtype)
         want = expected[:, cached:length]
         if not close(got, want, dtype):
             variants = _step_variants(module, x[:, :length], cached)
             hint = next((STEP_HINTS[name] for name, value in variants.items() if close(got, value, dtype)),
+                        (cached == 0 and _heads_for_positions(fn, cache_cls, s, dtype, seed)) or
                         "Project x[:, len(cache):] with w_q, w_k and w_v, split the heads, append k and v to the "
                         "cache, attend with the keys and values it returns under a (new, total) causal mask "
                         "aligned to the last key, merge the heads and apply w_o.")
@@ -476,6 +582,29 @@ FORMULA_MISTAKES = [  # (hint, what the mistaken formula gives, from the right o
 ]
 
 
+def _divided_by(results: list[tuple[Any, ...]]) -> list[str]:
+    """The sizes that the formula divides by instead of multiplying: for each such size, ``a / size`` gives
+    ``measured / size**2`` in every case."""
+    if not all(type(got) in (int, float) for _, _, _, got, _ in results):
+        return []
+    return [name for name in ("layers", "kv_heads", "d_head", "length", "batch", "bytes_per_element")
+            if all(math.isclose(got, measured / case[name] ** 2, rel_tol=1e-9)
+                   for case, _, _, got, measured in results)]
+
+
+def _not_int_hint(results: list[tuple[Any, ...]]) -> str:
+    """Why a formula gave a float: a size it divides by (when one alone explains every case), or only the type."""
+    divided = _divided_by(results)
+    if len(divided) == 1:
+        case, _, _, got, measured = results[0]
+        return (f" ({got:g} for {case}, where the caches hold {measured:,} bytes, which is {divided[0]}² = "
+                f"{case[divided[0]] ** 2} times more). Your formula divides by {divided[0]} where it should multiply: "
+                "every size is a factor, 2 * layers * kv_heads * d_head * length * batch * bytes_per_element.")
+    if all(type(got) is float and got == measured for _, _, _, got, measured in results):
+        return ": its values equal the bytes measured; return an int (multiply ints, or int(...) at the end)."
+    return "."
+
+
 @check
 def check_cache_formula(fn: Callable[..., Any], seed: int = 0) -> None:
     """The formula's bytes equal those of the self-attention caches of a decoder after decoding."""
@@ -495,10 +624,12 @@ def check_cache_formula(fn: Callable[..., Any], seed: int = 0) -> None:
         case = dict(layers=n_layers, kv_heads=kv_heads, d_head=d_head_, length=length, batch=batch,
                     bytes_per_element=element)
         got = call(fn, n_layers, kv_heads, d_head_, length, batch, element)
-        if type(got) is not int:
-            raise CheckFailure(f"cache_bytes should return a Python int (a number of bytes), got {kind(got)}.")
         measured = _measured_cache_bytes(n_layers, heads, kv_heads, d_head_, length, batch, dtype, seed + i)
         results.append((case, heads, dtype, got, measured))
+    not_int = next((r for r in results if type(r[3]) is not int), None)
+    if not_int is not None:
+        raise CheckFailure(f"cache_bytes should return a Python int (a number of bytes), got {kind(not_int[3])}"
+                           f"{_not_int_hint(results)}")
     wrong = [r for r in results if r[3] != r[4]]
     if not wrong:
         passed("the formula 2 · layers · kv_heads · d_head · length · batch · bytes per element equals the measured "
@@ -550,6 +681,16 @@ def check_gather_blocks(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtyp
             raise CheckFailure(
                 f"For {what} you returned {got.shape[1]} positions, every slot of the table's blocks; the sequence "
                 f"has {length}. The last block is only partly filled: keep the first `length` positions."
+            )
+        if type(got) is Tensor and got.dim() == 3 and got.shape[::2] == (kv, d_head) and got.shape[1] != length \
+                and torch.equal(got[:, :min(length, got.shape[1])], expected[:, :got.shape[1]]):
+            extra = got.shape[1] - length
+            count = f"{abs(extra)} too many" if extra > 0 else f"{-extra} too few"
+            if abs(extra) == 1:
+                count = "one more than the sequence's length" if extra > 0 else "one fewer than the sequence's length"
+            raise CheckFailure(
+                f"For {what} you returned {got.shape[1]} positions, {count}; the ones you returned are the "
+                "sequence's first positions, in order. Keep exactly the first `length` positions: [:, :length]."
             )
         got = expect_tensor(got, f"the gathered keys for {what}", (kv, length, d_head), "kv_heads length d_head",
                             dtype)
