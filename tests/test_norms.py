@@ -725,8 +725,8 @@ GRADIENT_SLIPS = {
     "ends_at_length": ({"hi": lambda s, n: n}, r"ends at len\(ps\) instead"),
     "ends_before_start": ({"hi": lambda s, n: s - n}, r"ends at start - len\(ps\)"),
     "start_goes_down": ({"step": -1}, "running start index goes down"),
-    "mean_per_parameter": ({"mean_each": True}, "averaged each parameter's squared gradients"),
-    "mean_over_parameters": ({"mean_blocks": True}, "averaged the block's per-parameter sums"),
+    "mean_per_parameter": ({"mean_each": True}, "the mean of each parameter's squared gradients"),
+    "mean_over_parameters": ({"mean_blocks": True}, "the mean of the block's per-parameter sums"),
     "keeps_none": ({"keep": lambda g: g is None}, "Every norm is 0"),
     "cubes": ({"power": 3}, "Some norms are NaN"),
 }
@@ -748,3 +748,33 @@ def test_measurement_says_only_what_it_saw_when_all_norms_are_zero():
         with pytest.raises(CheckFailure, match="Every norm is 0") as failure:
             check_gradient_measurement(lambda *args, k=switches: sliced_norms(*args, **k))
         assert "You " not in str(failure.value).split("Every norm is 0")[1]
+
+
+def test_an_eps_slip_is_named_only_where_inputs_of_tiny_variance_confirm_it():
+    # A subtracted eps is within rounding of "no eps" on random inputs, not on inputs of tiny variance (NaN there).
+    minus = written(lambda m, x: _layer_norm(m, x, scale=lambda c, v: c / torch.sqrt(v - m.eps)))
+    with pytest.raises(CheckFailure, match=r"eps is left out or misplaced, but on inputs of tiny variance .* it is "
+                                           r"not: look at how eps enters") as failure:
+        check_layer_norm_values(minus)
+    assert "You left out epsilon" not in str(failure.value)
+    # A left-out eps is confirmed there: named, wherever it shows first.
+    for seed in (0, 1, 2, 3):
+        with pytest.raises(CheckFailure, match="You left out epsilon"):
+            check_layer_norm_values(layer_norm(eps=0.0), seed=seed)
+
+
+def _cubed(m, x):
+    centred = x - x.mean(-1, keepdim=True)
+    return centred / torch.sqrt((centred**3).mean(-1, keepdim=True) + m.eps) * m.weight + m.bias
+
+
+def test_cubed_deviations_are_named_by_where_they_give_nan():
+    with pytest.raises(CheckFailure, match="Your variance is the mean of the cubed deviations"):
+        check_layer_norm_values(written(_cubed))
+    with pytest.raises(CheckFailure, match="Your mean square is the mean of x cubed"):
+        check_rms_norm_values(written(lambda m, x: x / torch.sqrt((x**3).mean(-1, keepdim=True) + m.eps) * m.weight,
+                                      rms=True))
+    # A NaN everywhere (a square root of minus the variance) is no cube's pattern: the check names no cube.
+    with pytest.raises(CheckFailure, match="contains NaN or inf") as failure:
+        check_layer_norm_values(written(lambda m, x: _layer_norm(m, x, scale=lambda c, v: c / torch.sqrt(-v))))
+    assert "cubed" not in str(failure.value)

@@ -221,6 +221,9 @@ def _layer_norm_variants(x: Tensor, weight: Tensor, bias: Tensor, eps: float = L
             centred * torch.sqrt(var + eps) * weight + bias,
         "You divided by the variance, not by its square root: divide by sqrt(variance + eps).":
             centred / (var + eps) * weight + bias,
+        "Your variance is the mean of the cubed deviations, negative at some positions (NaN there): square them, "
+        "reduce((x - mean)**2, '... d_model -> ... 1', 'mean').":
+            centred / torch.sqrt((centred**3).mean(-1, keepdim=True) + eps) * weight + bias,
     }
 
 
@@ -257,13 +260,22 @@ def _rms_norm_variants(x: Tensor, weight: Tensor, eps: float = RMS_NORM_EPS) -> 
         "You did not divide by the root mean square: divide x by sqrt(mean(x²) + eps).": x * weight,
         "You multiplied by sqrt(mean(x²) + eps) instead of dividing by it.":
             x * torch.sqrt(mean_square + eps) * weight,
+        "Your mean square is the mean of x cubed, negative at some positions (NaN there): square x, "
+        "reduce(x**2, '... d_model -> ... 1', 'mean').":
+            x / torch.sqrt((x**3).mean(-1, keepdim=True) + eps) * weight,
     }
     return variants
 
 
+def _same_nans(actual: Tensor, expected: Tensor, tolerance: float) -> bool:
+    """Equal to tolerance, NaN where ``expected`` is NaN; never for an ``expected`` that holds no number at all."""
+    return actual.shape == expected.shape and bool(expected.isfinite().any()) and bool(
+        torch.allclose(actual.to(expected.dtype), expected, rtol=tolerance, atol=tolerance, equal_nan=True))
+
+
 def _diagnose(got: Tensor, variants: dict[str, Tensor], tolerance: float, fallback: str) -> str:
     for hint, expected in variants.items():
-        if _near(got, expected, max(tolerance, 1e-6)):
+        if _same_nans(got, expected, max(tolerance, 1e-6)):
             return hint
     if torch.isnan(got).any() or torch.isinf(got).any():
         return "Your output contains NaN or inf: is eps added inside the square root?"
@@ -410,6 +422,18 @@ def _norm_output(module: Any, x: Tensor, name: str, label: str,
     return expect_tensor(got, f"{name}'s output on {label}", tuple(x.shape), " ".join(_axes(x)), x.dtype)
 
 
+def _confirm_eps(module: Any, seed: int, dtype: torch.dtype, hint: str,
+                 variants: Callable[[Tensor], dict[str, Tensor]], name: str, statistic: str) -> str:
+    """An eps slip named on inputs where eps hardly matters, confirmed on inputs of tiny variance, where it does:
+    the same variant must match there too (a subtracted eps, say, is near "no eps" only where eps is negligible)."""
+    label, scale, offset = CASES[1]
+    tiny = _input(seed, dtype, scale, offset)
+    if _diagnose(_norm_output(module, tiny, name, label), variants(tiny), _tolerance(dtype), "") == hint:
+        return hint
+    return (f"Here your output is within rounding of a {name} whose eps is left out or misplaced, but on {label} it "
+            f"is not: look at how eps enters the square root, sqrt({statistic} + eps).")
+
+
 def _compare_norm(name: str, label: str, got: Tensor, expected: Tensor, variants: dict[str, Tensor],
                   tolerance: float, fallback: str, x: Tensor) -> None:
     if _near(got, expected, tolerance):
@@ -436,6 +460,9 @@ def check_layer_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.
         tolerance = _tolerance(dtype, offset)
         if not _near(got, expected, tolerance):
             hint = _diagnose(got, _layer_norm_variants(x, weight, bias), tolerance, fallback)
+            if "psilon" in hint and label != CASES[1][0]:
+                hint = _confirm_eps(module, seed, dtype, hint, lambda t: _layer_norm_variants(t, weight, bias),
+                                    "LayerNorm", "variance")
             if offset and hint == fallback:
                 hint = ("Only inputs with a large mean go wrong: compute the variance from the centred values, "
                         "mean((x - mean)²), not as mean(x²) - mean²: the subtraction of two large numbers "
@@ -818,10 +845,10 @@ def check_gradient_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
                 "each parameter's norm.": torch.stack([sum(g.norm() for g in gs) for gs in per_block]),
                 "Use every parameter of the block (both Linear layers, weights and biases, and the norm).":
                     torch.stack([gs[0].norm() for gs in per_block]),
-                "You averaged each parameter's squared gradients instead of summing them: sqrt(Σ g²) sums over "
-                "every entry.": torch.stack([sum((g**2).mean() for g in gs).sqrt() for gs in per_block]),
-                "You averaged the block's per-parameter sums of squares instead of adding them: sqrt(Σ g²) sums "
-                "over every parameter.": torch.stack([torch.stack([(g**2).sum() for g in gs]).mean().sqrt()
+                "You took the mean of each parameter's squared gradients instead of their sum: sqrt(Σ g²) adds "
+                "up every entry.": torch.stack([sum((g**2).mean() for g in gs).sqrt() for gs in per_block]),
+                "You took the mean of the block's per-parameter sums of squares instead of their sum: sqrt(Σ g²) "
+                "adds up every parameter's.": torch.stack([torch.stack([(g**2).sum() for g in gs]).mean().sqrt()
                                                       for gs in per_block]),
             }
             # A hint is given only when the output equals that one variant; every block's gradient is nonzero, so
