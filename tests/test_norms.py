@@ -627,6 +627,10 @@ def test_layer_norm_values_do_not_give_a_slip_its_neighbours_name(slip, other):
 
 
 def test_a_crash_without_a_confirmed_cause_says_only_what_was_raised():
+    # A wrong shape returned that depends on x and is no parameter: nothing is added to what jaxtyping said.
+    with pytest.raises(CheckFailure, match=r"raised TypeCheckError.*return value") as failure:
+        check_layer_norm_values(written(lambda m, x: x.mean(-1)))
+    assert "Your forward returns" not in str(failure.value)
     # An index error on every input: no cube input runs it, so no cause is added to what it raised.
     with pytest.raises(CheckFailure) as failure:
         check_layer_norm_values(written(lambda m, x: x[:, :, :, 0]))

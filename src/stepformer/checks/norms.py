@@ -365,10 +365,12 @@ def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CheckFailure,
     """
     text = str(failure)
     if "raised TypeCheckError" in text and "checking the return value" in text:
-        returned = call(_unchecked, module, x)
         another = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=x.dtype)
-        other = call(_unchecked, module, another)
-        params = call(_parameters, module)
+        try:
+            returned, other = call(_unchecked, module, x), call(_unchecked, module, another)
+            params = call(_parameters, module)
+        except CheckFailure:
+            return None  # what the first call raised is then all that is known
         if type(returned) is not Tensor or type(other) is not Tensor or type(params) is not dict:
             return None
         same = [p for p, value in params.items() if type(value) is Tensor and value.shape == returned.shape
