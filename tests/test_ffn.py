@@ -1,5 +1,7 @@
 """stepformer.ffn against torch.nn.TransformerEncoderLayer and independent formulas; its checks catch mistakes."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -255,7 +257,8 @@ class Glu(nn.Module):
         if self.mistake in ("swapped", "swapped_sigmoid"):
             gate, up = up, gate
         fn = torch.sigmoid if self.mistake in ("sigmoid", "swapped_sigmoid") else F.silu
-        return self.w_down(fn(gate) * up)
+        combine = {"no_gate": lambda g, u: u, "no_up": lambda g, u: g, "divided": torch.div, "added": torch.add}
+        return self.w_down(combine.get(self.mistake, torch.mul)(fn(gate), up))
 
 
 def glu(mistake):
@@ -314,7 +317,7 @@ def test_checks_fail_on_the_stub(check):
          r"\(same weights; largest difference .* on sizes batch=2, seq=3, d_model=5, d_ff=7\): you applied the "
          r"activation after linear2"),
         (check_feedforward_dropout, feed("dropout_always"), r"eval mode the output changed \(largest difference"),
-        (check_swiglu_values, glu("sigmoid"), r"\(largest difference .* on sizes batch=2, seq=3, d_model=5, d_ff=7\): "
+        (check_swiglu_values, glu("sigmoid"), r"\(largest difference .* on sizes batch=2, seq=3, d_model=5, d_ff=7\); "
                                               "you used sigmoid"),
         (check_swiglu_values, glu("swapped"), "w_gate and w_up are swapped"),
         (check_swiglu_values, glu("sigmoid"), "sigmoid as the gate"),
@@ -378,3 +381,52 @@ def test_sizes_are_pairwise_distinct_for_every_seed():
     for seed in range(50):
         sizes = _sizes(seed)
         assert len(set(sizes.values())) == len(sizes) and sizes["d_ff"] > sizes["d_model"]
+
+
+# -- issue 27: verified diagnoses ------------------------------------------------------------------
+
+SWIGLU_SLIPS = {"no_gate": "the gate is missing", "no_up": r"w_up\(x\) is missing", "divided": "you divided the gate",
+                "added": "you added w_up"}
+
+
+@pytest.mark.parametrize("slip", SWIGLU_SLIPS)
+def test_swiglu_values_name_each_combination_slip_and_no_other(slip):
+    for seed, dtype in ((0, torch.float32), (505, torch.float64)):
+        with pytest.raises(CheckFailure, match=SWIGLU_SLIPS[slip]) as failure:
+            check_swiglu_values(glu(slip), seed=seed, dtype=dtype)
+        # The neighbouring slips' names are not given to this one.
+        assert not [m for other, m in SWIGLU_SLIPS.items() if other != slip and re.search(m, str(failure.value))]
+
+
+def test_swiglu_values_name_nothing_they_did_not_confirm():
+    class Shifted(Glu):
+        def forward(self, x):
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x) + 1)
+
+    with pytest.raises(CheckFailure, match="matches none of the common mistakes") as failure:
+        check_swiglu_values(Shifted)
+    assert not [m for m in SWIGLU_SLIPS.values() if re.search(m, str(failure.value))]
+
+
+def _count(d_model, d_ff):
+    return 2 * d_model * d_ff + d_ff + d_model
+
+
+def test_matching_check_names_the_missing_or_wrong_division():
+    named = {
+        lambda d_model, d_ff: _count(d_model, d_ff): "FeedForward's parameter count itself .*, without the division",
+        lambda d_model, d_ff: _count(d_model, d_ff) * 3 * d_model: r"multiplied by what one SwiGLU hidden unit costs",
+        lambda d_model, d_ff: _count(d_model, d_ff) / (3 * d_model * 0): r"raised ZeroDivisionError: division by "
+                                                                          r"zero\. What your function divides by is 0",
+    }
+    for wrong, message in named.items():
+        with pytest.raises(CheckFailure, match=message):
+            check_matching_swiglu_hidden(wrong)
+    # Near misses of those: one parameter more, a division by what one FeedForward unit costs, another exception.
+    unnamed = [lambda d_model, d_ff: _count(d_model, d_ff) + 1,
+               lambda d_model, d_ff: round(_count(d_model, d_ff) / (2 * d_model + 1)),
+               lambda d_model, d_ff: [][0]]
+    for wrong in unnamed:
+        with pytest.raises(CheckFailure) as failure:
+            check_matching_swiglu_hidden(wrong)
+        assert not re.search("without the division|multiplied by|divides by is 0", str(failure.value))

@@ -1,13 +1,16 @@
 """stepformer.norms against torch.nn.LayerNorm / RMSNorm, and the chapter 05 checks on right and wrong code."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
+from beartype import beartype
 from einops import reduce
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from jaxtyping import TypeCheckError
-from torch import nn
+from jaxtyping import Float, TypeCheckError, jaxtyped
+from torch import Tensor, nn
 
 import stepformer.norms
 from stepformer.checks._core import CheckFailure
@@ -539,3 +542,243 @@ def test_own_work_is_enforced():
         check_rms_norm_gradients(WrapsPyTorch)
     with pytest.raises(CheckFailure, match="reference library"):
         check_gradient_measurement(lambda *args: stepformer.norms.parameter_gradient_norms(*args))
+
+
+# -- issue 27: verified diagnoses of the usual slips ------------------------------------------------
+
+class Written(nn.Module):
+    """A LayerNorm (or, with rms, an RMSNorm) whose forward is a given formula: one slip each. Its forward is
+    annotated and checked at run time like the notebook's."""
+
+    rms = False
+
+    def __init__(self, d_model, eps=None):
+        super().__init__()
+        self.eps = (1e-6 if self.rms else 1e-5) if eps is None else eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+        if not self.rms:
+            self.bias = nn.Parameter(torch.zeros(d_model))
+
+    @jaxtyped(typechecker=beartype)
+    def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
+        return self.formula(x)
+
+
+def written(formula, rms=False):
+    return type("Written", (Written,), {"rms": rms, "formula": lambda self, x: formula(self, x)})
+
+
+def _layer_norm(m, x, *, mean_of=None, var_of=None, centre=lambda x, mean: x - mean, scale=None, affine=None):
+    """A layer norm built from parts, each replaceable by a slip."""
+    mean = (mean_of or (lambda t: t.mean(-1, keepdim=True)))(x)
+    centred = centre(x, mean)
+    variance = (var_of or (lambda t: t.mean(-1, keepdim=True)))(centred**2)
+    normalised = (scale or (lambda c, v: c / torch.sqrt(v + m.eps)))(centred, variance)
+    return (affine or (lambda n: n * m.weight + m.bias))(normalised)
+
+
+def _front(t):
+    return reduce(t, "... d_model -> 1 ...", "mean")
+
+
+LAYER_NORM_SLIPS = {
+    "no_weight": (lambda m, x: _layer_norm(m, x, affine=lambda n: n + m.bias), "left out the learned weight: "),
+    "no_bias": (lambda m, x: _layer_norm(m, x, affine=lambda n: n * m.weight), "left out the learned bias"),
+    "minus_bias": (lambda m, x: _layer_norm(m, x, affine=lambda n: n * m.weight - m.bias), "subtracted the bias"),
+    "over_weight": (lambda m, x: _layer_norm(m, x, affine=lambda n: n / m.weight + m.bias), "divided by the weight"),
+    "sum_mean": (lambda m, x: _layer_norm(m, x, mean_of=lambda t: t.sum(-1, keepdim=True)), "Your mean is a sum"),
+    "sum_variance": (lambda m, x: _layer_norm(m, x, var_of=lambda t: t.sum(-1, keepdim=True)),
+                     "Your variance is a sum"),
+    "plus_mean": (lambda m, x: _layer_norm(m, x, centre=lambda x, mean: x + mean), "added the mean instead"),
+    "no_division": (lambda m, x: _layer_norm(m, x, scale=lambda c, v: c), "did not divide by the standard deviation"),
+    "times_std": (lambda m, x: _layer_norm(m, x, scale=lambda c, v: c * torch.sqrt(v + m.eps)),
+                  r"multiplied by sqrt\(variance \+ eps\)"),
+    "over_variance": (lambda m, x: _layer_norm(m, x, scale=lambda c, v: c / (v + m.eps)),
+                      "divided by the variance, not by its square root"),
+    "mean_in_front": (lambda m, x: _layer_norm(m, x, mean_of=_front),
+                      r"raised RuntimeError.*On an input of shape \((\d+), \1, \1\).*whose mean has its axis of size 1 "
+                      r"in front"),
+    "variance_in_front": (lambda m, x: _layer_norm(m, x, var_of=_front), "whose variance has its axis of size 1"),
+    "both_in_front": (lambda m, x: _layer_norm(m, x, mean_of=_front, var_of=_front),
+                      "whose mean and variance have their axis of size 1"),
+    "returns_bias": (lambda m, x: m.bias, r"raised TypeCheckError.*returns self\.bias itself, shape \(\d+,\)"),
+    "returns_constant": (lambda m, x: m.weight + m.bias, r"returns the same tensor of shape \(\d+,\) whatever x is"),
+}
+# Each slip next to a similar one: the name of the one must never be given to the other.
+NEIGHBOURS = [("no_weight", "no_bias"), ("minus_bias", "no_bias"), ("over_weight", "no_weight"),
+              ("sum_mean", "sum_variance"), ("plus_mean", "sum_mean"), ("no_division", "over_variance"),
+              ("times_std", "over_variance"), ("mean_in_front", "variance_in_front"),
+              ("variance_in_front", "both_in_front"), ("returns_bias", "returns_constant")]
+
+
+@pytest.mark.parametrize("slip", LAYER_NORM_SLIPS)
+def test_layer_norm_values_name_each_slip(slip):
+    formula, message = LAYER_NORM_SLIPS[slip]
+    with pytest.raises(CheckFailure, match=message):
+        check_layer_norm_values(written(formula))
+
+
+@pytest.mark.parametrize(("slip", "other"), [*NEIGHBOURS, *((b, a) for a, b in NEIGHBOURS)])
+def test_layer_norm_values_do_not_give_a_slip_its_neighbours_name(slip, other):
+    with pytest.raises(CheckFailure) as failure:
+        check_layer_norm_values(written(LAYER_NORM_SLIPS[slip][0]), seed=3, dtype=torch.float64)
+    assert re.search(LAYER_NORM_SLIPS[slip][1], str(failure.value), re.S)
+    assert not re.search(LAYER_NORM_SLIPS[other][1], str(failure.value), re.S)
+
+
+def test_a_crash_without_a_confirmed_cause_says_only_what_was_raised():
+    # A wrong shape returned that depends on x and is no parameter: nothing is added to what jaxtyping said.
+    with pytest.raises(CheckFailure, match=r"raised TypeCheckError.*return value") as failure:
+        check_layer_norm_values(written(lambda m, x: x.mean(-1)))
+    assert "Your forward returns" not in str(failure.value)
+    # An index error on every input: no cube input runs it, so no cause is added to what it raised.
+    with pytest.raises(CheckFailure) as failure:
+        check_layer_norm_values(written(lambda m, x: x[:, :, :, 0]))
+    assert "raised IndexError" in str(failure.value) and "in front" not in str(failure.value)
+
+
+def _rms(m, x, *, square_of=None, scale=None):
+    mean_square = (square_of or (lambda t: t.mean(-1, keepdim=True)))(x**2)
+    return (scale or (lambda x, ms: x / torch.sqrt(ms + m.eps)))(x, mean_square) * m.weight
+
+
+RMS_NORM_SLIPS = {
+    "sum_square": (lambda m, x: _rms(m, x, square_of=lambda t: t.sum(-1, keepdim=True)), "Your mean square is a sum"),
+    "no_division": (lambda m, x: _rms(m, x, scale=lambda x, ms: x), "did not divide by the root mean square"),
+    "times_rms": (lambda m, x: _rms(m, x, scale=lambda x, ms: x * torch.sqrt(ms + m.eps)),
+                  r"multiplied by sqrt\(mean\(x²\) \+ eps\)"),
+    "over_weight": (lambda m, x: _rms(m, x) / m.weight**2, "divided by the weight"),
+    "over_mean_square": (lambda m, x: _rms(m, x, scale=lambda x, ms: x / (ms + m.eps)), "mean square, not by its"),
+    "square_in_front": (lambda m, x: _rms(m, x, square_of=_front), "whose mean square has its axis of size 1 in front"),
+    "returns_weight": (lambda m, x: m.weight * 1, r"returns self\.weight itself"),
+}
+RMS_NEIGHBOURS = [("sum_square", "over_mean_square"), ("no_division", "times_rms"), ("over_weight", "sum_square")]
+
+
+@pytest.mark.parametrize("slip", RMS_NORM_SLIPS)
+def test_rms_norm_values_name_each_slip(slip):
+    formula, message = RMS_NORM_SLIPS[slip]
+    with pytest.raises(CheckFailure, match=message):
+        check_rms_norm_values(written(formula, rms=True))
+
+
+@pytest.mark.parametrize(("slip", "other"), [*RMS_NEIGHBOURS, *((b, a) for a, b in RMS_NEIGHBOURS)])
+def test_rms_norm_values_do_not_give_a_slip_its_neighbours_name(slip, other):
+    with pytest.raises(CheckFailure) as failure:
+        check_rms_norm_values(written(RMS_NORM_SLIPS[slip][0], rms=True), seed=404, dtype=torch.float64)
+    assert re.search(RMS_NORM_SLIPS[slip][1], str(failure.value), re.S)
+    assert not re.search(RMS_NORM_SLIPS[other][1], str(failure.value), re.S)
+
+
+class ResidualWritten(nn.Module):
+    def __init__(self, d_model, sublayer, norm_first=False, dropout=0.0):
+        super().__init__()
+        self.sublayer, self.norm, self.norm_first = sublayer, Norm(d_model), norm_first
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.formula(x)
+
+
+def residual_written(pre, post):
+    return type("ResidualWritten", (ResidualWritten,),
+                {"formula": lambda self, x: pre(self, x) if self.norm_first else post(self, x)})
+
+
+@pytest.mark.parametrize(("norm_first", "mistake", "message", "not_said"), [
+    (True, residual_written(lambda m, x: x, None), "Your pre-norm output is x itself", "left out the residual"),
+    (True, residual(skip=False), "left out the residual", "is x itself"),
+    (False, residual_written(None, lambda m, x: m.norm(x)), r"Your post-norm output is norm\(x\)",
+     "left out the residual"),
+    (False, residual(skip=False), "left out the residual", r"output is norm\(x\)"),
+    (True, residual_written(lambda m, x: x - m.sublayer(m.norm(x)), None), "subtracted the sublayer's output",
+     "left out"),
+    (False, residual_written(None, lambda m, x: m.norm(x - m.sublayer(x))), "subtracted the sublayer's output",
+     "left out"),
+    (False, residual(swap=True), "You computed pre-norm", "subtracted"),
+])
+def test_residual_names_the_missing_or_subtracted_branch(norm_first, mistake, message, not_said):
+    with pytest.raises(CheckFailure, match=message) as failure:
+        check_residual(mistake, norm_first=norm_first)
+    assert not re.search(not_said, str(failure.value))
+
+
+def sliced_norms(blocks, x, upstream, *, first=0, step=1, lo=lambda s, n: s, hi=lambda s, n: s + n,
+                 keep=lambda g: g is not None, power=2, mean_each=False, mean_blocks=False):
+    """The solution's slicing of the flat gradient list, with each of its parts replaceable by a slip."""
+    out = x
+    for block in blocks:
+        out = block(out)
+    params = [list(block.parameters()) for block in blocks]
+    grads = torch.autograd.grad(out, [p for ps in params for p in ps], upstream)
+    norms, start = [], first
+    for ps in params:
+        squares = [(g**power).mean() if mean_each else (g**power).sum()
+                   for g in grads[lo(start, len(ps)):hi(start, len(ps))] if keep(g)]
+        total = torch.stack(squares).mean() if mean_blocks else torch.stack(squares).sum() if squares else None
+        norms.append(total.sqrt() if total is not None else x.new_zeros(()))
+        start += step * len(ps)
+    return torch.stack(norms).detach()
+
+
+GRADIENT_SLIPS = {
+    "starts_at_one": ({"first": 1}, "shifted by one parameter"),
+    "skips_first": ({"lo": lambda s, n: s + 1}, "leaves out its first parameter"),
+    "skips_last": ({"hi": lambda s, n: s + n - 1}, "leaves out its last parameter"),
+    "one_too_many": ({"hi": lambda s, n: s + n + 1}, "one parameter of the next block too"),
+    "ends_at_length": ({"hi": lambda s, n: n}, r"ends at len\(ps\) instead"),
+    "ends_before_start": ({"hi": lambda s, n: s - n}, r"ends at start - len\(ps\)"),
+    "start_goes_down": ({"step": -1}, "running start index goes down"),
+    "mean_per_parameter": ({"mean_each": True}, "the mean of each parameter's squared gradients"),
+    "mean_over_parameters": ({"mean_blocks": True}, "the mean of the block's per-parameter sums"),
+    "keeps_none": ({"keep": lambda g: g is None}, "Every norm is 0"),
+    "cubes": ({"power": 3}, "Some norms are NaN"),
+}
+
+
+@pytest.mark.parametrize("slip", GRADIENT_SLIPS)
+def test_measurement_names_each_slicing_slip(slip):
+    switches, message = GRADIENT_SLIPS[slip]
+    with pytest.raises(CheckFailure, match=message) as failure:
+        check_gradient_measurement(lambda *args: sliced_norms(*args, **switches))
+    # One name at most: no other slip's words in the message.
+    others = [m for s, (_, m) in GRADIENT_SLIPS.items() if s != slip and re.search(m, str(failure.value))]
+    assert not others
+
+
+def test_measurement_says_only_what_it_saw_when_all_norms_are_zero():
+    # Empty slices, a filter that keeps nothing, an inverted test on the list: all give zeros, and none is named.
+    for switches in ({"hi": lambda s, n: s}, {"keep": lambda g: g is None}):
+        with pytest.raises(CheckFailure, match="Every norm is 0") as failure:
+            check_gradient_measurement(lambda *args, k=switches: sliced_norms(*args, **k))
+        assert "You " not in str(failure.value).split("Every norm is 0")[1]
+
+
+def test_an_eps_slip_is_named_only_where_inputs_of_tiny_variance_confirm_it():
+    # A subtracted eps is within rounding of "no eps" on random inputs, not on inputs of tiny variance (NaN there).
+    minus = written(lambda m, x: _layer_norm(m, x, scale=lambda c, v: c / torch.sqrt(v - m.eps)))
+    with pytest.raises(CheckFailure, match=r"eps is left out or misplaced, but on inputs of tiny variance .* it is "
+                                           r"not: look at how eps enters") as failure:
+        check_layer_norm_values(minus)
+    assert "You left out epsilon" not in str(failure.value)
+    # A left-out eps is confirmed there: named, wherever it shows first.
+    for seed in (0, 1, 2, 3):
+        with pytest.raises(CheckFailure, match="You left out epsilon"):
+            check_layer_norm_values(layer_norm(eps=0.0), seed=seed)
+
+
+def _cubed(m, x):
+    centred = x - x.mean(-1, keepdim=True)
+    return centred / torch.sqrt((centred**3).mean(-1, keepdim=True) + m.eps) * m.weight + m.bias
+
+
+def test_cubed_deviations_are_named_by_where_they_give_nan():
+    with pytest.raises(CheckFailure, match="Your variance is the mean of the cubed deviations"):
+        check_layer_norm_values(written(_cubed))
+    with pytest.raises(CheckFailure, match="Your mean square is the mean of x cubed"):
+        check_rms_norm_values(written(lambda m, x: x / torch.sqrt((x**3).mean(-1, keepdim=True) + m.eps) * m.weight,
+                                      rms=True))
+    # A NaN everywhere (a square root of minus the variance) is no cube's pattern: the check names no cube.
+    with pytest.raises(CheckFailure, match="contains NaN or inf") as failure:
+        check_layer_norm_values(written(lambda m, x: _layer_norm(m, x, scale=lambda c, v: c / torch.sqrt(-v))))
+    assert "cubed" not in str(failure.value)

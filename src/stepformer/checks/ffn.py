@@ -343,14 +343,16 @@ def _swiglu_state(s: dict[str, int], seed: int) -> dict[str, Tensor]:
     }
 
 
-def _glu(state: dict[str, Tensor], x: Tensor, gate_fn: Callable[[Tensor], Tensor], swap: bool = False) -> Tensor:
-    """w_down(gate_fn(a) * b) in float64 from the raw weights, with a = x W_gateᵀ, b = x W_upᵀ (or swapped)."""
+def _glu(state: dict[str, Tensor], x: Tensor, gate_fn: Callable[[Tensor], Tensor], swap: bool = False,
+         combine: Callable[[Tensor, Tensor], Tensor] = torch.mul) -> Tensor:
+    """w_down(combine(gate_fn(a), b)) in float64 from the raw weights, with a = x W_gateᵀ, b = x W_upᵀ (or swapped);
+    combine is the elementwise product unless a variant says otherwise."""
     x64 = x.double()
     a = x64 @ state["w_gate.weight"].T
     b = x64 @ state["w_up.weight"].T
     if swap:
         a, b = b, a
-    return (gate_fn(a) * b) @ state["w_down.weight"].T
+    return combine(gate_fn(a), b) @ state["w_down.weight"].T
 
 
 def _swish(z: Tensor) -> Tensor:
@@ -394,14 +396,24 @@ def check_swiglu_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dty
             "you used ReLU (that is ReGLU); SwiGLU uses silu (F.silu).": dict(gate_fn=F.relu),
             "the silu is missing: the gate is silu(w_gate(x)), not w_gate(x) (that is the 'bilinear' variant).":
                 dict(gate_fn=lambda z: z),
+            "the gate is missing: your output is w_down(w_up(x)), without silu(w_gate(x)) multiplying w_up(x).":
+                dict(gate_fn=_swish, combine=lambda gate, up: up),
+            "w_up(x) is missing: your output is w_down(silu(w_gate(x))); the gate multiplies w_up(x) before w_down.":
+                dict(gate_fn=_swish, combine=lambda gate, up: gate),
+            "you divided the gate by w_up(x): multiply them elementwise, silu(w_gate(x)) * w_up(x).":
+                dict(gate_fn=_swish, combine=torch.div),
+            "you added w_up(x) to the gate: multiply them elementwise, silu(w_gate(x)) * w_up(x).":
+                dict(gate_fn=_swish, combine=torch.add),
         }
         found = difference(got, expected, _named(s))
+        # Each variant is computed on the same input and weights; one is named only when the output equals it
+        # (to the dtype's tolerance), and the correct output differs from it (it does, or this branch is not taken).
         for hint, kwargs in variants.items():
             if close(got, _glu(state64, x, **kwargs).to(dtype), dtype):
-                raise CheckFailure(f"Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)) ({found}): {hint}")
+                raise CheckFailure(f"Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)) ({found}); {hint}")
         raise CheckFailure(
-            f"Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)) ({found}): multiply the gate and w_up(x) "
-            "elementwise (over d_ff), then apply w_down."
+            f"Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)) ({found}) and matches none of the common "
+            "mistakes. Multiply the gate and w_up(x) elementwise (over d_ff), then apply w_down."
         )
     passed(f"equal to w_down(silu(w_gate(x)) ⊙ w_up(x)) computed in float64 ({str(dtype).removeprefix('torch.')})")
 
@@ -420,7 +432,17 @@ def check_matching_swiglu_hidden(fn: Callable[..., Any], seed: int = 0) -> None:
     """The SwiGLU hidden size closest in parameters to FeedForward(d_model, d_ff), against PyTorch's own counts."""
     ratios = []
     for d_model, d_ff in _pairs(seed):
-        value = call(fn, d_model, d_ff)
+        try:
+            value = call(fn, d_model, d_ff)
+        except CheckFailure as failure:
+            if ") raised ZeroDivisionError" not in str(failure):
+                raise
+            # Python raises ZeroDivisionError only for a division (or modulo) by 0: that much is known.
+            raise CheckFailure(
+                f"{str(failure).rstrip('.')}. What your function divides by is 0, but one SwiGLU hidden unit costs "
+                f"3·d_model = {3 * d_model:,} parameters here: divide FeedForward's count by the parameter count of "
+                "SwiGLU(d_model, 1), a SwiGLU with one hidden unit."
+            ) from None
         if type(value) is not int:
             raise CheckFailure(f"matching_swiglu_hidden should return a Python int (use round()), got {kind(value)}.")
         # The FFN's parameters are those of nn.Linear(d_model, d_ff) and nn.Linear(d_ff, d_model), biases included;
@@ -432,17 +454,28 @@ def check_matching_swiglu_hidden(fn: Callable[..., Any], seed: int = 0) -> None:
         best = min(abs(per_unit * h - target) for h in (target // per_unit, target // per_unit + 1))
         if abs(per_unit * value - target) != best:
             right = [h for h in (target // per_unit, target // per_unit + 1) if abs(per_unit * h - target) == best]
-            hints = {
-                round(2 * d_model * d_ff / per_unit): "you left out linear1's and linear2's biases "
-                                                      "(d_ff + d_model parameters).",
-                d_ff: "the same hidden size gives SwiGLU 1.5 times the parameters: it has three matrices, not two.",
-                round(target / (2 * d_model)): "SwiGLU has three weight matrices (w_gate, w_up, w_down), not two.",
-            }
-            hint = hints.get(value, "count both modules' parameters with sum(p.numel() for p in m.parameters()).")
+            # Each key is what one mistake returns on these sizes; a hint is given only when the value equals
+            # exactly one key, which the correct answer (tested above) does not.
+            candidates = [
+                (round(2 * d_model * d_ff / per_unit), "Probably you left out linear1's and linear2's biases "
+                                                       "(d_ff + d_model parameters)."),
+                (d_ff, "Probably the same hidden size gives SwiGLU 1.5 times the parameters: it has three "
+                       "matrices, not two."),
+                (round(target / (2 * d_model)), "Probably SwiGLU has three weight matrices (w_gate, w_up, w_down), "
+                                                "not two."),
+                (target, f"Your answer is FeedForward's parameter count itself ({target:,}), without the division by "
+                         f"what one SwiGLU hidden unit costs (SwiGLU(d_model, 1): {per_unit:,} parameters)."),
+                (target * per_unit, f"Your answer is FeedForward's count ({target:,}) multiplied by what one SwiGLU "
+                                    f"hidden unit costs ({per_unit:,}): divide by it instead."),
+            ]
+            named = [hint for key, hint in candidates if key == value]
+            hint = named[0] if len(named) == 1 else (
+                "Your value matches none of the common mistakes. Count both modules' parameters with "
+                "sum(p.numel() for p in m.parameters()) and divide FeedForward's count by SwiGLU(d_model, 1)'s.")
             raise CheckFailure(
                 f"For d_model={d_model}, d_ff={d_ff}: FeedForward has {target:,} parameters, so the closest "
                 f"SwiGLU has hidden size {right[0]} ({per_unit * right[0]:,} parameters); you returned {value} "
-                f"({per_unit * value:,}). Probably {hint}"
+                f"({per_unit * value:,}). {hint}"
             )
         ratios.append(value / d_ff)
     passed(f"matching SwiGLU hidden sizes found; for d_ff = 4·d_model they are {ratios[0]:.3f}·d_ff (about 2/3)")

@@ -8,6 +8,7 @@ so that the grader can replay every result without the student's code.
 from collections.abc import Callable
 from typing import Any
 
+import jaxtyping
 import torch
 import torch.nn.functional as F
 from beartype import beartype
@@ -195,13 +196,34 @@ def _layer_norm_variants(x: Tensor, weight: Tensor, bias: Tensor, eps: float = L
                  f"{LAYER_NORM_EPS}. Store it (self.eps = eps) and use it in forward."] = (
             centred / torch.sqrt(var + LAYER_NORM_EPS) * weight + bias)
     variants |= {hint.format(norm="LayerNorm"): value for hint, value in _over_axes(x, over).items()}
+    normalised = centred / torch.sqrt(var + eps)
+    summed = x - x.sum(-1, keepdim=True)  # the "mean" taken as a sum
+    added = x + mean
     return variants | {
         "You did not subtract the mean: that is RMSNorm; LayerNorm centres first.":
             x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps) * weight + bias,
         "You added the bias before multiplying by the weight: it is normalised · weight + bias.":
-            (centred / torch.sqrt(var + eps) + bias) * weight,
-        "You left out the learned weight and bias: multiply by self.weight, then add self.bias.":
-            centred / torch.sqrt(var + eps),
+            (normalised + bias) * weight,
+        "You left out the learned weight and bias: multiply by self.weight, then add self.bias.": normalised,
+        "You left out the learned weight: multiply by self.weight before adding self.bias.": normalised + bias,
+        "You left out the learned bias: add self.bias after multiplying by self.weight.": normalised * weight,
+        "You subtracted the bias: add self.bias (normalised · weight + bias).": normalised * weight - bias,
+        "You divided by the weight: multiply by self.weight (normalised · weight + bias).": normalised / weight + bias,
+        "Your mean is a sum: reduce x with 'mean' (divide the sum by d_model), not 'sum'.":
+            summed / torch.sqrt((summed**2).mean(-1, keepdim=True) + eps) * weight + bias,
+        "Your variance is a sum of squared deviations: average them (reduce with 'mean', not 'sum').":
+            centred / torch.sqrt((centred**2).sum(-1, keepdim=True) + eps) * weight + bias,
+        "You added the mean instead of subtracting it: centre with x - mean.":
+            added / torch.sqrt((added**2).mean(-1, keepdim=True) + eps) * weight + bias,
+        "You did not divide by the standard deviation: divide x - mean by sqrt(variance + eps).":
+            centred * weight + bias,
+        "You multiplied by sqrt(variance + eps) instead of dividing by it.":
+            centred * torch.sqrt(var + eps) * weight + bias,
+        "You divided by the variance, not by its square root: divide by sqrt(variance + eps).":
+            centred / (var + eps) * weight + bias,
+        "Your variance is the mean of the cubed deviations, negative at some positions (NaN there): square them, "
+        "reduce((x - mean)**2, '... d_model -> ... 1', 'mean').":
+            centred / torch.sqrt((centred**3).mean(-1, keepdim=True) + eps) * weight + bias,
     }
 
 
@@ -231,12 +253,29 @@ def _rms_norm_variants(x: Tensor, weight: Tensor, eps: float = RMS_NORM_EPS) -> 
     variants["You divided by the mean square, not by its square root."] = x / (mean_square + eps) * weight
     variants |= {hint.format(norm="RMSNorm"): value for hint, value in _over_axes(x, over).items()}
     variants["You left out the learned weight: multiply by self.weight."] = x / torch.sqrt(mean_square + eps)
+    variants |= {
+        "You divided by the weight: multiply by self.weight.": x / torch.sqrt(mean_square + eps) / weight,
+        "Your mean square is a sum: reduce x² with 'mean' (divide the sum by d_model), not 'sum'.":
+            x / torch.sqrt((x**2).sum(-1, keepdim=True) + eps) * weight,
+        "You did not divide by the root mean square: divide x by sqrt(mean(x²) + eps).": x * weight,
+        "You multiplied by sqrt(mean(x²) + eps) instead of dividing by it.":
+            x * torch.sqrt(mean_square + eps) * weight,
+        "Your mean square is the mean of x cubed, negative at some positions (NaN there): square x, "
+        "reduce(x**2, '... d_model -> ... 1', 'mean').":
+            x / torch.sqrt((x**3).mean(-1, keepdim=True) + eps) * weight,
+    }
     return variants
+
+
+def _same_nans(actual: Tensor, expected: Tensor, tolerance: float) -> bool:
+    """Equal to tolerance, NaN where ``expected`` is NaN; never for an ``expected`` that holds no number at all."""
+    return actual.shape == expected.shape and bool(expected.isfinite().any()) and bool(
+        torch.allclose(actual.to(expected.dtype), expected, rtol=tolerance, atol=tolerance, equal_nan=True))
 
 
 def _diagnose(got: Tensor, variants: dict[str, Tensor], tolerance: float, fallback: str) -> str:
     for hint, expected in variants.items():
-        if _near(got, expected, max(tolerance, 1e-6)):
+        if _same_nans(got, expected, max(tolerance, 1e-6)):
             return hint
     if torch.isnan(got).any() or torch.isinf(got).any():
         return "Your output contains NaN or inf: is eps added inside the square root?"
@@ -282,19 +321,119 @@ def _load_random(cls: Any, seed: int, dtype: torch.dtype, with_bias: bool) -> tu
     return module, weight, bias
 
 
-def _norm_output(module: Any, x: Tensor, name: str, label: str) -> Tensor:
-    """The student's norm applied to x; a crash on an input with other leading axes says so."""
+def _unchecked(module: nn.Module, x: Tensor) -> Any:
+    """The module's output with jaxtyping's run-time checks switched off for this one call: what forward returned."""
+    disabled = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        out = module(x)
+        return out.detach().clone() if isinstance(out, Tensor) else out
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", disabled)
+
+
+def _statistic(t: Tensor, front: bool) -> Tensor:
+    """The mean over d_model, its axis of size 1 last (batch, seq, 1), or in front (1, batch, seq) when ``front``."""
+    return t.mean(-1)[None] if front else t.mean(-1, keepdim=True)
+
+
+def _misplaced_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> dict[str, Tensor]:
+    """On an input whose axes all have d_model's size, where a statistic of shape (1, batch, seq) broadcasts
+    against x: a layer norm with its mean, its variance or both so placed, keyed by the hint."""
+    x, weight, bias = x.double(), weight.double(), bias.double()
+    found = {}
+    for what, mean_front, var_front in (("mean", True, False), ("variance", False, True),
+                                        ("mean and variance", True, True)):
+        centred = x - _statistic(x, mean_front)
+        found[what] = centred / torch.sqrt(_statistic(centred**2, var_front) + eps) * weight + bias
+    return found
+
+
+def _misplaced_rms_norm(x: Tensor, weight: Tensor, eps: float) -> dict[str, Tensor]:
+    x, weight = x.double(), weight.double()
+    return {"mean square": x / torch.sqrt(_statistic(x**2, True) + eps) * weight}
+
+
+def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CheckFailure,
+                     misplaced: Callable[[Tensor], dict[str, Tensor]] | None) -> str | None:
+    """After the norm raised on a (batch, seq, d_model) input: a cause confirmed by running it again, or None.
+
+    A shape error: on a cube input (every axis d_model long) a statistic whose axis of size 1 stands in front
+    broadcasts without error, and the output then equals the norm with that statistic misplaced. A jaxtyping error
+    on the return value: forward runs again with the run-time checks off, and what it returned is compared with
+    the module's own parameters.
+    """
+    text = str(failure)
+    if "raised TypeCheckError" in text and "checking the return value" in text:
+        another = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=x.dtype)
+        try:
+            returned, other = call(_unchecked, module, x), call(_unchecked, module, another)
+            params = call(_parameters, module)
+        except CheckFailure:
+            return None  # what the first call raised is then all that is known
+        if type(returned) is not Tensor or type(other) is not Tensor or type(params) is not dict:
+            return None
+        same = [p for p, value in params.items() if type(value) is Tensor and value.shape == returned.shape
+                and torch.equal(returned, value)]
+        if len(same) == 1:
+            return (f"Your forward returns self.{same[0]} itself, shape {tuple(returned.shape)}: the normalised x "
+                    f"is missing from what it returns (x's shape {tuple(x.shape)} must be kept).")
+        if returned.shape == other.shape and torch.equal(returned, other):
+            return (f"Your forward returns the same tensor of shape {tuple(returned.shape)} whatever x is: x is "
+                    f"missing from what it returns (an output of x's shape, {tuple(x.shape)}, normalised).")
+        return None
+    if misplaced is None or "raised RuntimeError" not in text:
+        return None
+    n = x.shape[-1]
+    cube = torch.randn(n, n, n, generator=torch.Generator().manual_seed(n), dtype=x.dtype)
+    try:
+        got = call(module, cube)
+    except CheckFailure:
+        return None
+    if type(got) is not Tensor or got.shape != cube.shape:
+        return None
+    matches = [what for what, value in misplaced(cube).items() if _near(got, value, max(_tolerance(x.dtype), 1e-6))]
+    if len(matches) != 1:
+        return None
+    has = "have their" if " and " in matches[0] else "has its"
+    return (f"On an input of shape {tuple(cube.shape)}, where every axis is d_model long, your {name} runs and "
+            f"equals the {name} whose {matches[0]} {has} axis of size 1 in front, (1, batch, seq), instead of "
+            "last, (batch, seq, 1): so placed, it broadcasts against the wrong axes of x. Keep the reduced axis "
+            "last: the pattern '... d_model -> ... 1' (or dim=-1 with keepdim=True).")
+
+
+def _norm_output(module: Any, x: Tensor, name: str, label: str,
+                 misplaced: Callable[[Tensor], dict[str, Tensor]] | None = None) -> Tensor:
+    """The student's norm applied to x; a crash on an input with other leading axes says so, and a crash on a
+    (batch, seq, d_model) input is followed by a cause where running the norm again confirms one."""
     try:
         got = call(module, x)
     except CheckFailure as failure:
-        if ") raised " not in str(failure) or x.dim() == 3:
+        if ") raised " not in str(failure):
             raise
+        if x.dim() == 3:
+            hint = _crash_diagnosis(module, x, name, failure, misplaced)
+            if hint is None:
+                raise
+            raise CheckFailure(f"{_first_line(failure)} {hint}") from None
         raise CheckFailure(
             f"On {label} your {name} raised: {_first_line(failure)} A norm acts on the last axis whatever "
             "the leading axes are (*batch: none, one, or several): take the statistics over dim=-1 (or with "
             "einops' '... d_model -> ... 1'), never over a fixed axis number or a pattern with named leading axes."
         ) from None
     return expect_tensor(got, f"{name}'s output on {label}", tuple(x.shape), " ".join(_axes(x)), x.dtype)
+
+
+def _confirm_eps(module: Any, seed: int, dtype: torch.dtype, hint: str,
+                 variants: Callable[[Tensor], dict[str, Tensor]], name: str, statistic: str) -> str:
+    """An eps slip named on inputs where eps hardly matters, confirmed on inputs of tiny variance, where it does:
+    the same variant must match there too (a subtracted eps, say, is near "no eps" only where eps is negligible)."""
+    label, scale, offset = CASES[1]
+    tiny = _input(seed, dtype, scale, offset)
+    if _diagnose(_norm_output(module, tiny, name, label), variants(tiny), _tolerance(dtype), "") == hint:
+        return hint
+    return (f"Here your output is within rounding of a {name} whose eps is left out or misplaced, but on {label} it "
+            f"is not: look at how eps enters the square root, sqrt({statistic} + eps).")
 
 
 def _compare_norm(name: str, label: str, got: Tensor, expected: Tensor, variants: dict[str, Tensor],
@@ -317,11 +456,15 @@ def check_layer_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.
     samples = [(label, _input(seed, dtype, scale, offset), offset) for label, scale, offset in cases]
     samples += [(label, x, 0.0) for label, x in _leading_axes(seed, dtype)]
     for label, x, offset in samples:
-        got = _norm_output(module, x, "LayerNorm", label)
+        got = _norm_output(module, x, "LayerNorm", label,
+                           lambda cube: _misplaced_layer_norm(cube, weight, bias, LAYER_NORM_EPS))
         expected = F.layer_norm(x, (d_model,), weight, bias, eps=LAYER_NORM_EPS)
         tolerance = _tolerance(dtype, offset)
         if not _near(got, expected, tolerance):
             hint = _diagnose(got, _layer_norm_variants(x, weight, bias), tolerance, fallback)
+            if "psilon" in hint and label != CASES[1][0]:
+                hint = _confirm_eps(module, seed, dtype, hint, lambda t: _layer_norm_variants(t, weight, bias),
+                                    "LayerNorm", "variance")
             if offset and hint == fallback:
                 hint = ("Only inputs with a large mean go wrong: compute the variance from the centred values, "
                         "mean((x - mean)²), not as mean(x²) - mean²: the subtraction of two large numbers "
@@ -397,7 +540,7 @@ def check_rms_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.fl
     fallback = "Compare with x / sqrt(mean(x²) + eps) · weight, the mean taken over d_model."
     samples = [(label, _input(seed, dtype, scale, offset)) for label, scale, offset in CASES]
     for label, x in [*samples, *_leading_axes(seed, dtype)]:
-        got = _norm_output(module, x, "RMSNorm", label)
+        got = _norm_output(module, x, "RMSNorm", label, lambda cube: _misplaced_rms_norm(cube, weight, RMS_NORM_EPS))
         _compare_norm("RMSNorm", label, got, F.rms_norm(x, (d_model,), weight, eps=RMS_NORM_EPS),
                       _rms_norm_variants(x, weight), _tolerance(dtype), fallback, x)
     eps = CUSTOM_EPS["RMSNorm"]
@@ -481,7 +624,15 @@ def check_residual(cls: Any, norm_first: bool = False, seed: int = 0) -> None:
                 "You normalised the sublayer's output instead of its input: pre-norm is x + sublayer(norm(x)).":
                     x + norm(sublayer(x)),
                 "You left out the norm: use self.norm.": x + sublayer(x),
+                "You subtracted the sublayer's output: the residual connection adds it to x.":
+                    x - sublayer(norm(x)) if norm_first else norm(x - sublayer(x)),
             }
+            if norm_first:
+                variants["Your pre-norm output is x itself: the sublayer's branch, dropout(sublayer(norm(x))), is "
+                         "missing from the sum."] = x
+            else:
+                variants["Your post-norm output is norm(x): the sublayer's output is missing from the sum inside "
+                         "the norm, norm(x + dropout(sublayer(x)))."] = norm(x)
             if not norm_first:
                 variants["You normalised the sublayer's output instead of the sum: post-norm is "
                          "norm(x + sublayer(x))."] = x + norm(sublayer(x))
@@ -641,6 +792,38 @@ def _reference_gradient_norms(blocks: nn.ModuleList, x: Tensor, upstream: Tensor
     return torch.stack([torch.linalg.vector_norm(f) for f in flat]), per_block
 
 
+def _slicing_variants(per_block: list[list[Tensor]]) -> dict[str, Tensor]:
+    """The norms that slicing the flat list of gradients per block gives when the slice or the running index is
+    off, keyed by the hint: each slice taken with Python's own rules (an empty one gives 0)."""
+    flat = [g for gs in per_block for g in gs]
+    lengths = [len(gs) for gs in per_block]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+
+    def norms(bounds: Callable[[int, int, int], tuple[int, int]]) -> Tensor:
+        found = []
+        for i, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+            kept = flat[slice(*bounds(i, start, n))]
+            found.append(torch.stack([(g**2).sum() for g in kept]).sum().sqrt() if kept else flat[0].new_zeros(()))
+        return torch.stack(found)
+
+    return {
+        "Each block's slice of the gradient list is shifted by one parameter: the running start index should "
+        "begin at 0.": norms(lambda i, start, n: (start + 1, start + 1 + n)),
+        "Each block's slice leaves out its first parameter: take grads[start:start + len(ps)].":
+            norms(lambda i, start, n: (start + 1, start + n)),
+        "Each block's slice leaves out its last parameter: take grads[start:start + len(ps)].":
+            norms(lambda i, start, n: (start, start + n - 1)),
+        "Each block's slice takes one parameter of the next block too: take grads[start:start + len(ps)].":
+            norms(lambda i, start, n: (start, start + n + 1)),
+        "Each block's slice ends at len(ps) instead of start + len(ps).":
+            norms(lambda i, start, n: (start, n)),
+        "Each block's slice ends at start - len(ps) instead of start + len(ps).":
+            norms(lambda i, start, n: (start, start - n)),
+        "Your running start index goes down by each block's parameter count: after each block it should grow "
+        "(start += len(ps)).": norms(lambda i, start, n: (-start, -start + n)),
+    }
+
+
 @check
 def check_gradient_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
     """Per-block parameter gradient norms equal an independent autograd computation, also when called twice."""
@@ -656,15 +839,34 @@ def check_gradient_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
             variants = {
                 "Your second call gives twice the gradients: .grad accumulates across backward passes. Zero "
                 "the gradients first (blocks.zero_grad()) or use torch.autograd.grad.": 2 * expected,
-                "You returned squared norms: take the square root of the sum of squares.": expected**2,
+                "You returned squared norms. The square root is missing: take the square root of the sum of "
+                "squares.": expected**2,
+                **_slicing_variants(per_block),
                 "Entry i should belong to blocks[i]: the first block first.": expected.flip(0),
                 "Combine all parameters of a block into one norm, sqrt(Σ g²) over every entry, not the sum of "
                 "each parameter's norm.": torch.stack([sum(g.norm() for g in gs) for gs in per_block]),
                 "Use every parameter of the block (both Linear layers, weights and biases, and the norm).":
                     torch.stack([gs[0].norm() for gs in per_block]),
+                "You took the mean of each parameter's squared gradients instead of their sum: sqrt(Σ g²) adds "
+                "up every entry.": torch.stack([sum((g**2).mean() for g in gs).sqrt() for gs in per_block]),
+                "You took the mean of the block's per-parameter sums of squares instead of their sum: sqrt(Σ g²) "
+                "adds up every parameter's.": torch.stack([torch.stack([(g**2).sum() for g in gs]).mean().sqrt()
+                                                      for gs in per_block]),
             }
-            hint = next((h for h, v in variants.items() if _near(got, v, 1e-8)),
-                        "Run x through the blocks in order, then take the gradient of (output · upstream).sum() "
+            # A hint is given only when the output equals that one variant; every block's gradient is nonzero, so
+            # none of them equals the right answer.
+            named = [h for h, v in variants.items() if _near(got, v, 1e-8)]
+            if len(named) == 1:
+                hint = named[0]
+            elif torch.equal(got, torch.zeros_like(got)):
+                hint = ("Every norm is 0, although every block's parameters get a nonzero gradient here: no gradient "
+                        "reached the sums of squares. Look at which gradients each block's sum keeps: its slice of "
+                        "the gradient list, and any test on the gradients.")
+            elif torch.isnan(got).any():
+                hint = ("Some norms are NaN, although a sum of squared gradients is never negative: look at what each "
+                        "block's square root is taken of.")
+            else:
+                hint = ("Run x through the blocks in order, then take the gradient of (output · upstream).sum() "
                         "with respect to each block's parameters.")
             if attempt == "second" and "twice" not in hint:
                 hint = "Your first call was right but the second differs: does it depend on old .grad values? " + hint
