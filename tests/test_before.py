@@ -4,6 +4,7 @@ each realistic mistake."""
 
 import ast
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -295,6 +296,14 @@ def embed(tokens, weight, *, num_classes=True, convert="to"):
     return torch.einsum("...sv,vd->...sd", one_hot, weight)
 
 
+def embed_swapped(tokens, weight):
+    return torch.einsum("...sv,vd->...sd", weight, F.one_hot(tokens, weight.shape[0]).to(weight.dtype))
+
+
+def embed_transposed_weight(tokens, weight):  # a different slip: a crash that no order of the operands explains
+    return torch.einsum("...sv,dv->...sd", F.one_hot(tokens, weight.shape[0]).to(weight.dtype), weight)
+
+
 def embed_by_lookup(tokens, weight):
     return F.embedding(tokens, weight)
 
@@ -307,26 +316,43 @@ def embed_three_axes(tokens, weight):
     return torch.einsum("bsv,vd->bsd", F.one_hot(tokens, weight.shape[0]).to(weight.dtype), weight)
 
 
-def counts(tokens, n, *, stop=1, key=tuple, counted=True):
-    grams = [key(tokens[i:i + n]) for i in range(len(tokens) - n + stop)]
+def counts(tokens, n, *, stop=1, key=tuple, counted=True, start=0, end=0):
+    grams = [key(tokens[i + start:i + n + end]) for i in range(len(tokens) - n + stop)]
     return Counter(grams) if counted else grams
 
 
+def counts_of_prefixes(tokens, n):
+    return Counter(tuple(tokens[i:n]) for i in range(len(tokens) - n + 1))
+
+
 def probability(word, history, counts, contexts, *, n, vocab_size, alpha=1.0, context=None, top=1.0, bottom=None,
-                guard=False):
+                guard=False, count_top=True, count_bottom=True, divide=True, square=False):
     ctx = context(history, n) if context else (tuple(history[len(history) - n + 1:]) if n > 1 else ())
-    below = contexts[ctx] + alpha * (vocab_size if bottom is None else bottom)
+    above = counts[(*ctx, word)] * count_top + top * alpha
+    below = contexts[ctx] * count_bottom + alpha * (vocab_size if bottom is None else bottom)
     if guard and below == 0:
         return 1 / vocab_size
-    return (counts[(*ctx, word)] + top * alpha) / below
+    if square:  # a different slip: the whole fraction squared
+        return (above / below) ** 2
+    return above / below if divide else above
 
 
 def attention(q, k, v, w_q, w_k, v_a, mask=None, *, tanh=True, dim=-1, scale=1.0, use_v_a=True, mask_style="fill",
-              safe_rows=True, keepdim=True, pattern=None):
+              safe_rows=True, keepdim=True, pattern=None, guard="any", swapped="", mask_when_none=False):
     if pattern:  # written for one fixed number of axes
         query, key = torch.einsum(pattern[0], q, w_q), torch.einsum(pattern[1], k, w_k)
     else:
         query, key = q @ w_q.T, k @ w_k.T
+    if swapped == "query":  # einsum(w_q, q, "... q_len d_q, d_attn d_q -> ... q_len d_attn")
+        query = torch.einsum("...ad,bd->...ab", w_q, q)
+    if swapped == "key":
+        key = torch.einsum("...ad,bd->...ab", w_k, k)
+    if swapped == "pattern":  # a different slip: the pattern itself written for (q_len, d_attn) with the wrong axis
+        query = torch.einsum("...qd,ad->...qa", q, w_q[:, :1].expand_as(w_q))
+    if mask_when_none and mask is None:  # the slip: `if mask is None:` where `if mask is not None:` was meant
+        mask.any(-1, keepdim=True)
+    elif mask_when_none == "both":  # ... and then has_key, never set, read where the mask is given
+        raise UnboundLocalError("cannot access local variable 'has_key' where it is not associated with a value")
     pre = query.unsqueeze(-2) + key.unsqueeze(-3)
     hidden = torch.tanh(pre) if tanh else pre
     scores = (hidden @ v_a if use_v_a else hidden.sum(-1)) * scale
@@ -335,8 +361,17 @@ def attention(q, k, v, w_q, w_k, v_a, mask=None, *, tanh=True, dim=-1, scale=1.0
     if mask is not None and mask_style in ("fill", "inverted", "zero"):
         keep = ~mask if mask_style == "inverted" else mask  # "inverted": the ~ forgotten in masked_fill only
         scores = scores.masked_fill(~keep, -math.inf if mask_style != "zero" else 0.0)
+        if safe_rows and guard != "any":  # the guard of fully masked rows, mistaken
+            has_key = {"all": lambda: mask.all(-1, keepdim=True), "query axis": lambda: mask.any(-2, keepdim=True),
+                       "no keepdim": lambda: mask.any(-1)}.get(guard, lambda: mask.any(-1, keepdim=True))()
+            scores = scores.masked_fill(has_key if guard == "scores inverted" else ~has_key, 0.0)
+            weights = torch.softmax(scores, dim=dim).masked_fill(has_key if guard == "weights inverted" else ~has_key,
+                                                                 0.0)
+            return weights @ v, weights
         if safe_rows:
             scores = scores.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    if mask is not None and mask_style == "transposed":  # a shape error of the mask's own, not of the guard's
+        scores = scores.masked_fill(~mask.transpose(-1, -2), -math.inf)
     if mask is not None and mask_style == "add":
         scores = scores + mask.to(scores.dtype)
     weights = torch.softmax(scores, dim=dim)
@@ -348,23 +383,27 @@ def attention(q, k, v, w_q, w_k, v_a, mask=None, *, tanh=True, dim=-1, scale=1.0
 
 
 def measure(d_k, *, additive, q_len=16, k_len=16, d_attn=32, samples=64, seed=0, scaled=False, reduce="max",
-            init=True, lengths=True, keys_from_queries=False, fixed_samples=None, fixed_seed=None):
+            init=True, lengths=True, keys_from_queries=False, fixed_samples=None, fixed_seed=None, dim=-1,
+            inverted=False, loops=0, q_dtype=torch.float64, additive_generator=True, fewer_keys=False):
     g = torch.Generator().manual_seed(seed if fixed_seed is None else fixed_seed)
     q_len, k_len = (q_len, k_len) if lengths else (16, 16)
     k_len = q_len if keys_from_queries else k_len
+    k_len = max(k_len - 1, 1) if fewer_keys else k_len
     samples = samples if fixed_samples is None else fixed_samples
+    additive = not additive if inverted else additive
+    own = {"generator": g} if additive_generator else {}
     tops = []
-    for _ in range(samples):
-        q = torch.randn(q_len, d_k, generator=g, dtype=torch.float64)
+    for _ in range(samples + loops):
+        q = torch.randn(q_len, d_k, generator=g, dtype=q_dtype)
         k = torch.randn(k_len, d_k, generator=g, dtype=torch.float64)
         if additive:
             scale_in = 1 / math.sqrt(d_k) if init else 1.0
-            w_q = torch.randn(d_attn, d_k, generator=g, dtype=torch.float64) * scale_in
+            w_q = torch.randn(d_attn, d_k, **own, dtype=torch.float64) * scale_in
             w_k = torch.randn(d_attn, d_k, generator=g, dtype=torch.float64) * scale_in
             v_a = torch.randn(d_attn, generator=g, dtype=torch.float64) / math.sqrt(d_attn)
             _, weights = attention(q, k, k, w_q, w_k, v_a)
         else:
-            weights = torch.softmax(q @ k.T / (math.sqrt(d_k) if scaled else 1.0), dim=-1)
+            weights = torch.softmax(q @ k.T / (math.sqrt(d_k) if scaled else 1.0), dim=dim)
         tops.append(weights.amax(-1).mean() if reduce == "max" else weights.mean())
     return torch.stack(tops).mean().item()
 
@@ -374,15 +413,26 @@ MISTAKES = [
     (check_one_hot_vocab, lambda t, w: embed(t, w, num_classes=False),
      r"\(batch=\d+, seq=\d+, vocab=\d+, d_model=\d+\).*largest id in tokens is \d+, below vocab - 1 = \d+: "
      r"F\.one_hot\(tokens\) without num_classes"),
-    (check_one_hot_embed, lambda t, w: embed(t, w, convert=None), r"int64 \(Long\).*\.to\(weight\.dtype\)"),
+    (check_one_hot_embed, lambda t, w: embed(t, w, convert=None),
+     r"raised RuntimeError: [^.]*\. An int64 \(Long\) tensor met the floating weight.*\.to\(weight\.dtype\)"),
     (check_one_hot_embed, lambda t, w: embed(t, w, convert="float"), r"float64.*\.float\(\) makes float32"),
     (check_one_hot_embed, embed_three_axes, r"without a batch axis.*any number of them, none included"),
+    # Issue 27: the einsum's operands in the other order, told on (seq,) tokens with seq = d_model.
+    (check_one_hot_embed, embed_swapped, r"seq = d_model = 3 your function runs and returns weight @ one_hot"),
     (check_one_hot_embed, embed_by_lookup, "Not your own work"),
     (check_one_hot_vocab, embed_with_module, "Not your own work"),
     # ngram_counts
     (check_ngram_counts, lambda t, n: counts(t, n, stop=0),
      r"Off by one: your counts miss the last n-gram.*range\(len\(tokens\) - n \+ 1\)"),
     (check_ngram_counts, lambda t, n: counts(t, n, stop=n), r"shorter than n: the windows that run past the end"),
+    # Issue 27: the slice of n-gram i, told by the counts for every n.
+    (check_ngram_counts, lambda t, n: counts(t, n, start=1),
+     r"those of tuple\(tokens\[i \+ 1 : i \+ n\]\) for i in range\(len\(tokens\) - n \+ 1\), for every n tried: "
+     r"each slice starts one token late\."),
+    (check_ngram_counts, lambda t, n: counts(t, n, end=-1), r"tokens\[i : i \+ n - 1\]\).*ends one token short"),
+    (check_ngram_counts, lambda t, n: counts(t, n, end=1), r"tokens\[i : i \+ n \+ 1\]\).*ends one token too far"),
+    (check_ngram_counts, counts_of_prefixes, r"tokens\[i : n\]\).*ends at n instead of i \+ n"),
+    (check_ngram_counts, lambda t, n: counts(t, n, stop=2), r"range\(len\(tokens\) - n \+ 2\).*one window past"),
     (check_ngram_counts, lambda t, n: counts(t, n, key=" ".join), r"keys of your counts should be tuples.*got '"),
     (check_ngram_counts, lambda t, n: counts(t, n, counted=False), "should return a Counter.*got list"),
     (check_ngram_counts, lambda t, n: {k: float(v) for k, v in counts(t, n).items()}, "Each count should be an int"),
@@ -404,6 +454,19 @@ MISTAKES = [
                                                            else ()),
      "unhashable.*Counter's keys are tuples"),
     (check_ngram_probability, lambda *a, **k: torch.tensor(probability(*a, **k)), "should return a Python float"),
+    # Issue 27: the formula's terms, and contexts told apart on counts of every order.
+    (check_ngram_probability, lambda *a, **k: probability(*a, **k, divide=False), "without dividing it"),
+    (check_ngram_probability, lambda *a, **k: probability(*a, **k, count_top=False),
+     "numerator is missing the n-gram's count"),
+    (check_ngram_probability, lambda *a, **k: probability(*a, **k, count_bottom=False),
+     "denominator is missing the context's count"),
+    (check_ngram_probability, lambda *a, **k: probability(*a, **k, context=lambda h, n: tuple(h[len(h) - n - 1:])),
+     r"the last n \+ 1 tokens of the history, two too many"),
+    (check_ngram_probability,
+     lambda *a, **k: probability(*a, **k, context=lambda h, n: tuple(h[len(h) - n:]) if n > 1 else ()),
+     r"For n > 1: off by one: your context is the last n tokens"),
+    (check_ngram_probability, lambda *a, **k: probability(*a, **k, context=lambda h, n: ()),
+     r"context is the empty tuple \(\) for every n"),
     # additive_attention
     (check_additive_attention_values, lambda *a: attention(*a, tanh=False),
      r"tanh is missing.*\(Your output: largest difference .* sizes batch=2, q_len=3, k_len=5, d_q=4, d_k=6, d_v=7, "
@@ -430,6 +493,25 @@ MISTAKES = [
      r"layout of nn\.Linear\.weight"),
     (check_additive_attention_shapes, lambda *a: attention(*a)[::-1], r"output should have shape \(batch=2, q_len=3, "
                                                                       r"d_v=7\)"),
+    # Issue 27: the guard of fully masked rows, a step that uses the mask when there is none, and projections
+    # whose einsum operands come in the other order (told on 2-D inputs where q_len = k_len = d_attn).
+    (check_additive_attention_mask, lambda *a: attention(*a, guard="all"), r"asked whether all keys are kept"),
+    (check_additive_attention_mask, lambda *a: attention(*a, guard="query axis"),
+     r"guard of fully masked rows taken over the query axis"),
+    (check_additive_attention_mask, lambda *a: attention(*a, guard="scores inverted"),
+     r"sets the scores of fully masked rows to 0 is inverted"),
+    (check_additive_attention_mask, lambda *a: attention(*a, guard="weights inverted"),
+     r"zeroes fully masked rows after the softmax is inverted"),
+    (check_additive_attention_mask, lambda *a: attention(*a, guard="no keepdim"),
+     r"The same call without the mask runs.*On 2-D inputs with q_len = k_len = 3 it runs, and gives what the guard "
+     r"of fully masked rows gives without keepdim"),
+    (check_additive_attention_shapes, lambda *a: attention(*a, mask_when_none="both"),
+     r"raised AttributeError.*\. Called without a mask, your code read an attribute of None"),
+    (check_additive_attention_shapes, lambda *a: attention(*a, mask_when_none="none only"),
+     r"raised AttributeError.*\. The same call with a mask that keeps every key, which must change nothing, runs"),
+    (check_additive_attention_shapes, lambda *a: attention(*a, swapped="query"),
+     r"q_len = k_len = d_attn = 8 your function runs, and gives what it gives with W_q q transposed"),
+    (check_additive_attention_shapes, lambda *a: attention(*a, swapped="key"), r"with W_k k transposed"),
     # mean_top_weight
     (check_top_weight_measurement, lambda d, **k: measure(d, **k, scaled=True), r"divided the dot products by sqrt"),
     (check_top_weight_measurement, lambda d, **k: measure(d, **k, reduce="mean"), "You took the mean weight"),
@@ -443,7 +525,41 @@ MISTAKES = [
     (check_top_weight_measurement, lambda d, **k: measure(d, **k, fixed_samples=64),
      r"spread of a mean over many draws: does your function use samples"),
     (check_top_weight_measurement, lambda d, **k: measure(d, **k, fixed_seed=0), r"all gave .* ignores seed"),
-    (check_top_weight_measurement, lambda d, **k: torch.tensor(measure(d, **k)), "should return a Python float"),
+    (check_top_weight_measurement, lambda d, **k: torch.tensor(measure(d, **k)),
+     r"returns a one-element Tensor \(torch\.float\d+\), not a Python float: end with \.item\(\)"),
+    (check_top_weight_measurement, lambda d, **k: [measure(d, **k)], "should return a Python float.*got list"),
+    # Issue 27: hypotheses confirmed at every d_k, a loop one sample short, float32 draws, an unseeded draw.
+    (check_top_weight_measurement, lambda d, **k: measure(d, **k, dim=-2),
+     r"agrees with a fresh sample of weights softmaxed over the queries"),
+    (check_top_weight_measurement, lambda d, **k: measure(d, **k, inverted=True),
+     r"additive=True values with the dot product's, at every d_k: the branch on additive is inverted"),
+    (check_top_weight_measurement, lambda d, **k: measure(d, **k, loops=-1),
+     r"stacked an empty list, and with samples=2 it runs: its loop runs fewer times than samples"),
+    (check_top_weight_measurement, lambda d, **k: measure(d, **k, q_dtype=torch.float32),
+     r"Your tensors mix float32 and float64.*dtype=torch\.float64"),
+    (check_top_weight_measurement, lambda d, **k: measure(d, **k, additive_generator=False),
+     r"additive=True gave .* while additive=False gives one answer: a draw of the additive branch"),
+]
+
+# Similar but different mistakes, which must not get these names.
+NOT_NAMED = [
+    (check_one_hot_embed, embed_transposed_weight, r"other order", r"layout of nn\.Embedding\.weight"),
+    (check_ngram_counts, lambda t, n: counts(t, n, key=lambda g: tuple(reversed(g))), r"those of|Off by one",
+     r"right number of n-grams, but not the right ones"),
+    (check_ngram_probability, lambda *a, **k: probability(*a, **k, square=True),
+     r"without dividing|missing the|context is|not smoothed|alpha to the", r"Compare with"),
+    (check_ngram_probability, lambda *a, **k: probability(*a, **k, context=lambda h, n: tuple(h[len(h) - n + 1:-1])
+                                                           if n > 1 else ()),
+     r"Off by one|n \+ 1 tokens|empty tuple", r"Compare with"),
+    (check_additive_attention_mask, lambda *a: attention(*a, mask_style="transposed"),
+     r"without keepdim", r"The same call without the mask runs"),
+    (check_additive_attention_shapes, lambda *a: attention(*a, pattern=("bqd,ad->bqa", "bkd,ad->bka")),
+     r"transposed", r"any number of them"),
+    (check_additive_attention_values, lambda *a: attention(*a, swapped="pattern"), r"transposed", r"differs"),
+    (check_top_weight_measurement, lambda d, **k: measure(d, **k, scaled=True), r"over the queries|inverted",
+     r"divided the dot products by sqrt"),
+    (check_top_weight_measurement, lambda d, **k: measure(d, **k, fewer_keys=True),
+     r"over the queries|inverted|empty list", r"a fresh sample gives about"),
 ]
 
 
@@ -452,6 +568,17 @@ MISTAKES = [
 def test_checks_name_the_mistake(check, mistake, message):
     with pytest.raises(CheckFailure, match=message):
         check(mistake)
+
+
+@pytest.mark.parametrize(("check", "mistake", "wrong", "message"), NOT_NAMED,
+                         ids=[f"{c.__name__}-{i}" for i, (c, _, _, _) in enumerate(NOT_NAMED)])
+def test_checks_do_not_name_a_similar_mistake(check, mistake, wrong, message, capsys):
+    try:
+        check(mistake)
+        text = capsys.readouterr().out
+    except CheckFailure as failure:
+        text = str(failure)
+    assert re.search(message, text) and not re.search(wrong, text), text
 
 
 def test_every_failure_of_additive_attention_names_its_sizes_and_largest_difference():

@@ -8,7 +8,9 @@ with their defining properties (probabilities sum to 1 over the vocabulary; weig
 unmasked keys, masked keys get exactly 0, a fully masked row gives zeros).
 """
 
+import itertools
 import math
+import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +51,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _sentence(text: str) -> str:
+    """An error's text closed with a full stop, so that a hint after it reads as a sentence of its own."""
+    text = text.rstrip()
+    return text if text.endswith((".", "!", "?", ")")) else text + "."
+
+
 # -- exercise 1: one_hot_embed --------------------------------------------------------------
 
 def _embedding_inputs(seed: int, dtype: torch.dtype) -> tuple[dict[str, int], Tensor, Tensor]:
@@ -75,8 +83,9 @@ def _embed(fn: Callable[..., Any], tokens: Tensor, weight: Tensor, what: str) ->
         if ") raised " not in text:
             raise
         if "Long" in text:
-            hint = ("F.one_hot gives int64 (Long) entries, and a product needs both factors in one floating dtype: "
-                    "convert the one-hot matrix with .to(weight.dtype).")
+            # tokens is the only int64 (Long) input: a Long operand in a product comes from it, through F.one_hot.
+            hint = ("An int64 (Long) tensor met the floating weight: F.one_hot gives int64 entries, and a product "
+                    "needs both factors in one floating dtype. Convert the one-hot matrix with .to(weight.dtype).")
         elif "Double" in text or "dtype" in text.lower():
             hint = (f"The weight here is {weight.dtype}, and a product needs both factors in one dtype: .float() makes "
                     "float32 whatever the weight is; convert the one-hot matrix with .to(weight.dtype).")
@@ -87,10 +96,12 @@ def _embed(fn: Callable[..., Any], tokens: Tensor, weight: Tensor, what: str) ->
         elif tokens.dim() < 2:
             hint = ("The leading axes are *batch, any number of them, none included: write the einsum pattern with "
                     "'...' (\"... seq vocab, vocab d_model -> ... seq d_model\").")
+        elif swapped := _swapped_product(fn, tokens, weight):
+            hint = swapped
         else:
             hint = ("weight is (vocab, d_model), the layout of nn.Embedding.weight: contract the one-hot's vocab axis "
                     "with it.")
-        raise CheckFailure(f"{what} ({_named(sizes)}): {text} {hint}") from None
+        raise CheckFailure(f"{what} ({_named(sizes)}): {_sentence(text)} {hint}") from None
     axes = " ".join([*("batch", "seq")[2 - tokens.dim():], "d_model"])
     if type(result) is Tensor and result.dtype != weight.dtype and result.dtype.is_floating_point:
         raise CheckFailure(
@@ -98,6 +109,26 @@ def _embed(fn: Callable[..., Any], tokens: Tensor, weight: Tensor, what: str) ->
             "makes float32 whatever the weight is: convert the one-hot matrix with .to(weight.dtype)."
         )
     return expect_tensor(result, "the embedding", (*tokens.shape, weight.shape[1]), axes, weight.dtype)
+
+
+def _swapped_product(fn: Callable[..., Any], tokens: Tensor, weight: Tensor) -> str:
+    """For a crash on (batch, seq) tokens: the call again on (seq,) tokens with seq = d_model, where an einsum whose
+    operands come in the other order than its pattern runs. Named when it then returns weight @ one_hot(tokens)."""
+    vocab, d_model = weight.shape
+    toks = tokens.reshape(-1)[:d_model]
+    if toks.numel() != d_model:
+        return ""
+    try:
+        result = call(fn, toks, weight)
+    except CheckFailure:
+        return ""
+    swapped = (weight.double() @ F.one_hot(toks, vocab).double()).to(weight.dtype)  # (vocab, vocab)
+    if type(result) is not Tensor or not close(result, swapped, weight.dtype):
+        return ""
+    return (f"On tokens of shape (seq,) with seq = d_model = {d_model} your function runs and returns "
+            "weight @ one_hot(tokens), (vocab, vocab): the operands of your product come in the other order than "
+            "its pattern. Pass the one-hot matrix first: einsum(one_hot, weight, \"... seq vocab, vocab d_model -> "
+            "... seq d_model\").")
 
 
 def _compare_embedding(got: Tensor, tokens: Tensor, weight: Tensor, what: str) -> None:
@@ -176,6 +207,43 @@ def _show_gram(gram: Any) -> str:
                                                                                              else "") + ")"
 
 
+# n-gram i of the usual slips, tuple(tokens[start : end]) for i in range(stop), each part with what it means; the
+# first of each list is right. T is len(tokens).
+SLICE_STARTS = {"i": (lambda i, n: i, ""), "i + 1": (lambda i, n: i + 1, "starts one token late"),
+                "i - 1": (lambda i, n: i - 1, "starts one token early")}
+SLICE_ENDS = {"i + n": (lambda i, n: i + n, ""), "i + n - 1": (lambda i, n: i + n - 1, "ends one token short"),
+              "i + n + 1": (lambda i, n: i + n + 1, "ends one token too far"),
+              "n": (lambda i, n: n, "ends at n instead of i + n, without the i"),
+              "i": (lambda i, n: i, "ends at i, where it starts, without the n"),
+              "i - n": (lambda i, n: i - n, "ends at i - n, subtracting n where it should add it")}
+SLICE_STOPS = {"len(tokens) - n + 1": (lambda t, n: t - n + 1, ""),
+               "len(tokens) - n": (lambda t, n: t - n, "misses the last n-gram, one window too few"),
+               "len(tokens) - n + 2": (lambda t, n: t - n + 2, "runs one window past the last n-gram"),
+               "len(tokens)": (lambda t, n: t, "runs past the last n-gram, to the end of the text, where the windows "
+                                                "get shorter than n")}
+
+
+def _counts_slip(fn: Callable[..., Any], tokens: list[str]) -> tuple[str, str, str] | None:
+    """The slice that the student's counts are made of, told by their counts for every n the check tries: named when
+    one (start, end, stop) among the usual slips gives them all, and the right one does not."""
+    ns = (1, 2, 3, 5, len(tokens), len(tokens) + 1)
+    try:
+        got = [dict(call(_items, call(fn, list(tokens), n))) for n in ns]
+    except CheckFailure:
+        return None
+    # Slips that give the same counts for every n are one answer: the one with the fewest wrong parts stands for it.
+    for wrong in range(1, 4):
+        for (start, (first, why_start)), (end, (after, why_end)), (stop, (count, why_stop)) in itertools.product(
+                SLICE_STARTS.items(), SLICE_ENDS.items(), SLICE_STOPS.items()):
+            whys = [w for w in (why_start, why_end, why_stop) if w]
+            if len(whys) != wrong:
+                continue
+            if all(dict(Counter(tuple(tokens[first(i, n) : after(i, n)]) for i in range(count(len(tokens), n))))
+                   == counts for n, counts in zip(ns, got, strict=True)):
+                return start, end, stop
+    return None
+
+
 @check
 def check_ngram_counts(fn: Callable[..., Any], seed: int = 0) -> None:
     """Equal to collections.Counter over the n-grams (tuples of n consecutive tokens), for n = 1, 2, 3, 5, for
@@ -200,11 +268,26 @@ def check_ngram_counts(fn: Callable[..., Any], seed: int = 0) -> None:
         if got == dict(expected):
             continue
         total, expected_total = sum(got.values()), sum(expected.values())
-        short = [key for key in got if len(key) != n]
         last = tuple(tokens[len(tokens) - n:]) if 0 < n <= len(tokens) else None
-        if short:
+        slip = _counts_slip(fn, tokens)
+        short = [key for key in got if len(key) < n]
+        if slip == ("i", "i + n", "len(tokens) - n") and last is not None:
+            hint = (f"Off by one: your counts miss the last n-gram, {_show_gram(last)}. A text of T tokens has "
+                    "T - n + 1 n-grams, so the positions run over range(len(tokens) - n + 1).")
+        elif slip == ("i", "i + n", "len(tokens)") and short:
             hint = (f"Your counts hold {_show_gram(short[0])}, shorter than n: the windows that run past the end of "
                     f"the text are not n-grams. A text of T tokens has T - n + 1 n-grams.")
+        elif slip:
+            start, end, stop = slip
+            whys = [SLICE_STARTS[start][1], SLICE_ENDS[end][1]]
+            parts = [f"each slice {' and '.join(w for w in whys if w)}" if any(whys) else "",
+                     f"the range {SLICE_STOPS[stop][1]}" if SLICE_STOPS[stop][1] else ""]
+            hint = (f"Your counts are those of tuple(tokens[{start} : {end}]) for i in range({stop}), for every n "
+                    f"tried: {'; '.join(p for p in parts if p)}. n-gram i is tuple(tokens[i : i + n]) for i in "
+                    "range(len(tokens) - n + 1): a text of T tokens has T - n + 1 n-grams.")
+        elif short:
+            hint = (f"Among the keys is {_show_gram(short[0])}, of {len(short[0])} tokens where an n-gram has n = "
+                    f"{n}: n-gram i is tuple(tokens[i : i + n]), for i in range(len(tokens) - n + 1).")
         elif last is not None and total == expected_total - 1 and got.get(last, 0) == expected[last] - 1:
             hint = (f"Off by one: your counts miss the last n-gram, {_show_gram(last)}. A text of T tokens has "
                     "T - n + 1 n-grams, so the positions run over range(len(tokens) - n + 1).")
@@ -222,19 +305,54 @@ def check_ngram_counts(fn: Callable[..., Any], seed: int = 0) -> None:
 
 def _probability_oracle(word: str, history: list[str], counts: Counter, contexts: Counter, n: int, vocab_size: int,
                         alpha: float, *, context_of: Callable[[list[str], int], tuple] | None = None,
-                        top: float = 1.0, bottom: float | None = None) -> float:
+                        top: float = 1.0, bottom: float | None = None, count_top: bool = True,
+                        count_bottom: bool = True, divide: bool = True) -> float:
     """(C(context, word) + alpha) / (C(context) + alpha · vocab_size), and the mistaken variants: another context
-    (``context_of``), alpha counted ``top`` times above, and ``bottom`` · alpha below instead of vocab_size."""
+    (``context_of``), alpha counted ``top`` times above, ``bottom`` · alpha below instead of vocab_size, a count
+    left out above (``count_top``) or below (``count_bottom``), no division at all (``divide``)."""
     context = context_of(history, n) if context_of else (tuple(history[len(history) - n + 1:]) if n > 1 else ())
-    below = contexts[context] + alpha * (vocab_size if bottom is None else bottom)
+    above = counts[(*context, word)] * count_top + top * alpha
+    if not divide:
+        return above
+    below = contexts[context] * count_bottom + alpha * (vocab_size if bottom is None else bottom)
     if not below:  # only without smoothing: a context never seen, which such code answers with 1 / vocab_size
         return 1 / vocab_size
-    return (counts[(*context, word)] + top * alpha) / below
+    return above / below
+
+
+# The contexts students take instead of the last n - 1 tokens of the history, each with what to say.
+CONTEXTS: dict[str, tuple[Callable[[list[str], int], tuple], str]] = {
+    "right": (lambda h, n: tuple(h[len(h) - n + 1:]) if n > 1 else (), ""),
+    "last n": (lambda h, n: tuple(h[len(h) - n:]),
+               "Off by one: your context is the last n tokens of the history; it is the last n - 1 (an n-gram is the "
+               "context and the word)."),
+    "last n + 1": (lambda h, n: tuple(h[max(len(h) - n - 1, 0):]),
+                   "Your context is the last n + 1 tokens of the history, two too many: it is the last n - 1 (an "
+                   "n-gram is the context and the word)."),
+    "last n - 2": (lambda h, n: tuple(h[len(h) - n + 2:]) if n > 2 else (),
+                   "Your context is one token short, the last n - 2 tokens of the history: it is the last n - 1."),
+    "whole for n = 1": (lambda h, n: tuple(h[-(n - 1):]),
+                        "For n = 1 your context is the whole history: history[-(n - 1):] is history[-0:] = "
+                        "history[0:], all of it. A unigram has no context, the empty tuple ()."),
+    "first": (lambda h, n: tuple(h[: n - 1]),
+              "Your context is the first n - 1 tokens of the history; it is the last n - 1, the words just before the "
+              "one predicted."),
+    "empty": (lambda h, n: (),
+              "Your context is the empty tuple () for every n, a unigram's: for n > 1 it is the last n - 1 tokens of "
+              "the history (the condition that picks the unigram case is inverted or too wide)."),
+    "whole": (lambda h, n: tuple(h),
+              "Your context is the whole history: it is only its last n - 1 tokens."),
+}
+# The same slips in code that gives n = 1 its empty context first (`... if n > 1 else ()`), where they differ.
+CONTEXTS.update({f"{name}, n > 1": ((lambda f: lambda h, n: f(h, n) if n > 1 else ())(CONTEXTS[name][0]),
+                                    "For n > 1: " + CONTEXTS[name][1][0].lower() + CONTEXTS[name][1][1:])
+                 for name in ("last n", "last n + 1", "whole")})
 
 
 def _probability_variants() -> dict[str, dict[str, Any]]:
-    """The common mistakes, each as arguments of the oracle."""
+    """The common mistakes in the formula, each as arguments of the oracle."""
     return {
+        "": {},
         "Your probabilities are not smoothed: an n-gram never seen in training gets 0, so any text that holds one "
         "gets probability 0. Add alpha to the n-gram's count and alpha · vocab_size to the context's count.":
             {"top": 0.0, "bottom": 0.0},
@@ -242,15 +360,52 @@ def _probability_variants() -> dict[str, dict[str, Any]]:
         "more, so the probabilities over the vocabulary no longer sum to 1.": {"bottom": 0.0},
         "You added alpha to the context's count once, not once per word of the vocabulary: the denominator is "
         "C(context) + alpha · vocab_size.": {"bottom": 1.0},
-        "For n = 1 your context is the whole history: history[-(n - 1):] is history[-0:] = history[0:], all of it. "
-        "A unigram has no context, the empty tuple ().": {"context_of": lambda h, n: tuple(h[-(n - 1):])},
-        "Off by one: your context is the last n tokens of the history; it is the last n - 1 (an n-gram is the "
-        "context and the word).": {"context_of": lambda h, n: tuple(h[len(h) - n:])},
-        "Your context is the first n - 1 tokens of the history; it is the last n - 1, the words just before the "
-        "one predicted.": {"context_of": lambda h, n: tuple(h[: n - 1])},
-        "Your context is one token short, the last n - 2 tokens of the history: it is the last n - 1.":
-            {"context_of": lambda h, n: tuple(h[len(h) - n + 2:]) if n > 2 else ()},
+        "You return the smoothed count C(context, word) + alpha without dividing it by C(context) + alpha · "
+        "vocab_size: a probability is the n-gram's share of its context's count.": {"divide": False},
+        "Your numerator is missing the n-gram's count: it is C(context, word) + alpha, so that a word seen after "
+        "the context gets more than alpha.": {"count_top": False},
+        "Your denominator is missing the context's count: it is C(context) + alpha · vocab_size, the number of "
+        "n-grams that begin with the context plus alpha for each word.": {"count_bottom": False},
     }
+
+
+def _probability_probe(fn: Callable[..., Any], seed: int) -> str | None:
+    """Which context and which formula the student's function uses, told apart on counts of every order.
+
+    The check's own counts hold n-grams of one order, where every context of another length is unseen and gives the
+    same answer. Here the counts of 1- to 8-grams of a text sit in one Counter (and their contexts in another): a
+    function that reads the key of the right length is unaffected, and each wrong context length reads counts of its
+    own. A long text over three words makes every context of up to five words recur, each length with counts of its
+    own (a context seen once would give the same answer at every length). The answer is named only when exactly one
+    (context, formula) pair gives all the student's values."""
+    g = torch.Generator().manual_seed(seed + 200)
+    tokens = [WORDS[i] for i in torch.randint(0, 3, (1500,), generator=g).tolist()]
+    counts: Counter = Counter()
+    for order in range(1, 9):
+        counts.update(_counts_oracle(tokens, order))
+    contexts: Counter = Counter()
+    for gram, count in counts.items():
+        contexts[gram[:-1]] += count
+    vocab_size = len(set(tokens)) + 1
+    cases = [(list(tokens[i : i + 5]), tokens[i + 5], n, alpha)
+             for n in (1, 2, 3) for i, alpha in ((3, 1.0), (17, 0.5), (41, 1.0))]
+    try:
+        got = [call(fn, word, list(history), counts, contexts, n=n, vocab_size=vocab_size, alpha=alpha)
+               for history, word, n, alpha in cases]
+    except CheckFailure:
+        return None
+    if not all(type(value) is float for value in got):
+        return None
+    found = [(context_hint, formula_hint)
+             for context_of, context_hint in CONTEXTS.values()
+             for formula_hint, variant in _probability_variants().items()
+             if all(math.isclose(value, _probability_oracle(word, history, counts, contexts, n, vocab_size, alpha,
+                                                            context_of=context_of, **variant),
+                                 rel_tol=1e-9, abs_tol=1e-12)
+                    for value, (history, word, n, alpha) in zip(got, cases, strict=True))]
+    if len(found) != 1 or found[0] == ("", ""):
+        return None
+    return " ".join(hint for hint in found[0] if hint)
 
 
 @check
@@ -304,12 +459,9 @@ def check_ngram_probability(fn: Callable[..., Any], seed: int = 0) -> None:
             i = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True))
                      if not math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12))
             what, history, word = cases[i]
-            hint = next((h for h, variant in _probability_variants().items()
-                         if all(math.isclose(a, _probability_oracle(w, list(hh), counts, contexts, n, vocab_size,
-                                                                    alpha, **variant), rel_tol=1e-9, abs_tol=1e-12)
-                                for a, (_, hh, w) in zip(got, cases, strict=True))),
-                        "Compare with (C(context, word) + alpha) / (C(context) + alpha · vocab_size), the context "
-                        "being the last n - 1 tokens of the history as a tuple.")
+            hint = _probability_probe(fn, seed) or (
+                "Compare with (C(context, word) + alpha) / (C(context) + alpha · vocab_size), the context being the "
+                "last n - 1 tokens of the history as a tuple.")
             raise CheckFailure(
                 f"For {what} (n={n}, alpha={alpha}, vocab_size={vocab_size}, history={list(history)}, word={word!r}) "
                 f"you give {got[i]:.6g}; the add-alpha estimate is {expected[i]:.6g} (largest difference "
@@ -359,22 +511,25 @@ def _attention_inputs(seed: int, dtype: torch.dtype) -> tuple[dict[str, int], tu
 
 def _additive_oracle(q: Tensor, k: Tensor, v: Tensor, w_q: Tensor, w_k: Tensor, v_a: Tensor,
                      mask: Tensor | None = None, *, tanh: bool = True, dim: int = -1, scale: float = 1.0,
-                     v_a_ones: bool = False, mask_style: str = "fill") -> tuple[Tensor, Tensor]:
+                     v_a_ones: bool = False, mask_style: str = "fill", transposed: str = "") -> tuple[Tensor, Tensor]:
     """score_ij = v_aᵀ tanh(W_q q_i + W_k k_j), one key at a time in float64; then the masked softmax over k_len.
     The keyword arguments give the common mistakes (no tanh, softmax over q_len, a scale, no v_a, masks done
-    otherwise)."""
+    otherwise, a projection transposed)."""
     q, k, v, w_q, w_k, v_a = (x.double() for x in (q, k, v, w_q, w_k, v_a))
     v_a = torch.ones_like(v_a) if v_a_ones else v_a
-    query = F.linear(q, w_q)  # (..., q_len, d_attn)
+    query, key = F.linear(q, w_q), F.linear(k, w_k)  # (..., q_len, d_attn), (..., k_len, d_attn)
+    # A projection that comes out transposed, (d_attn, len), runs where len = d_attn.
+    query = query.transpose(-2, -1) if "query" in transposed else query
+    key = key.transpose(-2, -1) if "key" in transposed else key
     columns = []
     for j in range(k.shape[-2]):
-        pre = query + F.linear(k[..., j : j + 1, :], w_k)  # (..., q_len, d_attn): query i with key j
+        pre = query + key[..., j : j + 1, :]  # (..., q_len, d_attn): query i with key j
         columns.append(F.linear(torch.tanh(pre) if tanh else pre, v_a[None])[..., 0])
     scores = torch.stack(columns, dim=-1) * scale  # (..., q_len, k_len)
     if mask is None:
         weights = torch.softmax(scores, dim=dim)
     else:
-        mask = mask.expand_as(scores)
+        raw_mask, mask = mask, mask.expand_as(scores)
         if mask_style == "fill":
             weights = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=dim).nan_to_num(0.0)
         elif mask_style == "inverted":
@@ -383,9 +538,32 @@ def _additive_oracle(q: Tensor, k: Tensor, v: Tensor, w_q: Tensor, w_k: Tensor, 
             weights = torch.softmax(scores, dim=dim) * mask
         elif mask_style == "zero":
             weights = torch.softmax(scores.masked_fill(~mask, 0.0), dim=dim)
-        else:  # "add": the mask added to the scores as numbers
+        elif mask_style == "add":  # the mask added to the scores as numbers
             weights = torch.softmax(scores + mask.double(), dim=dim)
+        else:  # the guard of fully masked rows, written as the solution does, with one slip
+            weights = _guarded_softmax(scores, raw_mask, dim, mask_style)
     return weights @ v, weights
+
+
+def _guarded_softmax(scores: Tensor, mask: Tensor, dim: int, slip: str) -> Tensor:
+    """The masked softmax as the solution writes it, with the guard of fully masked rows, ``has_key =
+    mask.any(dim=-1, keepdim=True)``, mistaken as ``slip`` says: ``all`` instead of ``any``, over the query axis
+    (``q_axis``), without keepdim (``no_keepdim``, in both places or only where it zeroes the ``scores`` or the
+    ``weights``), or with ``~has_key`` inverted where it zeroes the scores (``scores_inverted``) or the weights
+    (``weights_inverted``)."""
+    if slip == "guard all":
+        has_key = mask.all(dim=-1, keepdim=True)
+    elif slip == "guard q_axis":
+        has_key = mask.any(dim=-2, keepdim=True)
+    else:
+        has_key = mask.any(dim=-1, keepdim=True)
+    fill_scores = has_key if slip == "guard scores_inverted" else ~has_key
+    fill_weights = has_key if slip == "guard weights_inverted" else ~has_key
+    if slip.startswith("guard no_keepdim"):  # (..., q_len) lines up with the keys' axis: runs only where they agree
+        fill_scores = ~mask.any(dim=-1) if "weights" not in slip else fill_scores
+        fill_weights = ~mask.any(dim=-1) if "scores" not in slip else fill_weights
+    weights = torch.softmax(scores.masked_fill(~mask, -math.inf).masked_fill(fill_scores, 0.0), dim=dim)
+    return weights.masked_fill(fill_weights, 0.0)
 
 
 def _attention_variants(mask: Tensor | None, d_attn: int) -> dict[str, dict[str, Any]]:
@@ -410,6 +588,19 @@ def _attention_variants(mask: Tensor | None, d_attn: int) -> dict[str, dict[str,
                 {"mask_style": "zero"},
             "You added the mask to the scores as numbers: use it to choose, scores.masked_fill(~mask, -inf).":
                 {"mask_style": "add"},
+            # The guard of fully masked rows (there are none in these masks, so a right guard changes nothing).
+            "Your output is the masked attention with every query that has a masked key zeroed, as if the guard of "
+            "fully masked rows asked whether all keys are kept (mask.all) where it should ask whether at least one "
+            "is: has_key = mask.any(dim=-1, keepdim=True).": {"mask_style": "guard all"},
+            "Your output is the masked attention with the guard of fully masked rows taken over the query axis "
+            "(dim=-2): a query has no key left when its row of the mask, over k_len, holds no True: "
+            "mask.any(dim=-1, keepdim=True).": {"mask_style": "guard q_axis"},
+            "Your output gives every query that has a key the same weight on all k_len keys, masked ones included: "
+            "the guard that sets the scores of fully masked rows to 0 is inverted, it overwrote the rows that have "
+            "keys. Fill where ~has_key, the rows with no key.": {"mask_style": "guard scores_inverted"},
+            "Your weights are zero in every row that has a key: the guard that zeroes fully masked rows after the "
+            "softmax is inverted. Zero the weights where ~has_key, the rows with no key.":
+                {"mask_style": "guard weights_inverted"},
         })
     return variants
 
@@ -429,6 +620,70 @@ def _runs(fn: Callable[..., Any], inputs: tuple[Tensor, ...]) -> bool:
     return True
 
 
+def _square_projection_hint(fn: Callable[..., Any], inputs: tuple[Tensor, ...]) -> str:
+    """For a shape error without a mask: the call again on 2-D inputs with q_len = k_len = d_attn, where a projection
+    that comes out transposed, (d_attn, len) for (len, d_attn), still runs. Named when it runs, the right answer
+    differs from its output, and exactly one of the transposed projections gives it."""
+    q, k, v, w_q, w_k, v_a = inputs
+    d_attn = w_q.shape[0]
+    g = torch.Generator().manual_seed(27)
+    square = (torch.randn(d_attn, q.shape[-1], generator=g, dtype=q.dtype),
+              torch.randn(d_attn, k.shape[-1], generator=g, dtype=q.dtype),
+              torch.randn(d_attn, v.shape[-1], generator=g, dtype=q.dtype), w_q, w_k, v_a)
+    try:
+        result = call(fn, *square)
+    except CheckFailure:
+        return ""
+    output = result[0] if isinstance(result, tuple) and len(result) == 2 else None
+    if type(output) is not Tensor or output.shape != (d_attn, v.shape[-1]):
+        return ""
+    right, _ = _additive_oracle(*square)
+    tolerance = 1e-4 if q.dtype == torch.float32 else 1e-9
+    if close(output, right.to(q.dtype), q.dtype, tolerance):
+        return ""
+    found = [which for which in ("query", "key", "query key")
+             if close(output, _additive_oracle(*square, transposed=which)[0].to(q.dtype), q.dtype, tolerance)]
+    if len(found) != 1:
+        return ""
+    names = {"query": "W_q q", "key": "W_k k", "query key": "W_q q and W_k k"}[found[0]]
+    return (f" On 2-D inputs with q_len = k_len = d_attn = {d_attn} your function runs, and gives what it gives with "
+            f"{names} transposed, (d_attn, len) instead of (len, d_attn). Check that the operands of that einsum "
+            "come in the order of its pattern, the inputs first: einsum(q, w_q, \"... q_len d_q, d_attn d_q -> ... "
+            "q_len d_attn\"), and likewise for k.")
+
+
+def _square_mask_hint(fn: Callable[..., Any], inputs: tuple[Tensor, ...]) -> str:
+    """For a shape error that only the mask causes: the call again on 2-D inputs with q_len = k_len, where an axis
+    of q_len and one of k_len line up, and a mask with a fully masked row. When it runs and gives what the guard of
+    fully masked rows gives without keepdim (and the right answer does not), that is named."""
+    q, k, v, *weights_in = inputs
+    m = min(q.shape[-2], k.shape[-2])
+    if m < 2:
+        return ""
+    square = (q.reshape(-1, q.shape[-1])[:m], k.reshape(-1, k.shape[-1])[:m], v.reshape(-1, v.shape[-1])[:m],
+              *weights_in)
+    mask = torch.ones(m, m, dtype=torch.bool)
+    mask[1] = False  # query 1 may read no key
+    mask[0, -1] = False
+    try:
+        result = call(fn, *square, mask)
+    except CheckFailure:
+        return ""
+    output = result[0] if isinstance(result, tuple) and len(result) == 2 else None
+    if type(output) is not Tensor or output.shape != (m, v.shape[-1]):
+        return ""
+    right, _ = _additive_oracle(*square, mask)
+    if close(output, right.to(q.dtype), q.dtype):
+        return ""
+    for place in ("", " scores", " weights"):
+        slipped, _ = _additive_oracle(*square, mask, mask_style="guard no_keepdim" + place)
+        if close(output.nan_to_num(0.0), slipped.to(q.dtype), q.dtype, 1e-4 if q.dtype == torch.float32 else 1e-9):
+            return (f" On 2-D inputs with q_len = k_len = {m} it runs, and gives what the guard of fully masked rows "
+                    "gives without keepdim: mask.any(dim=-1) drops the k_len axis, and its (..., q_len) then lines "
+                    "up with the keys' axis. Keep it with keepdim=True.")
+    return ""
+
+
 def _attend(fn: Callable[..., Any], inputs: tuple[Tensor, ...], mask: Tensor | None,
             where: str) -> tuple[Tensor, Tensor]:
     """Call ``fn``; check that it returns (output, weights) of the right types, shapes and dtype."""
@@ -440,9 +695,20 @@ def _attend(fn: Callable[..., Any], inputs: tuple[Tensor, ...], mask: Tensor | N
         if ") raised " not in str(failure):
             raise
         hint = ""
-        if mask is not None and _runs(fn, inputs):
+        every_key = torch.ones(*q.shape[:-1], k.shape[-2], dtype=torch.bool)
+        if mask is None and _runs(fn, (*inputs, every_key)):
+            hint = (" The same call with a mask that keeps every key, which must change nothing, runs: your code uses "
+                    "the mask when mask is None. Guard each step that uses it with `if mask is not None`.")
+        elif mask is None and "'NoneType' object has no attribute" in str(failure):
+            hint = (" Called without a mask, your code read an attribute of None, and mask is the only argument that "
+                    "is None: a step that uses the mask runs when mask is None. Guard each step that uses it with "
+                    "`if mask is not None`.")
+        elif mask is not None and _runs(fn, inputs):
             hint = (" The same call without the mask runs, so the error comes from where your code uses the mask: "
-                    "compare the shape of each tensor you make from it with the scores' (..., q_len, k_len).")
+                    "compare the shape of each tensor you make from it with the scores' (..., q_len, k_len)."
+                    + _square_mask_hint(fn, inputs))
+        elif mask is None and (square := _square_projection_hint(fn, inputs)):
+            hint = square
         elif q.dim() == 2:
             hint = (" The leading axes are *batch, any number of them, none included: write einsum patterns with "
                     "'...' (\"... q_len d_q, d_attn d_q -> ... q_len d_attn\"), never with fixed axis numbers.")
@@ -450,7 +716,8 @@ def _attend(fn: Callable[..., Any], inputs: tuple[Tensor, ...], mask: Tensor | N
             hint = (" w_q is (d_attn, d_q) and w_k is (d_attn, d_k), the layout of nn.Linear.weight: W_q q is "
                     "einsum(q, w_q, \"... q_len d_q, d_attn d_q -> ... q_len d_attn\"). The query and key terms "
                     "meet in a (..., q_len, k_len, d_attn) tensor: add axes of size 1 with rearrange.")
-        raise CheckFailure(f"{where} (sizes {_named(sizes)}): {failure}{hint}") from None
+        text = _sentence(str(failure)) if hint else str(failure)
+        raise CheckFailure(f"{where} (sizes {_named(sizes)}): {text}{hint}") from None
     if not isinstance(result, tuple) or len(result) != 2:
         raise CheckFailure(f"{where} (sizes {_named(sizes)}): additive_attention should return a pair "
                            f"(output, weights), got {kind(result)}.")
@@ -469,10 +736,16 @@ def _diagnose_attention(inputs: tuple[Tensor, ...], mask: Tensor | None, output:
     found = difference(output, expected.to(dtype), _attention_names(q, k, v, w_q))
     tolerance = 1e-4 if dtype == torch.float32 else 1e-9
     # NaN counts as 0 here: an inverted mask, say, also leaves NaN where it hides every key of a row.
+    matches = []
     for hint, variant in _attention_variants(mask, w_q.shape[0]).items():
-        out, _ = _additive_oracle(*inputs, mask, **variant)
+        try:
+            out, _ = _additive_oracle(*inputs, mask, **variant)
+        except RuntimeError:  # a slip that cannot broadcast on these shapes
+            continue
         if close(output.nan_to_num(0.0), out.nan_to_num(0.0).to(dtype), dtype, tolerance):
-            return f"{hint} (Your output: {found}.)"
+            matches.append(hint)
+    if len(matches) == 1:
+        return f"{matches[0]} (Your output: {found}.)"
     if torch.isnan(output).any() or torch.isnan(weights).any():
         return (f"Your result contains NaN ({found}). A query whose keys are all masked must give zeros: the "
                 "softmax of a row of -inf is NaN.")
@@ -588,7 +861,7 @@ def check_additive_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: 
 # -- exercise 5: the measurement ----------------------------------------------------------------
 
 def _reference_top_weight(d_k: int, additive: bool, q_len: int, k_len: int, d_attn: int, g: torch.Generator,
-                          samples: int = 256, scaled: bool = False) -> float:
+                          samples: int = 256, scaled: bool = False, dim: int = -1) -> float:
     """A fresh sample of the mean largest weight, computed here without the student's code (new weights for each
     sample, as the exercise asks)."""
     q = torch.randn(samples, q_len, d_k, generator=g, dtype=torch.float64)
@@ -601,7 +874,7 @@ def _reference_top_weight(d_k: int, additive: bool, q_len: int, k_len: int, d_at
         scores = torch.stack([torch.tanh(query + key[:, j : j + 1]) @ v_a for j in range(k_len)], dim=-2)[..., 0]
     else:
         scores = q @ k.transpose(-2, -1) / (math.sqrt(d_k) if scaled else 1.0)
-    return torch.softmax(scores, dim=-1).amax(dim=-1).mean().item()
+    return torch.softmax(scores, dim=dim).amax(dim=-1).mean().item()
 
 
 # |your value - a fresh sample's| under correct code, per (d_k, additive) cell, with q_len=20, k_len=5, d_attn=12,
@@ -616,7 +889,10 @@ def _reference_top_weight(d_k: int, additive: bool, q_len: int, k_len: int, d_at
 # v_a not divided by sqrt(d_attn) +0.25 (additive); torch.rand draws -0.33 and -0.36 (dot product); softmax over
 # the queries -0.26 to -0.68. Not caught by the mean, whose expected value they move by 0.031 at most: d_attn
 # ignored, w_q and w_k not divided by sqrt(d_k), one set of additive weights for all samples; q_len, samples and
-# seed are left to the calls after the table (the mean does not depend on them).
+# seed are left to the calls after the table (the mean does not depend on them). A draw of the additive branch that
+# does not use the generator is told by calling additive=True twice; w_q alone divided by d_k, not sqrt(d_k), moves the
+# mean by about 0.01 (0.345 against 0.336 at d_k=4), within the noise, and a loop of samples + 1 draws has the same
+# distribution: neither is told apart.
 TOP_WEIGHT_TOLERANCE = {(4, False): 0.054, (4, True): 0.058, (64, False): 0.028, (64, True): 0.052,
                         (256, False): 0.021, (256, True): 0.051}
 # The hint "you divided by sqrt(d_k)" compares with the scaled dot product's mean, allowed 5.23 standard deviations
@@ -627,6 +903,67 @@ SCALED_TOLERANCE = {4: 0.042, 64: 0.026, 256: 0.024}
 # draws): the sd of 24 calls with samples=1 is 0.995 ± 0.100 of it for correct code (lowest 0.490 in 20000
 # repetitions) and 0.123 ± 0.018 when samples is ignored (highest 0.187), either side of _noise.SPREAD_THRESHOLD.
 SINGLE_DRAW_SD = 0.1546
+
+
+def _measure(fn: Callable[..., Any], d_k: int, **kwargs: Any) -> Any:
+    """Call ``mean_top_weight``; an error raised from mixed dtypes says where they come from."""
+    try:
+        return call(fn, d_k, **kwargs)
+    except CheckFailure as failure:
+        text = str(failure)
+        if ") raised " in text and re.search(r"\bdouble\b", text, re.I) and re.search(r"\bfloat\b", text, re.I):
+            # Every tensor of the exercise is drawn in float64: a float32 one is a draw without its dtype.
+            raise CheckFailure(f"{_sentence(text)} Your tensors mix float32 and float64: the exercise draws every "
+                               "tensor in float64, and torch.randn without dtype=torch.float64 gives float32. Pass "
+                               "dtype=torch.float64 to each draw.") from None
+        raise
+
+
+def _measure_runs(fn: Callable[..., Any], **kwargs: Any) -> bool:
+    try:
+        call(fn, 4, additive=False, q_len=1, k_len=2, **kwargs)
+    except CheckFailure:
+        return False
+    return True
+
+
+def _top_weight_hint(table: dict[tuple[int, bool], float], references: dict[tuple[int, bool], float],
+                     cell: tuple[int, bool], lengths: tuple[int, int, int], g: torch.Generator) -> str:
+    """What a measurement that disagrees with a fresh sample in ``cell`` probably does: a hypothesis is named only
+    when it agrees with the student's values in every cell it concerns (every d_k), and the right answer does not."""
+    (d_k, additive), (q_len, k_len, d_attn) = cell, lengths
+    value = table[cell]
+    dots = [d for d, a in table if not a]
+    if abs(value - 1 / k_len) < 1e-6:
+        return "You took the mean weight, which is always 1/k_len: take each query's largest weight (max over k_len)."
+    if all(abs(table[d, a] - references[d, not a]) <= max(TOP_WEIGHT_TOLERANCE[d, a], TOP_WEIGHT_TOLERANCE[d, not a])
+           for d, a in table):
+        return ("Your additive=False values agree with fresh samples of additive attention, and your additive=True "
+                "values with the dot product's, at every d_k: the branch on additive is inverted.")
+    if additive:
+        if value > references[cell]:
+            return ("Your additive attention is more peaked than it should be. Does exercise 4 pass (the tanh keeps "
+                    "each score bounded)? Are w_q and w_k drawn with torch.randn divided by sqrt(d_k), and v_a with "
+                    "torch.randn divided by sqrt(d_attn)?")
+        return ("Are q, k, w_q, w_k and v_a drawn with torch.randn, w_q and w_k divided by sqrt(d_k) and v_a by "
+                "sqrt(d_attn), with the q_len, k_len, d_attn and samples you are given, and is the result the mean "
+                "over every query of its largest weight?")
+    scaled = {d: _reference_top_weight(d, False, q_len, k_len, d_attn, g, scaled=True) for d in dots}
+    if all(abs(table[d, False] - scaled[d]) < SCALED_TOLERANCE[d] for d in dots):
+        return "You divided the dot products by sqrt(d_k): this experiment measures the unscaled scores q·k."
+    over_queries = {d: _reference_top_weight(d, False, q_len, k_len, d_attn, g, dim=-2) for d in dots}
+    if all(abs(table[d, False] - over_queries[d]) <= TOP_WEIGHT_TOLERANCE[d, False] for d in dots):
+        return ("Your dot-product values agree, at every d_k, with fresh samples of a softmax taken over the queries "
+                f"(for d_k={d_k}, about {over_queries[d_k]:.3f}): take it over the keys, dim=-1, so that each query's "
+                "weights sum to 1.")
+    over_q_len = {d: _reference_top_weight(d, False, q_len, q_len, d_attn, g) for d in dots}
+    if all(abs(table[d, False] - over_q_len[d]) <= TOP_WEIGHT_TOLERANCE[d, False] for d in dots):
+        return (f"That is the largest weight over {q_len} keys, as many as queries (a fresh sample gives about "
+                f"{over_q_len[d_k]:.3f}): are the keys drawn with k_len rows, torch.randn(k_len, d_k), and are your "
+                "scores (q_len, k_len), a row per query?")
+    return ("Are q and k unit-variance (torch.randn) with the q_len, k_len and samples you are given, are the scores "
+            "the unscaled q·k, softmaxed over the keys, and is the result the mean over every query of its largest "
+            "weight?")
 
 
 @check
@@ -640,44 +977,41 @@ def check_top_weight_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
     with one_thread():
         for d_k in (4, 64, 256):
             for additive in (False, True):
-                table[d_k, additive] = call(fn, d_k, additive=additive, q_len=q_len, k_len=k_len, d_attn=d_attn,
-                                            samples=samples, seed=seed)
+                table[d_k, additive] = _measure(fn, d_k, additive=additive, q_len=q_len, k_len=k_len, d_attn=d_attn,
+                                                samples=samples, seed=seed)
     for (d_k, additive), value in table.items():
+        if type(value) is Tensor and value.numel() == 1:
+            raise CheckFailure(f"Your mean_top_weight returns a one-element Tensor ({value.dtype}), not a Python "
+                               "float: end with .item().")
         if type(value) is not float:
             raise CheckFailure(f"mean_top_weight should return a Python float (use .item()), got {kind(value)}.")
         if not 1 / k_len - 1e-9 <= value <= 1 + 1e-9:
             with one_thread():
-                over_q_len = _reference_top_weight(d_k, additive, q_len, q_len, d_attn,
-                                                   torch.Generator().manual_seed(seed + 13))
-            hint = (f"That is the largest weight over {q_len} keys (a fresh sample gives about {over_q_len:.3f}): "
-                    "draw the keys with k_len rows, torch.randn(k_len, d_k), and the queries with q_len."
-                    if abs(value - over_q_len) <= TOP_WEIGHT_TOLERANCE[d_k, additive] else
-                    "Does your function draw the k_len keys it is given, and take the largest weight over k_len?")
+                g = torch.Generator().manual_seed(seed + 13)
+                over_q_len = _reference_top_weight(d_k, additive, q_len, q_len, d_attn, g)
+                over_queries = _reference_top_weight(d_k, False, q_len, k_len, d_attn, g, dim=-2)
+            near = [abs(value - over_q_len) <= TOP_WEIGHT_TOLERANCE[d_k, additive],
+                    not additive and abs(value - over_queries) <= TOP_WEIGHT_TOLERANCE[d_k, additive]]
+            if near == [True, False]:
+                hint = (f"That is the largest weight over {q_len} keys (a fresh sample gives about {over_q_len:.3f}): "
+                        "draw the keys with k_len rows, torch.randn(k_len, d_k), and the queries with q_len.")
+            elif near == [False, True]:
+                hint = (f"That agrees with a fresh sample of weights softmaxed over the queries (about "
+                        f"{over_queries:.3f}), whose largest over the keys can be below 1/k_len: take the softmax "
+                        "over the keys, dim=-1, so that each query's weights sum to 1.")
+            else:
+                hint = "Does your function draw the k_len keys it is given, and take the largest weight over k_len?"
             raise CheckFailure(f"The largest of {k_len} weights that sum to 1 lies in [1/{k_len}, 1] = "
                                f"[{1 / k_len:.3f}, 1], got {value:.3f} for d_k={d_k}, additive={additive}. {hint}")
     g = torch.Generator().manual_seed(seed + 11)
+    with one_thread():
+        references = {cell: _reference_top_weight(*cell, q_len, k_len, d_attn, g) for cell in table}
     for (d_k, additive), value in table.items():
-        with one_thread():
-            reference = _reference_top_weight(d_k, additive, q_len, k_len, d_attn, g)
-        allowed = TOP_WEIGHT_TOLERANCE[d_k, additive]
+        reference, allowed = references[d_k, additive], TOP_WEIGHT_TOLERANCE[d_k, additive]
         if abs(value - reference) <= allowed:
             continue
-        if abs(value - 1 / k_len) < 1e-6:
-            hint = ("You took the mean weight, which is always 1/k_len: take each query's largest weight (max over "
-                    "k_len).")
-        elif not additive and abs(value - _reference_top_weight(d_k, False, q_len, k_len, d_attn, g,
-                                                                scaled=True)) < SCALED_TOLERANCE[d_k]:
-            hint = "You divided the dot products by sqrt(d_k): this experiment measures the unscaled scores q·k."
-        elif abs(value - _reference_top_weight(d_k, additive, q_len, q_len, d_attn, g)) <= allowed:
-            hint = (f"That is the largest weight over {q_len} keys: draw the keys with k_len rows, "
-                    "torch.randn(k_len, d_k), and the queries with q_len.")
-        elif additive and value > reference:
-            hint = ("Your additive attention is more peaked than it should be. Does exercise 4 pass (the tanh keeps "
-                    "each score bounded)? Are w_q and w_k drawn with torch.randn divided by sqrt(d_k), and v_a with "
-                    "torch.randn divided by sqrt(d_attn)?")
-        else:
-            hint = ("Are q and k unit-variance (torch.randn) with the q_len, k_len, d_attn and samples you are given, "
-                    "and is the result the mean over every query of its largest weight?")
+        with one_thread():
+            hint = _top_weight_hint(table, references, (d_k, additive), (q_len, k_len, d_attn), g)
         raise CheckFailure(f"For d_k={d_k}, additive={additive}, q_len={q_len}, k_len={k_len}, d_attn={d_attn}, "
                            f"samples={samples} you measured {value:.3f}; a fresh sample gives about {reference:.3f} "
                            f"(difference {abs(value - reference):.3f}, allowed {allowed}: 5.2 standard deviations "
@@ -685,8 +1019,26 @@ def check_top_weight_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
     first = (table[4, False], (4,), dict(additive=False, q_len=q_len, k_len=k_len, d_attn=d_attn, samples=samples,
                                         seed=seed))
     with one_thread():
+        # The argument check's first single draw, alone: a function that raises only when samples is 1 is told.
+        try:
+            call(fn, 4, additive=False, q_len=1, k_len=2, samples=1, seed=seed + 1000)
+        except CheckFailure as failure:
+            if ") raised " not in str(failure) or not _measure_runs(fn, samples=2, seed=seed + 1000):
+                raise
+            hint = ("With samples=1 your function stacked an empty list, and with samples=2 it runs: its loop runs "
+                    "fewer times than samples (once per sample is range(samples))." if "empty" in str(failure) else
+                    "The same call with samples=2 runs: look at what your function does with samples when it is 1.")
+            raise CheckFailure(f"{_sentence(str(failure))} {hint}") from None
         _check_measurement_arguments(fn, "mean_top_weight", "additive", 1.0, "the largest weight", seed,
                                      SINGLE_DRAW_SD, first)
+        # The argument check called additive=False twice; the additive branch draws three more tensors.
+        again = call(fn, 4, additive=True, q_len=q_len, k_len=k_len, d_attn=d_attn, samples=samples, seed=seed)
+    if again != table[4, True]:
+        raise CheckFailure(
+            f"Called twice with the same arguments and seed={seed}, additive=True gave {table[4, True]!r} and then "
+            f"{again!r}, while additive=False gives one answer: a draw of the additive branch (w_q, w_k or v_a) "
+            "does not come from the seeded generator. Pass generator=... to each torch.randn."
+        )
     passed(f"dot product: the largest weight grows from {table[4, False]:.2f} to {table[256, False]:.2f} as d_k goes "
            f"4 → 256; additive: it stays near {table[256, True]:.2f} (over {k_len} keys); 1 for one key; seed and "
            "samples used")
