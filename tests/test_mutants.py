@@ -154,6 +154,12 @@ def test_messages_are_classified_by_the_written_rules():
              "f(Tensor(2, 3) float32) raised RuntimeError: The size of tensor a (5) must match the size of b (7)"}}
     assert classify(crash)[0] == "generic"
     assert sentences("A (largest difference 3 at index [0]). B: You did it.") == ["A .", "B:", "You did it."]
+    shifted = "For n > 1 your probabilities differ: off by one: your context is the last n tokens."
+    unit = {"operator": "drop-term", "original": "n - 1", "mutated": "n", "context": "n - 1",
+            "first_failure": {"ename": "CheckFailure", "message": shifted}}
+    assert classify(unit)[0] == "names-mutated"  # a "- 1" dropped is an off-by-one
+    term = {**unit, "original": "n - k", "mutated": "n", "context": "n - k"}
+    assert classify(term)[0] == "names-something-else"  # any other dropped term is not
 
 
 # The CI sample: a few seeded mutants per chapter through the fast runner.
