@@ -634,3 +634,78 @@ def test_failure_messages_give_the_sizes_and_the_largest_difference():
         with pytest.raises(CheckFailure) as failure:
             check(cls)
         assert "largest difference" in str(failure.value) and "on sizes batch=" in str(failure.value), failure.value
+
+
+# -- issue 27: each named diagnosis is verified on its own mistake and withheld from a similar one ----------
+
+class TableEmbedding(student.Embedding):
+    """The embedding with its sinusoidal table of max_len rows; ``rows(start, seq)`` picks the rows it adds."""
+
+    rows = staticmethod(lambda start, seq: slice(start, start + seq))
+    arange = staticmethod(lambda start, seq: torch.arange(start, start + seq))
+    extend = True
+    sign = 1.0
+
+    def forward(self, tokens, start=0):
+        x = self.tokens(tokens) * math.sqrt(self.d_model)
+        seq = tokens.shape[1]
+        if self.positional == "sinusoidal":
+            table = self.sinusoids
+            if self.extend and start + seq > len(table):
+                table = student.sinusoidal_encoding(start + seq, self.d_model)
+            x = x + self.sign * table[self.rows(start, seq)].to(x)
+        elif self.positional == "learned":
+            x = x + self.positions(self.arange(start, seq))
+        return self.dropout(x)
+
+
+def table_embedding(**changes):
+    return type("TableEmbedding_edited", (TableEmbedding,),
+                {k: staticmethod(v) if callable(v) else v for k, v in changes.items()})
+
+
+@pytest.mark.parametrize(
+    ("check", "changes", "message"),
+    [
+        (check_embedding_sinusoidal, dict(extend=False), r"with start=13 \(past max_len=14.*Past max_len your "
+                                                         r"positions stop: every token got the row of position start"),
+        (check_embedding_sinusoidal, dict(sign=-1.0), "You subtracted the positions"),
+        (check_embedding_sinusoidal, dict(rows=lambda start, seq: slice(start + 1, start + seq)),
+         r"4 rows of positions met seq = 5 token vectors at start = 0 .* and 4 at start = 6: always one fewer"),
+        (check_embedding_sinusoidal, dict(rows=lambda start, seq: slice(start, start + seq + 1)),
+         "always one more than the tokens"),
+        (check_embedding_learned, dict(arange=lambda start, seq: torch.arange(start)),
+         r"0 rows of positions met seq = 5 token vectors at start = 0.* and 6 at start = 6: always start \(what "
+         r"torch.arange\(start\) gives"),
+        (check_embedding_learned, dict(arange=lambda start, seq: torch.arange(start, start)),
+         "always none at any start"),
+    ],
+)
+def test_embedding_checks_name_a_one_line_slip(check, changes, message):
+    with pytest.raises(CheckFailure, match=message):
+        check(table_embedding(**changes))
+
+
+def test_embedding_checks_withhold_names_that_do_not_fit():
+    check_embedding_sinusoidal(TableEmbedding)
+    check_embedding_learned(TableEmbedding)
+    # A table that stops at max_len + 1 rows still fails past it, without the one-row name.
+    with pytest.raises(CheckFailure, match="Your positions have the wrong number of rows") as failure:
+        check_embedding_sinusoidal(table_embedding(extend=False, rows=lambda start, seq: (
+            slice(start - 1, start + seq) if start > 6 else slice(start, start + seq))))
+    assert "always" not in str(failure.value) and "every token got the row" not in str(failure.value)
+    # Positions that ignore start keep their own name, not the past-max_len one.
+    with pytest.raises(CheckFailure, match="start at 0 whatever `start` is") as failure:
+        check_embedding_sinusoidal(table_embedding(rows=lambda start, seq: slice(0, seq)))
+    assert "Past max_len" not in str(failure.value)
+
+
+def test_embedding_check_points_at_the_axis_of_a_shape_read_past_its_end():
+    class ThirdAxis(student.Embedding):
+        def forward(self, tokens, start=0):
+            tokens.shape[2]
+            return super().forward(tokens, start)
+
+    with pytest.raises(CheckFailure, match=r"raised IndexError: tuple index out of range An index ran past the end "
+                                           r"of a tuple: if it is a shape, tokens has two axes"):
+        check_embedding_sinusoidal(ThirdAxis)

@@ -2,6 +2,7 @@
 
 import math
 
+import einops
 import numpy as np
 import pytest
 import torch
@@ -380,3 +381,187 @@ def test_sizes_are_pairwise_distinct_for_every_seed():
     for seed in range(60):
         sizes = list(_sizes(seed).values())
         assert len(set(sizes)) == len(sizes) and _sizes(seed)["d_head"] % 2 == 0
+
+
+# -- issue 27: each named diagnosis is verified on its own mistake and withheld from a similar one ----------
+
+class PairRotary(torch.nn.Module):
+    """RoPE written the way the exercise suggests, with one line changed by ``edit`` (x0, x1, cos, sin -> pair)."""
+
+    edit = staticmethod(lambda x0, x1, cos, sin: (x0 * cos - x1 * sin, x0 * sin + x1 * cos))
+    exponent = staticmethod(lambda i, d: -2 * i / d)
+    split, merge = "... seq (pair two) -> ... seq pair two", "two ... seq pair -> ... seq (pair two)"
+    transposed_angle = False
+
+    def __init__(self, d_head, base=10000.0):
+        super().__init__()
+        if d_head < 2 or d_head % 2:
+            raise ValueError(f"d_head must be even, got {d_head}")
+        self.d_head, self.base = d_head, base
+
+    def forward(self, x, positions):
+        if x.shape[-1] != self.d_head:
+            raise ValueError("wrong width")
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        theta = self.base ** self.exponent(torch.arange(self.d_head // 2, dtype=dtype), self.d_head)
+        if self.transposed_angle:
+            angle = torch.einsum("s,p->sp", theta, positions.to(dtype))
+        else:
+            angle = positions.to(dtype)[:, None] * theta
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        pairs = einops.rearrange(x, self.split, two=2)
+        return einops.rearrange(list(self.edit(pairs[..., 0], pairs[..., 1], cos, sin)), self.merge)
+
+
+def pair_rotary(**changes):
+    return type("PairRotary_edited", (PairRotary,), {k: staticmethod(v) if callable(v) else v
+                                                      for k, v in changes.items()})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(edit=lambda x0, x1, c, s: (x0 * c - x1 * s, x1 * c)),
+         "In your odd channels the term x₀ sin pθ is missing"),
+        (dict(edit=lambda x0, x1, c, s: (x0 / c - x1 * s, x0 * s + x1 * c)),
+         "you divided by cos pθ instead of multiplying by it in x₀ cos pθ"),
+        (dict(edit=lambda x0, x1, c, s: (x0 * c - x1 * s, x0 + x1 * c)), "x₀ sin pθ has no sin factor"),
+        (dict(edit=lambda x0, x1, c, s: (x0 * c - x1 * s, s + x1 * c)), "x₀ sin pθ has no x factor"),
+        (dict(edit=lambda x0, x1, c, s: (x0 * c - x1 * s, -x0 * s + x1 * c)),
+         "the sign of x₀ sin pθ is flipped.*not a rotation"),
+        # Both leave only pair 0 turning: told apart by nothing, so named together.
+        (dict(exponent=lambda i, d: -2 * i), "every other θ_i ≈ 0, what base\\^\\(-2i\\) or base\\^\\(-2i·d_head\\)"),
+        (dict(exponent=lambda i, d: -2 * i * d), "the exponent divided by d_head"),
+        (dict(exponent=lambda i, d: -i / d), "you used i instead of 2i"),
+        (dict(split="... seq (two pair) -> ... seq pair two"),
+         "You split x into half-split pairs .* but put the result"),
+        (dict(merge="two ... seq pair -> ... seq (two pair)"), "You split x into interleaved pairs .* half-split"),
+        (dict(transposed_angle=True), "angle table is transposed"),
+        (dict(split="... seq (pair two) -> ... pair seq two"), "rotates x with its seq and pair axes swapped"),
+        (dict(split="... seq (pair two) -> seq ... pair two"), "without leading axes, your output is right"),
+        (dict(split="... seq (pair two) -> ... seq two pair"), "With d_head = 4 .* reads the pairs \\(x_i, x_i\\+2\\)"),
+    ],
+)
+def test_rope_values_check_names_a_one_line_slip(changes, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_rope_values(pair_rotary(**changes))
+
+
+def test_rope_values_check_withholds_names_that_do_not_fit():
+    # The correct formula passes; a sign flipped on the even channel's term is not called a missing term.
+    check_rope_values(PairRotary)
+    with pytest.raises(CheckFailure) as failure:
+        check_rope_values(pair_rotary(edit=lambda x0, x1, c, s: (x0 * c + x1 * s, x0 * s + x1 * c)))
+    assert "the sign of x₁ sin pθ is flipped" in str(failure.value) and "missing" not in str(failure.value)
+    # The exact half-split (both patterns) keeps its own name, not the one-sided one.
+    with pytest.raises(CheckFailure, match="You paired channel i with i \\+ d_head/2") as failure:
+        check_rope_values(pair_rotary(split="... seq (two pair) -> ... seq pair two",
+                                      merge="two ... seq pair -> ... seq (two pair)"))
+    assert "put the result back" not in str(failure.value)
+    # A shape error that no coinciding axes explain gets no name.
+    with pytest.raises(CheckFailure) as failure:
+        check_rope_values(pair_rotary(edit=lambda x0, x1, c, s: (x0 * c[:1, :1, None], x1)))
+    assert "transposed" not in str(failure.value) and "leading axes" not in str(failure.value)
+
+
+def test_rope_properties_check_accepts_two_channels_and_keeps_float16():
+    check_rope_properties(PairRotary)
+
+    class StrictRotary(PairRotary):
+        def __init__(self, d_head, base=10000.0):
+            if d_head <= 2:
+                raise ValueError(f"d_head must be even and above 2, got {d_head}")
+            super().__init__(d_head, base)
+
+    with pytest.raises(CheckFailure, match="RotaryEmbedding\\(2\\) raised ValueError.*at the boundary, 2 itself"):
+        check_rope_properties(StrictRotary)
+    # An odd width refused, as asked, is not mistaken for a refused 2.
+    with pytest.raises(CheckFailure, match="should raise ValueError for an odd d_head") as failure:
+        check_rope_properties(type("NoOddCheck", (checked_without("odd"),), {}))
+    assert "RotaryEmbedding(2)" not in str(failure.value)
+
+    class Float32Out(PairRotary):
+        def forward(self, x, positions):
+            dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+            theta = self.base ** (-2 * torch.arange(self.d_head // 2, dtype=dtype) / self.d_head)
+            angle = positions.to(dtype)[:, None] * theta
+            pairs = einops.rearrange(x, self.split, two=2)
+            x0, x1, cos, sin = pairs[..., 0], pairs[..., 1], angle.cos(), angle.sin()
+            return einops.rearrange([x0 * cos - x1 * sin, x0 * sin + x1 * cos], self.merge)
+
+    with pytest.raises(CheckFailure, match="float16 returned torch.float32: return x's dtype"):
+        check_rope_properties(Float32Out)
+
+    # A rotation by -pos·θ keeps every property: d_head = 2 and float16 cost it nothing here.
+    check_rope_properties(type("CheckedRotary_minus_theta", (CheckedRotary,), {"mistake": "minus_theta"}))
+
+
+def test_sinusoidal_check_counts_the_pairs():
+    def third(seq_len, d_model):
+        return encoding(seq_len, 2 * (d_model // 3))
+    with pytest.raises(CheckFailure, match=r"got \(35, 20\)\. Your encoding has 20 channels, 10 \(sin, cos\) pairs; "
+                                           r"d_model = 32 needs d_model // 2 = 16 pairs"):
+        check_sinusoidal_values(third)
+    def frequency_without_i(seq_len, d_model):
+        i = torch.arange(d_model // 2, dtype=torch.float64)
+        return einops.einsum(torch.arange(seq_len, dtype=torch.float64), 10000.0 ** (-2 / d_model) + 0 * i[0].item(),
+                             "seq, pair -> seq pair")
+    with pytest.raises(CheckFailure, match="A Python number reached a function that takes tensors"):
+        check_sinusoidal_values(frequency_without_i)
+    with pytest.raises(CheckFailure) as failure:  # another TypeError gets no hint
+        check_sinusoidal_values(lambda s, d: torch.zeros(s, d) + None)
+    assert "Python number" not in str(failure.value)
+    with pytest.raises(CheckFailure) as failure:  # the transposed table is not counted as pairs
+        check_sinusoidal_values(lambda s, d: encoding(s, d).T)
+    assert "pairs" not in str(failure.value)
+
+
+def measure(*, offsets=None, diagonal=None, spread=None, shape=None, repeat_axes="d_head -> seq d_head",
+            rotary=PairRotary):
+    """scores_by_offset written with einops, one piece replaceable."""
+    def scores_by_offset(q, k, seq_len):
+        rope = rotary(q.shape[-1] if shape is None else shape(q))
+        positions = torch.arange(seq_len)
+        q_rot = rope(einops.repeat(q, repeat_axes, seq=seq_len), positions)
+        k_rot = rope(einops.repeat(k, repeat_axes, seq=seq_len), positions)
+        scores = q_rot @ k_rot.T
+        ds = [(diagonal or (lambda t, o: torch.diagonal(t, offset=-o)))(scores, o)
+              for o in (offsets or (lambda n: range(-(n - 1), n)))(seq_len)]
+        return (torch.stack([d.mean() for d in ds]),
+                torch.stack([(spread or (lambda d: d.max() - d.min()))(d) for d in ds]))
+    return scores_by_offset
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(offsets=lambda n: range(-(n - 1) + 1, n)),
+         r"offsets -9 \.\.\. 10 .* missing the first 1 \(-10 \.\.\. -10\)"),
+        (dict(offsets=lambda n: range(-(n - 1), n - 1)), r"missing the last 1 \(10 \.\.\. 10\)"),
+        (dict(offsets=lambda n: range(n - 1, n)), "the sign of the range's start is flipped"),
+        (dict(diagonal=lambda t, o: torch.diagonal(t)), "each of your diagonals is the main one"),
+        (dict(spread=lambda d: d.max()), "Your spread is each diagonal's max alone: you left out − d.min"),
+        (dict(spread=lambda d: d.max() + d.min()), "max \\+ min of each diagonal"),
+        (dict(diagonal=lambda t, o: torch.diagonal(t, offset=-o + 1)), "A max\\(\\) or min\\(\\) met an empty tensor"),
+        (dict(shape=lambda q: q.shape[-2]), "q and k have one axis, \\(d_head,\\) = \\(12,\\)"),
+        (dict(repeat_axes="d_head -> d_head seq", rotary=student.RotaryEmbedding),
+         r"gave RotaryEmbedding an x of shape \(12, 11\), that is \(d_head, seq_len\): its axes are transposed"),
+    ],
+)
+def test_offset_check_names_a_one_line_slip(kwargs, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_offset_measurement(measure(**kwargs))
+
+
+def test_offset_check_withholds_names_that_do_not_fit():
+    check_offset_measurement(measure())
+    # Mirrored offsets keep their own name, not the main diagonal's; min - max is not called max alone.
+    with pytest.raises(CheckFailure, match="mirrored") as failure:
+        check_offset_measurement(measure(diagonal=lambda t, o: torch.diagonal(t, offset=o)))
+    assert "main one" not in str(failure.value)
+    with pytest.raises(CheckFailure, match="spread is not max − min") as failure:
+        check_offset_measurement(measure(spread=lambda d: d.min() - d.max() + 1))
+    assert "alone" not in str(failure.value) and "max + min" not in str(failure.value)
+    # Entries that are not RoPE's scores at any run of offsets get only the count.
+    with pytest.raises(CheckFailure, match="Your mean has 20 entries; it needs one per offset") as failure:
+        check_offset_measurement(lambda q, k, n: (torch.zeros(2 * n - 2, dtype=torch.float64),) * 2)

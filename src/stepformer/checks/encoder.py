@@ -10,6 +10,7 @@ run with that mistake switched on.
 """
 
 import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -287,12 +288,19 @@ def _sinusoidal(seq_len: int, d_model: int) -> Tensor:
     return pe.float()
 
 
-def _embedding_variants(table: Tensor, positions: Tensor, tokens: Tensor, start: int,
-                        d_model: int) -> dict[str, Tensor]:
+def _embedding_variants(table: Tensor, positions: Tensor, tokens: Tensor, start: int, d_model: int,
+                        max_len: int) -> dict[str, Tensor]:
     """What the usual mistakes give; positions holds the rows of every position 0 ... start + seq - 1."""
     rows, seq = table[tokens], tokens.shape[1]
     here, first = positions[start:start + seq].to(table), positions[:seq].to(table)
     root = math.sqrt(d_model)
+    variants = {}
+    if start + seq > max_len == start + 1:
+        # A table of max_len rows, not extended: its one row left at start broadcasts over every token.
+        variants[f"Past max_len your positions stop: every token got the row of position start = {start}, the last "
+                 f"row of a table of max_len = {max_len} rows. Only the learned table ends at max_len; the "
+                 "sinusoidal code is defined for every position, so when start + seq > max_len compute it for "
+                 "start + seq positions (sinusoidal_encoding(start + seq, d_model))."] = rows * root + positions[start]
     return {
         "": rows * root + here,
         "You did not scale the token vectors: multiply them by sqrt(d_model) before adding the positions.":
@@ -304,24 +312,92 @@ def _embedding_variants(table: Tensor, positions: Tensor, tokens: Tensor, start:
         "Your positions start at 0 whatever `start` is: the tokens sit at positions start ... start + seq - 1 "
         "(a decoder with a cache embeds one new token at a time, at position start).": rows * root + first,
         "Your embedding adds no positions: add the positional code of each position.": rows * root,
+        "You subtracted the positions (the sign is minus): add them, tokens · sqrt(d_model) + positions.":
+            rows * root - here,
+    } | variants
+
+
+SEQ_MISMATCH = re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\) at non-singleton "
+                          r"dimension 1\b")
+
+
+def _rows_added(failure: str, seq: int) -> int | None:
+    """How many rows of positions met ``seq`` token vectors, read off a broadcasting error along the seq axis."""
+    found = SEQ_MISMATCH.search(failure)
+    if not found:
+        return None
+    sizes = [int(n) for n in found.groups()]
+    others = [n for n in sizes if n != seq]
+    return others[0] if len(others) == 1 else None
+
+
+def _embedding_error_hint(module: Any, tokens: Tensor, start: int, failure: str, s: dict[str, int], max_len: int,
+                          positional: str) -> str:
+    """What a raised error shows about the positions' rows; a count is named only where a second start agrees."""
+    seq = tokens.shape[1]
+    if "IndexError: tuple index out of range" in failure:
+        return ("An index ran past the end of a tuple: if it is a shape, tokens has two axes, (batch, seq), so the "
+                "number of tokens is tokens.shape[1] (or shape[-1]); there is no axis 2.")
+    rows = _rows_added(failure, seq)
+    if rows is None:
+        return ""
+    where = f"{rows} rows of positions met seq = {seq} token vectors at start = {start} (max_len = {max_len})"
+    if positional == "sinusoidal" and start + seq > max_len and rows == max_len - start:
+        return (f"Past max_len your positions stop: {where}, so your rows end at position max_len. Only the learned "
+                "table ends at max_len; the sinusoidal code is defined for every position, so when start + seq > "
+                "max_len compute it for start + seq positions (sinusoidal_encoding(start + seq, d_model)).")
+    if positional == "sinusoidal" and start + seq > max_len and rows == 0:
+        return (f"Past max_len your positions are empty: {where}, so the table you take rows start ... start + seq - 1 "
+                f"from has at most start = {start} rows; it needs start + seq = {start + seq}.")
+    # A second start tells a count that follows start (torch.arange(start) has start entries) from a fixed one.
+    other = s["start"] if start == 0 else 0
+    try:
+        call(module, tokens, other)
+        again = None
+    except CheckFailure as second:
+        again = _rows_added(str(second), seq)
+    counts = {start: rows, other: again}
+    hypotheses = {
+        "one fewer than the tokens": lambda b: seq - 1,
+        "one more than the tokens": lambda b: seq + 1,
+        "start (what torch.arange(start) gives: positions 0 ... start - 1; it needs the end too, "
+        "torch.arange(start, start + seq))": lambda b: b,
+        "none at any start (a range from start to start is empty)": lambda b: 0,
     }
+    named = [what for what, count in hypotheses.items() if all(counts[b] == count(b) for b in counts)]
+    if len(named) == 1:
+        return (f"Your positions have the wrong number of rows: {where}, and {again} at start = {other}: always "
+                f"{named[0]}. Add the rows of positions start ... start + seq - 1, seq of them.")
+    return (f"Your positions have the wrong number of rows: {where}. Add the rows of positions start ... "
+            "start + seq - 1.")
 
 
 def _check_embedding_output(module: Any, table: Tensor, positions: Tensor, s: dict[str, int], dtype: torch.dtype,
-                            seed: int, what: str) -> None:
+                            seed: int, positional: str, max_len: int) -> None:
+    """For the sinusoidal code, one more case whose positions run past max_len (it is defined for any position)."""
     g = torch.Generator().manual_seed(seed + 5)
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)
+    what = f"positional={positional!r}" + (" (no positions are added)" if positional == "rope" else "")
+    past = positional == "sinusoidal"
     # The last case is one sentence: a batch of one catches a .squeeze() that drops the batch axis.
-    for batch, start in ((s["batch"], 0), (s["batch"], s["start"]), (1, 0)):
+    cases = [(s["batch"], 0), (s["batch"], s["start"]), (1, 0)] + ([(s["batch"], max_len - 1)] if past else [])
+    for batch, start in cases:
         args = (tokens[:batch],) if start == 0 else (tokens[:batch], start)
-        got = expect_tensor(call(module, *args), f"the embedding of {what}", (batch, s["seq"], s["d_model"]),
+        try:
+            result = call(module, *args)
+        except CheckFailure as failure:
+            hint = _embedding_error_hint(module, tokens[:batch], start, str(failure), s, max_len, positional)
+            raise CheckFailure(f"{failure} {hint}".strip()) from None
+        got = expect_tensor(result, f"the embedding of {what}", (batch, s["seq"], s["d_model"]),
                             "batch seq d_model", dtype)
-        variants = _embedding_variants(table, positions, tokens[:batch], start, s["d_model"])
+        variants = _embedding_variants(table, positions, tokens[:batch], start, s["d_model"], max_len)
         if close(got, variants[""], dtype):
             continue
         hint = next((h for h, v in list(variants.items())[1:] if close(got, v, dtype)),
                     "Compute self.tokens(tokens) * sqrt(d_model), then add the positions' rows.")
         where = "" if start == 0 else f" with start={start}"
+        if start + s["seq"] > max_len:
+            where += f" (past max_len={max_len}: the sinusoidal code is defined for every position)"
         sizes = {"batch": batch, "seq": s["seq"], "d_model": s["d_model"], "vocab": s["vocab"], "start": start}
         raise CheckFailure(f"The embedding of {what}{where} differs from tokens · sqrt(d_model) + positions "
                            f"({difference(got, variants[''], sizes)}). {hint}")
@@ -356,9 +432,9 @@ def check_embedding_sinusoidal(cls: Callable[..., Any], seed: int = 0, dtype: to
     s = _sizes(seed)
     max_len = s["start"] + s["seq"] + 3
     module, table, _ = _embedding_module(cls, s, dtype, seed, "sinusoidal", max_len)
-    positions = _sinusoidal(s["start"] + s["seq"], s["d_model"])
-    _check_embedding_output(module, table, positions, s, dtype, seed, "positional='sinusoidal'")
-    passed(f"Embedding: tokens · sqrt(d_model) + the sinusoidal code, from position 0 or start "
+    positions = _sinusoidal(max_len + s["seq"], s["d_model"])
+    _check_embedding_output(module, table, positions, s, dtype, seed, "sinusoidal", max_len)
+    passed(f"Embedding: tokens · sqrt(d_model) + the sinusoidal code, from position 0 or start, past max_len too "
            f"({_dtype_name(dtype)})")
 
 
@@ -368,10 +444,10 @@ def check_embedding_learned(cls: Callable[..., Any], seed: int = 0, dtype: torch
     s = _sizes(seed)
     max_len = s["start"] + s["seq"] + 3
     module, table, learned = _embedding_module(cls, s, dtype, seed, "learned", max_len)
-    _check_embedding_output(module, table, learned, s, dtype, seed, "positional='learned'")
+    _check_embedding_output(module, table, learned, s, dtype, seed, "learned", max_len)
     module, table, _ = _embedding_module(cls, s, dtype, seed, "rope", max_len)
     zeros = torch.zeros(max_len, s["d_model"], dtype=dtype)
-    _check_embedding_output(module, table, zeros, s, dtype, seed, "positional='rope' (no positions are added)")
+    _check_embedding_output(module, table, zeros, s, dtype, seed, "rope", max_len)
     error = call(_error_of, cls, s["vocab"], s["d_model"], "absolute", max_len)
     if error != "ValueError":
         got = "no error" if error is None else f"a {error}"

@@ -1,6 +1,8 @@
 """Checks for chapter 06: the sinusoidal encoding, rotary embeddings, and RoPE's relative scores."""
 
 import math
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -97,10 +99,29 @@ ENCODING_TOLERANCE = 1e-4
 
 
 def _encoding(fn: Callable[..., Any], seq_len: int, d_model: int) -> Tensor:
-    result = call(fn, seq_len, d_model)
+    try:
+        result = call(fn, seq_len, d_model)
+    except CheckFailure as failure:
+        if not re.search(r"raised TypeError: .*expected Tensor .*but got (float|int)", str(failure)):
+            raise
+        raise CheckFailure(
+            f"{failure}. A Python number reached a function that takes tensors. The frequencies 10000^(-2i/d_model) "
+            "are a tensor, one per pair i = torch.arange(d_model // 2): an expression without the tensor i in it is "
+            "a plain number, one frequency for every pair.") from None
     if type(result) is Tensor and tuple(result.shape) == (seq_len, d_model) and result.dtype != torch.float32:
         raise CheckFailure(f"The encoding should be float32 (what embeddings are), got {result.dtype}: "
                            "end with .float().")
+    if type(result) is Tensor and result.dim() == 2 and tuple(result.shape) not in ((seq_len, d_model),
+                                                                                  (d_model, seq_len)):
+        rows, channels = result.shape
+        shape = f"the encoding should have shape (seq={seq_len}, d_model={d_model}), got {tuple(result.shape)}"
+        if rows == seq_len and channels % 2 == 0:
+            raise CheckFailure(
+                f"{shape}. Your encoding has {channels} channels, {channels // 2} (sin, cos) pairs; d_model = "
+                f"{d_model} needs d_model // 2 = {d_model // 2} pairs, i = 0 ... {d_model // 2 - 1}, one per "
+                "value of the pair index i = torch.arange(d_model // 2).")
+        if channels == d_model:
+            raise CheckFailure(f"{shape}. Your encoding has {rows} rows; it needs one per position 0 ... seq_len - 1.")
     return expect_tensor(result, "the encoding", (seq_len, d_model), "seq d_model", torch.float32)
 
 
@@ -171,18 +192,64 @@ def check_sinusoidal_errors(fn: Callable[..., Any], seed: int = 0) -> None:
 # -- exercise 2: rotary embeddings ---------------------------------------------------------
 
 def _rope_oracle(x: Tensor, positions: Tensor, base: float = 10000.0, *, halves: bool = False,
-                 sign: float = 1.0, exponent: int = 2) -> Tensor:
+                 sign: float = 1.0, exponent: int = 2, theta: Callable[[Tensor, int], Tensor] | None = None,
+                 angle: Tensor | None = None, read_halves: bool | None = None, write_halves: bool | None = None,
+                 terms: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None) -> Tensor:
     """RoPE as complex multiplication (RoFormer, eq. 13): pair (x_2i, x_2i+1) is the number x_2i + i·x_2i+1,
-    multiplied by e^{i · pos · θ_i}, θ_i = base^(-2i/d_head). Computed in float64; switches for the usual mistakes.
+    multiplied by e^{i · pos · θ_i}, θ_i = base^(-2i/d_head). Computed in float64; switches for the usual mistakes:
+    ``theta(i, d_head)`` for another frequency, ``angle`` for another (seq, pair) angle table, ``read_halves`` /
+    ``write_halves`` for a half-split on one side only, ``terms(x0, x1, cos, sin)`` for another pair formula.
     """
     d_head = x.shape[-1]
-    theta = base ** (-exponent * torch.arange(d_head // 2, dtype=torch.float64) / d_head)
-    angle = sign * positions.double()[:, None] * theta[None, :]  # (seq, pair)
-    pattern = "... seq (two pair) -> ... seq pair two" if halves else "... seq (pair two) -> ... seq pair two"
-    z = torch.view_as_complex(rearrange(x.double(), pattern, two=2).contiguous())
-    turned = torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle))
-    back = "... seq pair two -> ... seq (two pair)" if halves else "... seq pair two -> ... seq (pair two)"
+    i = torch.arange(d_head // 2, dtype=torch.float64)
+    theta_i = theta(i, d_head) if theta is not None else base ** (-exponent * i / d_head)
+    if angle is None:
+        angle = sign * positions.double()[:, None] * theta_i[None, :]  # (seq, pair)
+    read = halves if read_halves is None else read_halves
+    write = halves if write_halves is None else write_halves
+    pattern = "... seq (two pair) -> ... seq pair two" if read else "... seq (pair two) -> ... seq pair two"
+    pairs = rearrange(x.double(), pattern, two=2)
+    if terms is None:
+        z = torch.view_as_complex(pairs.contiguous())
+        turned = torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle))
+    else:
+        turned = torch.stack(terms(pairs[..., 0], pairs[..., 1], angle.cos(), angle.sin()), dim=-1)
+    back = "... seq pair two -> ... seq (two pair)" if write else "... seq pair two -> ... seq (pair two)"
     return rearrange(turned, back).to(x.dtype)
+
+
+# The formula (x₀ cos − x₁ sin, x₀ sin + x₁ cos) with one term changed: the slips a student makes in one line.
+_PAIR = "(x'_2i, x'_2i+1) = (x₀ cos pθ − x₁ sin pθ, x₀ sin pθ + x₁ cos pθ), with x₀ = x_2i and x₁ = x_2i+1"
+_TERMS = {  # (channel, term) -> (the term's text, its factors x and trig as indices into (x0, x1, cos, sin), sign)
+    ("even", "x₀ cos pθ"): (0, 0, 2, 1.0), ("even", "x₁ sin pθ"): (0, 1, 3, -1.0),
+    ("odd", "x₀ sin pθ"): (1, 0, 3, 1.0), ("odd", "x₁ cos pθ"): (1, 1, 2, 1.0),
+}
+
+
+def _term_variants() -> dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]]:
+    """For each of the four terms: left out, its x or its cos/sin factor missing, divided instead of
+    multiplied, its sign flipped."""
+    variants = {}
+    for (channel, text), (out, xi, ti, sign) in _TERMS.items():
+        other = "odd" if channel == "even" else "even"
+        trig = "cos" if ti == 2 else "sin"
+        changes = {
+            f"the term {text} is missing": lambda x, t: 0 * x,
+            f"the term {text} has no {trig} factor: you left out {trig} pθ (it reads x alone)": lambda x, t: x,
+            f"the term {text} has no x factor: you left out x (it reads {trig} pθ alone)": lambda x, t: t,
+            f"you divided by {trig} pθ instead of multiplying by it in {text}": lambda x, t: x / t,
+            f"the sign of {text} is flipped (only x₁ sin pθ, in the even channel, has a minus)": lambda x, t: -x * t,
+        }
+        for change, term in changes.items():
+            def formula(x0: Tensor, x1: Tensor, cos: Tensor, sin: Tensor, out: int = out, xi: int = xi,
+                        ti: int = ti, sign: float = sign, term: Callable = term) -> tuple[Tensor, Tensor]:
+                parts = (x0, x1, cos, sin)
+                right = [[x0 * cos, -(x1 * sin)], [x0 * sin, x1 * cos]]
+                k = 0 if (out, xi) in ((0, 0), (1, 0)) else 1
+                right[out][k] = sign * term(parts[xi], parts[ti])
+                return right[0][0] + right[0][1], right[1][0] + right[1][1]
+            variants[f"In your {channel} channels {change}; your {other} channels are right. {_PAIR}."] = formula
+    return variants
 
 
 def _rope_inputs(seed: int, dtype: torch.dtype) -> tuple[dict[str, int], Tensor, Tensor]:
@@ -211,20 +278,87 @@ def _diagnose_rope(x: Tensor, positions: Tensor, base: float, got: Tensor) -> st
         "You rotate by -pos·θ: the rotation of a pair (x₀, x₁) is (x₀ cos − x₁ sin, x₀ sin + x₁ cos).": dict(sign=-1.0),
         "Your angles are wrong: θ_i = base^(-2i/d_head), where i numbers the pair (you used i instead of 2i).":
             dict(exponent=1),
-    }
+        "Your angles are wrong: θ_i = base^(-2i/d_head); you did not divide the exponent by d_head (θ_i = "
+        "base^(-2i)).": dict(theta=lambda i, d: base ** (-2 * i)),
+        "Your angles are wrong: θ_i = base^(-2i/d_head); you multiplied the exponent by d_head instead of dividing "
+        "by it.": dict(theta=lambda i, d: base ** (-2 * i * d)),
+        "You split x into half-split pairs (channel i with i + d_head/2) but put the result back as interleaved "
+        "pairs (2i, 2i + 1): the order of pair and two in your two rearrange patterns disagrees; both are "
+        "'(pair two)'.": dict(read_halves=True, write_halves=False),
+        "You split x into interleaved pairs (2i, 2i + 1) but put the result back as half-split pairs (channel i "
+        "with i + d_head/2): the order of pair and two in your two rearrange patterns disagrees; both are "
+        "'(pair two)'.": dict(read_halves=False, write_halves=True),
+    } | {hint: dict(terms=formula) for hint, formula in _term_variants().items()}
     # Named by float32's tolerance: a mistake made with float32 angles on float64 inputs is still that mistake.
     loose = TOLERANCE[torch.float32]
-    for hint, variant in variants.items():
-        if _near(got, _rope_oracle(x, positions, base, **variant), loose):
-            return hint
+    rotation = torch.allclose(norms_in, norms_out, rtol=1e-4, atol=1e-6)
+    matches = [hint for hint, variant in variants.items()
+               if _near(got, _rope_oracle(x, positions, base, **variant), loose)]
+    if len(matches) > 1 and all("the exponent by d_head" in hint for hint in matches):
+        # base^(-2i) and base^(-2i·d_head) both leave only pair 0 turning (θ_0 = 1, every other θ_i ≈ 0).
+        matches = ["Your angles are wrong: your θ_0 = 1 and every other θ_i ≈ 0, what base^(-2i) or base^(-2i·d_head) "
+                   "give: θ_i = base^(-2i/d_head), the exponent divided by d_head."]
+    if len(matches) == 1:
+        lengths = "" if rotation else " Your output's lengths differ from the input's: this is not a rotation."
+        return matches[0] + lengths
     if _near(got, _rope_oracle(x, torch.arange(len(positions)), base), loose):
         return "You rotated row s by s·θ: use the angle positions[s]·θ, the token's position."
     if base != 10000.0 and _near(got, _rope_oracle(x, positions, 10000.0), loose):
         return f"You ignored base={base}: θ_i = base^(-2i/d_head) with the base given to __init__."
-    if not torch.allclose(norms_in, norms_out, rtol=1e-4, atol=1e-6):
-        return ("Your output's lengths differ from the input's, so this is not a rotation: check the signs of "
-                "(x₀ cos − x₁ sin, x₀ sin + x₁ cos); only one of the four terms has a minus.")
+    if not rotation:
+        return ("Your output's lengths differ from the input's, so this is not a rotation; it matches none of the "
+                f"common mistakes (a sign, a term left out, a factor divided): compare one pair by hand, {_PAIR}.")
     return "Compare one pair by hand: (x₀, x₁) at position p becomes (x₀ cos pθ − x₁ sin pθ, x₀ sin pθ + x₁ cos pθ)."
+
+
+def _retry(rope: Any, x: Tensor, positions: Tensor) -> Tensor | None:
+    """The student's rotation of ``x``, or None where it raises or has the wrong shape."""
+    try:
+        return _rotated(rope, x, positions)
+    except CheckFailure:
+        return None
+
+
+def _rope_error_hint(cls: Callable[..., Any], rope: Any, x: Tensor, positions: Tensor, base: float) -> str:
+    """After an error: inputs on which the suspected axes coincide, where the code runs and its output tells which."""
+    loose, d_head = TOLERANCE[torch.float32], x.shape[-1]
+    if x.dim() > 2:
+        single = x[(0,) * (x.dim() - 2)]
+        got = _retry(rope, single, positions)
+        if got is not None and _near(got, _rope_oracle(single, positions, base), loose):
+            return ("On x of shape (seq, d_head), without leading axes, your output is right, so your code breaks on "
+                    "the leading axes (batch, heads): keep '...' in front of seq in every pattern ('... seq (pair two) "
+                    "-> ... seq pair two') and make cos and sin (seq, pair), so that they broadcast over the leading "
+                    "axes.")
+    pair = d_head // 2
+    if x.shape[-2] >= pair:
+        square, square_positions = x[..., :pair, :], positions[:pair]
+        got = _retry(rope, square, square_positions)
+        if got is not None:
+            theta = base ** (-2 * torch.arange(pair, dtype=torch.float64) / d_head)
+            transposed = square_positions.double()[None, :] * theta[:, None]  # angle[s, i] = positions[i] · θ_s
+            swapped = rearrange(rearrange(square, "... seq (pair two) -> ... pair seq two", two=2),
+                                "... a b two -> ... a (b two)")
+            where = f"On x with seq = d_head/2 = {pair} (where the seq and pair axes have one size) your code runs"
+            if _near(got, _rope_oracle(square, square_positions, base, angle=transposed), loose):
+                return (f"{where}, and its angle table is transposed: angle[s, i] = positions[i]·θ_s instead of "
+                        "positions[s]·θ_i. The angles are einsum(positions, theta, \"seq, pair -> seq pair\"): the "
+                        "operands in the order of the pattern.")
+            if _near(got, _rope_oracle(swapped, square_positions, base), loose):
+                return (f"{where}, and it rotates x with its seq and pair axes swapped: the axes of your pattern are "
+                        "out of order; split the pairs with '... seq (pair two) -> ... seq pair two'.")
+    if d_head != 4:
+        try:
+            small = call(cls, 4) if base == 10000.0 else call(cls, 4, base=base)
+        except CheckFailure:
+            return ""
+        got = _retry(small, x[..., :4], positions)
+        if got is not None and _near(got, _rope_oracle(x[..., :4], positions, base, read_halves=True,
+                                                       write_halves=False), loose):
+            return ("With d_head = 4 (where the pair and two axes both have size 2) your code runs, and it reads the "
+                    "pairs (x_i, x_i+2) but writes them back as (2i, 2i + 1): the axes two and pair of your "
+                    "pattern are out of order; split with '... seq (pair two) -> ... seq pair two'.")
+    return ""
 
 
 @check
@@ -233,7 +367,13 @@ def check_rope_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype
     s, x, positions = _rope_inputs(seed, dtype)
     for base, sample in ((10000.0, x), (10000.0, x[0, 0]), (10000.0, x[:1]), (500.0, x)):
         rope = call(cls, s["d_head"]) if base == 10000.0 else call(cls, s["d_head"], base=base)
-        got = _rotated(rope, sample, positions)
+        try:
+            got = _rotated(rope, sample, positions)
+        except CheckFailure as failure:
+            if ") raised " not in str(failure):
+                raise
+            hint = _rope_error_hint(cls, rope, sample, positions, base)
+            raise CheckFailure(f"{failure} {hint}".strip()) from None
         expected = _rope_oracle(sample, positions, base)
         if not _near(got, expected):
             sizes = dict(zip(("batch", "heads", "seq", "d_head")[4 - sample.dim():], sample.shape, strict=True))
@@ -287,12 +427,19 @@ def check_rope_properties(cls: Callable[..., Any], seed: int = 0) -> None:
             )
     _check_rope_arguments(cls, rope, s, q, pos_q)
     passed("q_m·k_n depends only on m − n; lengths are kept; position 0 is the identity; no learned parameters; "
-           "d_head and base are stored and wrong widths raise ValueError")
+           "d_head and base are stored, d_head = 2 works, float16 stays float16, wrong widths raise ValueError")
 
 
 def _stored(module: Any) -> tuple[Any, Any]:
     """The module's d_head and base attributes, as plain data (None where missing)."""
     return getattr(module, "d_head", None), getattr(module, "base", None)
+
+
+def _quietly(module: Any, x: Tensor, positions: Tensor) -> Any:
+    """Run the module without warnings (PyTorch warns that complex float16 is experimental; stderr costs points)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return module(x, positions)
 
 
 def _check_rope_arguments(cls: Callable[..., Any], rope: Any, s: dict[str, int], x: Tensor, positions: Tensor) -> None:
@@ -306,6 +453,21 @@ def _check_rope_arguments(cls: Callable[..., Any], rope: Any, s: dict[str, int],
         )
     _expect_value_error(cls, (d_head + 1,), f"RotaryEmbedding({d_head + 1})",
                         "an odd d_head (channels are rotated in pairs)")
+    refused = call(_error_of, cls, 2)
+    if refused is not None:
+        raise CheckFailure(
+            f"RotaryEmbedding(2) raised {refused[0]}: {refused[1]}. d_head = 2 is even, one pair of channels, the "
+            "smallest valid width: refuse only an odd d_head or one below 2 (at the boundary, 2 itself is allowed).")
+    # Values are exercise 2's first check; here only that the smallest width runs and float16 stays float16.
+    _rotated(call(cls, 2), x[..., :2], positions)
+    half = x.to(torch.float16)
+    got = call(_quietly, rope, half, positions)
+    if type(got) is Tensor and tuple(got.shape) == tuple(half.shape) and got.dtype != torch.float16:
+        raise CheckFailure(
+            f"RotaryEmbedding({d_head}) on x {describe(half)} returned {got.dtype}: return x's dtype. A float32 factor "
+            "makes the product float32: compute the angles in float32 (at least), then put cos and sin on x's dtype "
+            "(.to(x.dtype)) before they multiply x.")
+    _rotated(rope, half, positions)
     wider = torch.cat([x, x[..., :2]], dim=-1)
     _expect_value_error(rope, (wider, positions), f"RotaryEmbedding({d_head}) on x {describe(wider)}",
                         f"an input whose width {d_head + 2} is not d_head = {d_head} (compare x.shape[-1] "
@@ -326,6 +488,53 @@ def _offset_oracle(q: Tensor, k: Tensor, seq_len: int, *, halves: bool = False) 
     return (q_c * k_c.conj() * phase).sum(-1).real
 
 
+def _expect_offsets(mean: Any, expected: Tensor, seq_len: int) -> None:
+    """A mean with the wrong number of offsets: which offsets its entries are (their values tell)."""
+    n_offsets = 2 * seq_len - 1
+    if type(mean) is not Tensor or mean.dim() != 1 or len(mean) == n_offsets or mean.dtype != expected.dtype:
+        return
+    shape = f"mean should have shape (offset={n_offsets}), got {tuple(mean.shape)}"
+    found = [a for a in range(n_offsets - len(mean) + 1) if _near(mean, expected[a:a + len(mean)], PROPERTY_TOLERANCE)]
+    if len(mean) == 0 or len(found) != 1:
+        raise CheckFailure(f"{shape}. Your mean has {len(mean)} entries; it needs one per offset m − n from "
+                           f"−(seq_len − 1) = {-(seq_len - 1)} to seq_len − 1 = {seq_len - 1}, both ends included.")
+    first, last = found[0] - (seq_len - 1), found[0] + len(mean) - 1 - (seq_len - 1)
+    missing = []
+    if first > -(seq_len - 1):
+        missing.append(f"the first {first + seq_len - 1} ({-(seq_len - 1)} ... {first - 1})")
+    if last < seq_len - 1:
+        missing.append(f"the last {seq_len - 1 - last} ({last + 1} ... {seq_len - 1})")
+    start = (" It starts at +(seq_len − 1): the sign of the range's start is flipped, it is −(seq_len − 1)."
+             if first == seq_len - 1 else "")
+    raise CheckFailure(
+        f"{shape}. Your {len(mean)} {'entry is' if len(mean) == 1 else 'entries are'} RoPE's scores at the offsets "
+        f"{first} ... {last} (their values match "
+        f"there): your range of offsets is missing {' and '.join(missing)}; it runs from −(seq_len − 1) to "
+        f"seq_len − 1, both ends included, range(-(seq_len - 1), seq_len).{start}")
+
+
+def _measurement_error_hint(failure: str, d_head: int, seq_len: int) -> str:
+    """What an error raised by scores_by_offset shows, and where to look."""
+    if re.search(r"\b(max|min)\(\).*numel\(\) == 0", failure):
+        return (f"A max() or min() met an empty tensor. In the recipe that is a diagonal outside the (seq_len, "
+                f"seq_len) = ({seq_len}, {seq_len}) table: torch.diagonal(scores, offset=d) is empty for "
+                "|d| ≥ seq_len. "
+                "Look at the ends of your range of offsets (−(seq_len − 1) ... seq_len − 1, range(-(seq_len - 1), "
+                "seq_len)) and at the diagonal's offset, −(m − n), for each.")
+    if "IndexError: tuple index out of range" in failure:
+        return (f"An index ran past the end of a tuple: if it is a shape, q and k have one axis, (d_head,) = "
+                f"({d_head},), so d_head is q.shape[-1] (or q.shape[0]); there is no axis -2.")
+    if "Specify sizes for new axes in repeat" in failure:
+        return ("repeat cannot know the size of an axis it creates: pass it as a keyword, e.g. repeat(q, "
+                "\"d_head -> q_len d_head\", q_len=seq_len).")
+    given = re.search(r"'x': f\d+\[(\d+),(\d+)\]", failure)
+    if given and (int(given.group(1)), int(given.group(2))) == (d_head, seq_len):
+        return (f"Your code gave RotaryEmbedding an x of shape ({d_head}, {seq_len}), that is (d_head, seq_len): its "
+                "axes are transposed. RotaryEmbedding rotates rows, one per position: repeat the vector to (seq_len, "
+                "d_head), e.g. repeat(q, \"d_head -> q_len d_head\", q_len=seq_len).")
+    return ""
+
+
 @check
 def check_offset_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
     """The measured scores agree with RoPE's closed form and do not vary at a fixed offset m − n."""
@@ -333,13 +542,17 @@ def check_offset_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
     d_head, seq_len = s["d_head"] + 4, s["seq"] + 6
     g = torch.Generator().manual_seed(seed + 2)
     q, k = torch.randn(d_head, generator=g, dtype=torch.float64), torch.randn(d_head, generator=g, dtype=torch.float64)
-    result = call(fn, q, k, seq_len)
+    try:
+        result = call(fn, q, k, seq_len)
+    except CheckFailure as failure:
+        raise CheckFailure(f"{failure} {_measurement_error_hint(str(failure), d_head, seq_len)}".strip()) from None
     if not isinstance(result, tuple) or len(result) != 2:
         raise CheckFailure(f"scores_by_offset should return a pair (mean, spread), got {kind(result)}.")
     n_offsets = 2 * seq_len - 1
+    expected = _offset_oracle(q, k, seq_len)
+    _expect_offsets(result[0], expected, seq_len)
     mean = expect_tensor(result[0], "mean", (n_offsets,), "offset", torch.float64)
     spread = expect_tensor(result[1], "spread", (n_offsets,), "offset", torch.float64)
-    expected = _offset_oracle(q, k, seq_len)
     sizes = {"d_head": d_head, "seq_len": seq_len, "offset": n_offsets}
     if not _near(mean, expected, PROPERTY_TOLERANCE):
         found = difference(mean, expected, sizes)
@@ -353,6 +566,11 @@ def check_offset_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
         if torch.allclose(mean, _offset_oracle(q, k, seq_len, halves=True), rtol=1e-5, atol=1e-5):
             raise CheckFailure(f"Your measurement matches RoPE with half-split pairs ({found}): fix RotaryEmbedding "
                                "(exercise 2) to pair channels (0, 1), (2, 3), ... and this passes too.")
+        if torch.allclose(mean, torch.full_like(mean, (q @ k).item()), rtol=1e-5, atol=1e-5):
+            raise CheckFailure(
+                f"Every entry of your mean is q·k = {(q @ k).item():.4f}, the score at offset 0 ({found}): each of "
+                "your diagonals is the main one. torch.diagonal(scores) without offset= is the main diagonal; pass "
+                "offset=d to get the entries s[m, m + d], whose offset m − n is −d.")
         if (spread > 1e-5).any():
             raise CheckFailure(
                 f"At a fixed offset your scores still vary (spread up to {spread.max().item():.3g}; mean: {found}): "
@@ -367,6 +585,15 @@ def check_offset_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
         )
     if not (spread.abs() < PROPERTY_TOLERANCE).all():
         zeros = torch.zeros_like(spread)
+        # At a fixed offset every score is the mean, so a diagonal's max and min are both the mean.
+        variants = {"each diagonal's max alone: you left out − d.min(), the min subtracted from the max": expected,
+                    "max + min of each diagonal: you added the min instead of subtracting it (its sign is minus)":
+                        2 * expected,
+                    "min − max of each diagonal, the opposite sign: spread is max − min": zeros}
+        for what, variant in list(variants.items())[:2]:
+            if _near(spread, variant, PROPERTY_TOLERANCE) and not _near(variant, zeros, PROPERTY_TOLERANCE):
+                raise CheckFailure(f"Your means are right, but your spread is not max − min of each diagonal (should "
+                                   f"be ~0: {difference(spread, zeros, sizes)}). Your spread is {what}.")
         raise CheckFailure(f"Your means are right, but your spread is not max − min of each diagonal "
                            f"(should be ~0: {difference(spread, zeros, sizes)}).")
     passed(f"over {n_offsets} offsets the score depends only on m − n (spread < {PROPERTY_TOLERANCE:g}); "
