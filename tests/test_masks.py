@@ -504,6 +504,7 @@ CHANGED = "scaled_dot_product_attention(changed_x, changed_x, changed_x, mask)"
 @pytest.mark.parametrize(("edits", "named"), [
     ([("seq = x.shape[0]", "seq = x.shape[1]")], "one per feature of x rather than one per token"),
     ([("range(seq)", "range(seq + 1)")], "one past the last token"),
+    ([("range(seq)", "range(seq - 1)")], "one fewer than the 7 tokens"),
     ([("changed_x = x.clone()", "changed_x = x")], "Your function changed x in place"),
     ([("out != base", "out == base")], "Your matrix is inverted, here and with a causal mask"),
     ([("changed_x[j] += 1.0", "changed_x[j] += 0.0")], "No output moved for any changed token"),
@@ -513,6 +514,7 @@ def test_measurement_check_names_the_slip_and_only_it(edits, named):
     message = _message(check_which_outputs_change, _edited(*edits).which_outputs_change)
     assert named in message
     others = {"one per feature of x rather than one per token", "one past the last token",
+              "one fewer than the 7 tokens",
               "Your function changed x in place", "Your matrix is inverted, here and with a causal mask",
               "No output moved for any changed token",
               "pass the mask to scaled_dot_product_attention"} - {named}

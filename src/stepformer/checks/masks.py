@@ -478,6 +478,10 @@ def _shape_problem(shape: tuple[int, ...], seq: int, d_model: int) -> str:
         message += (f" One of its axes has d_model={d_model} entries, one per feature of x rather than one per "
                     "token: look at where the number of tokens is read. x is (seq, d_model), so seq = x.shape[0] "
                     "(axis 0 holds the tokens, axis 1 the features).")
+    elif len(shape) == 2 and shape[0] == seq and abs(shape[1] - seq) == 1:
+        side = "fewer" if shape[1] < seq else "more"
+        message += (f" Your matrix has {shape[1]} columns, one {side} than the {seq} tokens: it needs one column per "
+                    "changed token j, for every j in range(seq), the last token included.")
     return message
 
 
