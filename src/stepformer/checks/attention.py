@@ -470,7 +470,7 @@ def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
             found = difference(got, expected, sizes)
             hint = _entropy_mistake(fn, weights, got)
             if hint is not None:
-                raise CheckFailure(f"{hint} ({found}; {str(dtype).removeprefix('torch.')}).")
+                raise CheckFailure(f"{hint.removesuffix('.')} ({found}; {str(dtype).removeprefix('torch.')}).")
             raise CheckFailure(f"Your entropy differs from -Σ_k p log p summed over the k_len axis ({found}; "
                                f"{str(dtype).removeprefix('torch.')}).")
     weights = torch.softmax(logits, dim=-1)
