@@ -1,6 +1,9 @@
 """stepformer.attention against torch.nn.functional.scaled_dot_product_attention, on random shapes."""
 
 import math
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
 
+from stepformer import attention
 from stepformer.attention import attention_entropy, mean_attention_entropy, scaled_dot_product_attention
+from stepformer.checks._core import CheckFailure
+from stepformer.checks.attention import (
+    check_attention_entropy,
+    check_attention_mask,
+    check_attention_shapes,
+    check_attention_values,
+    check_entropy_measurement,
+)
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-6}
 
@@ -166,3 +178,153 @@ def test_mean_entropy_collapses_without_scaling_and_holds_with_it():
     assert unscaled[0] > unscaled[1] > unscaled[2] and unscaled[2] < 0.1 * math.log(k_len)
     assert mean_attention_entropy(1, scale=True) == mean_attention_entropy(1, scale=False)
 
+
+
+# -- the checks' diagnoses, each on the library's code with one edit ---------------------------
+
+def _edited(module, *edits):
+    """The module's source with each ``(old, new)`` replaced once, loaded under another name: a student's
+    solution with one mistake (not the library's objects, so the own-work rule does not flag it)."""
+    source = Path(module.__file__).read_text()
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new, 1)
+    name = "student_edited_" + module.__name__.rpartition(".")[2]
+    copy = types.ModuleType(name)
+    copy.__file__ = module.__file__
+    sys.modules[name] = copy
+    exec(compile(source, module.__file__, "exec"), copy.__dict__)  # noqa: S102 - the test's own edited source
+    return copy
+
+
+def _message(check, fn, **kwargs):
+    with pytest.raises(CheckFailure) as failure:
+        check(fn, **kwargs)
+    return str(failure.value)
+
+
+GUARD = "mask.any(dim=-1, keepdim=True)"
+GUARD_MISTAKES = {
+    "all": ([(GUARD, "mask.all(dim=-1, keepdim=True)")], "not those where not every key is allowed (mask.all)"),
+    "dim -2": ([(GUARD, "mask.any(dim=-2, keepdim=True)")], "fully masked rows over the query axis"),
+    "neutral where has_key": ([(".masked_fill(~has_key, 0.0)\n", ".masked_fill(has_key, 0.0)\n")],
+                              "set to 0 before the softmax are the queries that have a key"),
+    "zero where has_key": ([("weights.masked_fill(~has_key, 0.0)", "weights.masked_fill(has_key, 0.0)")],
+                           "weights you zero after the softmax are the queries that have a key"),
+    "fill where mask": ([("masked_fill(~mask, -math.inf)", "masked_fill(mask, -math.inf)")], "Your mask is inverted"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(GUARD_MISTAKES))
+def test_mask_check_names_the_guard_mistake_and_only_it(mistake):
+    edits, named = GUARD_MISTAKES[mistake]
+    message = _message(check_attention_mask, _edited(attention, *edits).scaled_dot_product_attention)
+    assert named in message
+    assert "differs from" in message or "largest difference" in message  # the observed facts stay
+    for other, (_, other_named) in GUARD_MISTAKES.items():
+        if other != mistake:
+            assert other_named not in message
+
+
+@pytest.mark.parametrize("keepdim", ["mask.any(dim=-1)", "mask.any(dim=-1, keepdim=False)"])
+def test_mask_check_names_a_lost_keepdim_after_the_shape_error(keepdim):
+    message = _message(check_attention_mask, _edited(attention, (GUARD, keepdim)).scaled_dot_product_attention)
+    assert "must match the size" in message and "mask.any(dim=-1, keepdim=True)" in message
+
+
+def test_a_shape_error_with_a_mask_is_not_blamed_on_keepdim_when_square_inputs_disagree():
+    # The mask read with a fixed (batch, heads) layout: a shape error, but not the keepdim one.
+    edits = [(GUARD, "mask.any(dim=-1, keepdim=True)[..., :1, :, :]")]
+    message = _message(check_attention_mask, _edited(attention, *edits).scaled_dot_product_attention)
+    assert "keepdim" not in message
+
+
+UNMASKED = "if mask is not None:\n        "
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    ((UNMASKED + "# -inf", "if mask is None:\n        # -inf"), "the only None it was given is mask=None"),
+    ((UNMASKED + "weights", "if mask is None:\n        weights"), "the mask=None path is what fails"),
+])
+def test_shapes_check_names_the_unmasked_path(edit, named):
+    message = _message(check_attention_shapes, _edited(attention, edit).scaled_dot_product_attention)
+    assert named in message
+
+
+def test_shapes_check_does_not_blame_the_unmasked_path_when_masked_calls_fail_too():
+    edits = [("d_k = q.shape[-1]", "d_k = q.shape[-1]\n    q = q.view(-1)")]
+    message = _message(check_attention_shapes, _edited(attention, *edits).scaled_dot_product_attention)
+    assert "mask=None" not in message
+
+
+@pytest.mark.parametrize(("axis", "named"), [("q.shape[-2]", "sqrt(q_len)"), ("k.shape[-2]", "sqrt(k_len)"),
+                                             ("v.shape[-1]", "sqrt(d_v)")])
+def test_values_check_names_d_k_read_off_another_axis(axis, named):
+    message = _message(check_attention_values, _edited(attention, ("d_k = q.shape[-1]", f"d_k = {axis}"))
+                       .scaled_dot_product_attention)
+    assert named in message and "largest difference" in message
+    assert "d_k: divide by sqrt(d_k)" not in message
+
+
+def test_values_check_keeps_dividing_by_d_k_apart_from_another_axis():
+    edits = [("/ math.sqrt(d_k)", "/ d_k")]
+    message = _message(check_attention_values, _edited(attention, *edits).scaled_dot_product_attention)
+    assert "divided the scores by d_k" in message and "another axis" not in message
+
+
+PLOGP = "weights * weights.log()"
+ENTROPY_MISTAKES = {
+    "mean": ([('"sum"', '"mean"')], "a mean over k_len"),
+    "no weight": ([(PLOGP, "weights.log()")], "log p without the weight p"),
+    "no log": ([(PLOGP, "weights")], "Your terms are p, without log p"),
+    "p times p": ([(PLOGP, "weights * weights")], "Your terms are p · p"),
+    "divided": ([(PLOGP, "weights / weights.log()")], "You divided p by log p"),
+    "where swapped": ([(f"torch.where(weights > 0, {PLOGP}, 0.0)", f"torch.where(weights > 0, 0.0, {PLOGP})")],
+                      "its two values are the wrong way round"),
+    "nothing kept": ([("weights > 0,", "weights > 1,")], "every p log p term is dropped"),
+    "sign": ([("return -reduce(", "return reduce(")], "wrong sign"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(ENTROPY_MISTAKES))
+def test_entropy_check_names_the_slip_and_only_it(mistake):
+    edits, named = ENTROPY_MISTAKES[mistake]
+    message = _message(check_attention_entropy, _edited(attention, *edits).attention_entropy)
+    assert named in message and "largest difference" in message
+    for other, (_, other_named) in ENTROPY_MISTAKES.items():
+        if other != mistake:
+            assert other_named not in message
+
+
+MEASURE_Q = "q = torch.randn(samples, q_len, d_k, generator=generator, dtype=torch.float64)"
+
+
+@pytest.mark.parametrize(("edits", "named"), [
+    ([(MEASURE_Q, "q = torch.randn(samples, q_len, d_k, generator=generator)")], "different dtypes"),
+    ([("torch.zeros(samples, k_len, 1, dtype=torch.float64)", "torch.zeros(samples, k_len, 1)")], "different dtypes"),
+    ([("q if scale else", "q if not scale else")], "your test of scale is inverted"),
+    ([(".mean().item()", ".sum().item()")], "you summed the entropies instead of averaging them"),
+    ([("k = torch.randn(samples, k_len,", "k = torch.randn(samples, q_len,"),
+      ("torch.zeros(samples, k_len, 1", "torch.zeros(samples, q_len, 1")], "That is the entropy over 12 keys"),
+])
+def test_measurement_check_names_the_slip(edits, named):
+    message = _message(check_entropy_measurement, _edited(attention, *edits).mean_attention_entropy)
+    assert named in message
+    others = {"different dtypes", "inverted", "summed the entropies", "entropy over 12 keys"} - {named}
+    assert not any(other in message for other in others if other not in named)
+
+
+def test_measurement_check_does_not_call_a_mean_over_too_many_keys_a_sum():
+    # Keys drawn over k_len + q_len positions: out of no range, so neither the sum nor the inverted scale.
+    edits = [("q = q if scale else q * math.sqrt(d_k)", "q = q if scale else q * d_k")]
+    message = _message(check_entropy_measurement, _edited(attention, *edits).mean_attention_entropy)
+    assert "summed the entropies" not in message and "inverted" not in message
+
+
+def test_measurement_check_names_a_tensor_left_unconverted_and_only_that():
+    message = _message(check_entropy_measurement, _edited(attention, (".mean().item()", ".mean()"))
+                       .mean_attention_entropy)
+    assert "Your value is a tensor holding one number" in message
+    message = _message(check_entropy_measurement, _edited(attention, (".mean().item()", ".mean().tolist(),"))
+                       .mean_attention_entropy)
+    assert "should return a Python float" in message and "holding one number" not in message

@@ -1,5 +1,9 @@
 """stepformer.masks against PyTorch's own masks and attention, and the chapter's checks."""
 
+import sys
+import types
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -379,7 +383,7 @@ def _measure(x, mask, *, queries=True, keys=True, transpose=False, apply_mask=Tr
         (check_which_outputs_change, lambda x, mask=None: _measure(x, mask, queries=False), "only the keys and values"),
         (check_which_outputs_change, lambda x, mask=None: _measure(x, mask, transpose=True), "transposed"),
         (check_which_outputs_change, lambda x, mask=None: _measure(x, mask, apply_mask=False), "pass the mask"),
-        (check_which_outputs_change, lambda x, mask=None: _measure(x, mask, same_copy=True), "Nothing changed"),
+        (check_which_outputs_change, lambda x, mask=None: _measure(x, mask, same_copy=True), "No output moved"),
         # The catalogue of chapter 02: each usual mistake named, with how many entries are wrong and the sizes.
         (check_padding_mask, padding_inverted,
          r"padding mask is inverted.*\(\d+ of 14 entries wrong, largest difference 1 at index \[0, 0\] on sizes "
@@ -446,3 +450,73 @@ def test_pytorchs_own_causal_mask_is_not_own_work():
 
     with pytest.raises(CheckFailure, match="Not your own work"):
         check_causal_mask(borrowed)
+
+
+# -- diagnoses verified on the library's code with one edit ----------------------------------
+
+def _edited(*edits):
+    """stepformer.masks with each ``(old, new)`` replaced once, loaded under another name (a student's copy)."""
+    source = Path(stepformer.masks.__file__).read_text()
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new, 1)
+    copy = types.ModuleType("student_edited_masks")
+    copy.__file__ = stepformer.masks.__file__
+    sys.modules[copy.__name__] = copy
+    exec(compile(source, copy.__file__, "exec"), copy.__dict__)  # noqa: S102 - the test's own edited source
+    # The notebook hands students chapter 01's attention as their own cell, not the library's object.
+    copy.scaled_dot_product_attention = student_copy(stepformer.attention).scaled_dot_product_attention
+    return copy
+
+
+def _message(check, fn):
+    with pytest.raises(CheckFailure) as failure:
+        check(fn)
+    return str(failure.value)
+
+
+TRIANGLE = "torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)"
+
+
+@pytest.mark.parametrize(("edits", "named", "not_named"), [
+    # k_len=None not replaced: only the call without k_len fails, and causal_mask(n, n) shows it.
+    ([("k_len = q_len if k_len is None else k_len", "k_len = q_len if k_len is not None else k_len")],
+     "causal_mask(4, 4) gives the right mask", "fewer than two axes"),
+    ([("torch.ones(q_len, k_len,", "torch.ones(q_len,")], "fewer than two axes", "default to q_len"),
+    ([(".tril(diagonal=k_len - q_len)", ".tril(diagonal=k_len)")], "True everywhere", "off by one"),
+    ([(".tril(diagonal=k_len - q_len)", ".tril(diagonal=k_len + q_len)")], "True everywhere", "off by one"),
+    ([(".tril(diagonal=k_len - q_len)", ".tril(diagonal=k_len - q_len + 1)")], "off by one", "True everywhere"),
+])
+def test_causal_mask_check_names_the_slip(edits, named, not_named):
+    message = _message(check_causal_mask, _edited(*edits).causal_mask)
+    assert named in message and not_named not in message
+
+
+def test_a_causal_mask_that_fails_with_k_len_too_is_not_called_a_default_problem():
+    edits = [("k_len = q_len if k_len is None else k_len", "k_len = None")]
+    message = _message(check_causal_mask, _edited(*edits).causal_mask)
+    assert "gives the right mask" not in message
+
+
+CHANGED = "scaled_dot_product_attention(changed_x, changed_x, changed_x, mask)"
+
+
+@pytest.mark.parametrize(("edits", "named"), [
+    ([("seq = x.shape[0]", "seq = x.shape[1]")], "one per feature of x rather than one per token"),
+    ([("range(seq)", "range(seq + 1)")], "one past the last token"),
+    ([("range(seq)", "range(seq - 1)")], "one fewer than the 7 tokens"),
+    ([("changed_x = x.clone()", "changed_x = x")], "Your function changed x in place"),
+    ([("out != base", "out == base")], "Your matrix is inverted, here and with a causal mask"),
+    ([("changed_x[j] += 1.0", "changed_x[j] += 0.0")], "No output moved for any changed token"),
+    ([(CHANGED, CHANGED.replace(", mask)", ")"))], "pass the mask to scaled_dot_product_attention"),
+])
+def test_measurement_check_names_the_slip_and_only_it(edits, named):
+    message = _message(check_which_outputs_change, _edited(*edits).which_outputs_change)
+    assert named in message
+    others = {"one per feature of x rather than one per token", "one past the last token",
+              "one fewer than the 7 tokens",
+              "Your function changed x in place", "Your matrix is inverted, here and with a causal mask",
+              "No output moved for any changed token",
+              "pass the mask to scaled_dot_product_attention"} - {named}
+    assert not any(other in message for other in others)
+

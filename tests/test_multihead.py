@@ -1,6 +1,9 @@
 """stepformer.multihead against torch.nn.MultiheadAttention on random shapes, and the chapter's checks."""
 
 import math
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,7 +256,7 @@ class Attention(nn.Module):
 
     def __init__(self, d_model, heads, bias=True, dropout=0.0):
         super().__init__()
-        if d_model % heads and self.mistake != "no validation":
+        if (heads < 1 or d_model % heads) and self.mistake != "no validation":
             raise ValueError("d_model must be a multiple of heads")
         self.heads = heads
         width = d_model // heads if self.mistake == "per-head width" else d_model
@@ -476,3 +479,53 @@ def test_replay_of_a_module_check_needs_no_module(monkeypatch, tmp_path):
         check_mha_cross_attention(object(), seed=2)  # the object is never touched
     with replaying(tmp_path / "wrong"), pytest.raises(CheckFailure, match="without the output projection"):
         check_mha_cross_attention(object(), seed=2)
+
+
+# -- diagnoses verified on the library's code with one edit ----------------------------------
+
+def _edited(*edits):
+    """stepformer.multihead with each ``(old, new)`` replaced once, loaded under another name (a student's copy),
+    with chapter 01's attention as the notebook hands it over."""
+    source = Path(stepformer.multihead.__file__).read_text()
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new, 1)
+    copy = types.ModuleType("student_edited_multihead")
+    copy.__file__ = stepformer.multihead.__file__
+    sys.modules[copy.__name__] = copy
+    exec(compile(source, copy.__file__, "exec"), copy.__dict__)  # noqa: S102 - the test's own edited source
+    copy.scaled_dot_product_attention = student.scaled_dot_product_attention
+    return copy
+
+
+@pytest.mark.parametrize("edit", [("heads < 1 or d_model % heads != 0", "d_model % heads != 0"),
+                                  ("heads < 1 or", "heads < 0 or")])
+def test_init_check_refuses_zero_heads_and_names_the_division(edit):
+    with pytest.raises(CheckFailure, match=r"MultiHeadAttention\(\d+, 0\) should raise a ValueError.*divides by heads"):
+        check_mha_init(_edited(edit).MultiHeadAttention)
+
+
+def test_init_check_does_not_blame_a_division_when_zero_heads_is_accepted():
+    edits = [("heads < 1 or d_model % heads != 0", "heads != 0 and d_model % heads != 0")]
+    with pytest.raises(CheckFailure, match=r"should raise a ValueError.*it raised no error\.$"):
+        check_mha_init(_edited(*edits).MultiHeadAttention)
+
+
+WEIGHTED_SUM = "batch heads q_len k_len, batch heads k_len d_head -> batch heads q_len d_head"
+
+
+@pytest.mark.parametrize(("order", "named"), [("heads batch q_len d_head", "(heads, batch, q_len, d_head)"),
+                                              ("batch heads d_head q_len", "(batch, heads, d_head, q_len)"),
+                                              ("batch q_len heads d_head", "(batch, q_len, heads, d_head)")])
+def test_self_attention_check_names_the_order_of_the_heads_outputs(order, named):
+    edits = [(WEIGHTED_SUM, WEIGHTED_SUM.replace("batch heads q_len d_head", order))]
+    with pytest.raises(CheckFailure, match="mat1 and mat2 shapes cannot be multiplied") as failure:
+        check_mha_self_attention(_edited(*edits).MultiHeadAttention)
+    assert f"in the order {named} instead of (batch, heads, q_len, d_head)" in str(failure.value)
+
+
+def test_a_crash_after_w_o_is_not_blamed_on_the_order_of_the_heads():
+    edits = [("return self.w_o(merge_heads(heads_out))", "return self.w_o(merge_heads(heads_out))[:, :, :, None]")]
+    with pytest.raises(CheckFailure) as failure:
+        check_mha_self_attention(_edited(*edits).MultiHeadAttention)
+    assert "in the order" not in str(failure.value)

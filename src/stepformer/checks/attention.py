@@ -77,7 +77,11 @@ def _result(fn: Callable[..., Any], dtype: torch.dtype, q: Tensor, k: Tensor, v:
     try:
         result = call(fn, q, k, v) if mask is None else call(fn, q, k, v, mask)
     except CheckFailure as failure:
-        if q.dim() == 4 or ") raised " not in str(failure):
+        if ") raised " not in str(failure):
+            raise
+        if mask is None:
+            _raise_if_only_without_mask(fn, q, k, v, failure)
+        if q.dim() == 4:
             raise
         shape = ", ".join([*lead, f"q_len={s['q_len']}", f"d_k={s['d_k']}"])
         raise CheckFailure(
@@ -97,6 +101,28 @@ def _result(fn: Callable[..., Any], dtype: torch.dtype, q: Tensor, k: Tensor, v:
     weights = _expect_kept(result[1], "weights", (*sizes, s["q_len"], s["k_len"]),
                           " ".join([*names, "q_len k_len"]), dtype)
     return output, weights
+
+
+def _raise_if_only_without_mask(fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor,
+                                failure: CheckFailure) -> None:
+    """A call without a mask raised: if the same call with an all-True mask (which hides nothing) runs, the
+    mask=None path is what fails; say so."""
+    if "'NoneType' object has no attribute" in str(failure):
+        raise CheckFailure(
+            f"{_first_line(failure)} Called without a mask, your function used a None as a tensor, and the only "
+            "None it was given is mask=None. Look at each `if mask is not None:` test and at what runs when there "
+            "is no mask."
+        ) from None
+    everything = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool)
+    try:
+        call(fn, q, k, v, everything)
+    except CheckFailure:
+        return
+    raise CheckFailure(
+        f"{_first_line(failure)} Without a mask your function raises, but the same call with an all-True mask "
+        "(which hides nothing) runs: the mask=None path is what fails. Look at each `if mask is not None:` "
+        "branch and at any name that only the masked path defines."
+    ) from None
 
 
 def _samples(q: Tensor, k: Tensor, v: Tensor) -> list[tuple[str, Tensor, Tensor, Tensor]]:
@@ -129,6 +155,76 @@ def _mask_variants(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> dict[str, T
     }
 
 
+def _guarded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, fill_where: bool = False, reduction: str = "any",
+             dim: int = -1, keepdim: bool = True, neutral_where: bool = False, zero_where: bool = False) -> Tensor:
+    """The solution's guard of fully masked rows, in float64, with a switch for each way to get it wrong:
+    fill the scores where the mask is True, find the rows with ``mask.all`` or along ``dim=-2`` or without
+    ``keepdim``, neutralise (scores set to 0) or zero (weights) the rows that have a key instead of those without."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    has_key = getattr(mask, reduction)(dim=dim, keepdim=keepdim)
+    scores = scores.masked_fill(mask if fill_where else ~mask, -math.inf)
+    scores = scores.masked_fill(has_key if neutral_where else ~has_key, 0.0)
+    weights = torch.softmax(scores, dim=-1).masked_fill(has_key if zero_where else ~has_key, 0.0)
+    return weights @ v
+
+
+def _same(actual: Tensor, expected: Tensor, dtype: torch.dtype) -> bool:
+    """Equal to the tolerance of :func:`_hint`, NaN where NaN is expected: a written-out mistake may give NaN."""
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-10
+    return actual.shape == expected.shape and bool(
+        torch.isclose(actual.double(), expected.double(), rtol=tolerance, atol=tolerance, equal_nan=True).all())
+
+
+def _guard_mistake(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, output: Tensor) -> str | None:
+    """The one mistake in the guard of fully masked rows (or in the mask's sense) that reproduces ``output``,
+    NaN included, where exactly one does and the correct output differs from it."""
+    correct = _guarded(q, k, v, mask)
+    inverted = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=~mask)
+    variants = {
+        "Your mask is inverted: True means 'may attend', so fill the scores where the mask is False.":
+            [inverted, inverted.nan_to_num(0.0), _guarded(q, k, v, mask, fill_where=True)],
+        "You zeroed every query that has at least one masked key: the rows to zero are the queries with no key "
+        "at all, mask.any(dim=-1, keepdim=True), not those where not every key is allowed (mask.all).":
+            [_guarded(q, k, v, mask, reduction="all")],
+        "You looked for fully masked rows over the query axis: mask.any(dim=-2) tells which keys some query may "
+        "read. A query with no key is a row of the mask: reduce over k_len, mask.any(dim=-1, keepdim=True).":
+            [_guarded(q, k, v, mask, dim=-2)],
+        "The rows whose scores you set to 0 before the softmax are the queries that have a key (has_key), not "
+        "those without one (~has_key): their weights spread evenly over every key, masked ones included.":
+            [_guarded(q, k, v, mask, neutral_where=True)],
+        "The rows whose weights you zero after the softmax are the queries that have a key (has_key), not those "
+        "without one (~has_key).": [_guarded(q, k, v, mask, zero_where=True)],
+    }
+    found = [hint for hint, outs in variants.items()
+             if any(_same(output, out, output.dtype) and not _same(out, correct, output.dtype) for out in outs)]
+    return found[0] if len(found) == 1 else None
+
+
+def _keepdim_mistake(fn: Callable[..., Any], dtype: torch.dtype, seed: int) -> str | None:
+    """After a shape error with a mask: on square 2-D inputs (q_len = k_len), where a (q_len,) row test lines up
+    with the key axis without an error, does the student's output equal the guard written without keepdim?"""
+    g = torch.Generator().manual_seed(seed + 11)
+    n = 6
+    q, k, v = (torch.randn(n, n, generator=g, dtype=dtype) for _ in range(3))
+    mask = torch.rand(n, n, generator=g) < 0.6
+    mask[:, 0] = True
+    mask[2] = False  # one query with no key, so that the row test matters
+    try:
+        output = call(fn, q, k, v, mask)
+    except CheckFailure:
+        return None
+    output = output[0] if isinstance(output, tuple) and len(output) == 2 else output
+    if type(output) is not Tensor:
+        return None
+    lost = _guarded(q, k, v, mask, keepdim=False)
+    if not (_same(output, lost, dtype) and not _same(lost, _guarded(q, k, v, mask), dtype)):
+        return None
+    return ("On square inputs (q_len = k_len = 6, 2-D) the same code runs and equals the guard of fully masked rows "
+            "written without keepdim: mask.any(dim=-1) has shape (..., q_len), which lines up with the k_len axis "
+            "of the scores instead of standing beside it. Keep the reduced axis: mask.any(dim=-1, keepdim=True).")
+
+
 def _diagnose(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tensor, weights: Tensor) -> str:
     """Name the likely mistake by comparing with the oracle under each common error; the last resort says
     where the output differs. Either way, say by how much and on which sizes."""
@@ -146,6 +242,10 @@ def _diagnose(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tens
 def _hint(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tensor, weights: Tensor) -> str | None:
     """The common mistake that reproduces the student's output, if one does."""
     dtype, d_k = q.dtype, q.shape[-1]
+    if mask is not None:
+        guard = _guard_mistake(q, k, v, mask, output)
+        if guard is not None:
+            return guard
     if torch.isnan(weights).any() or torch.isnan(output).any():
         # A softmax over the query axis gives NaN wherever a key is masked for every query.
         columns = torch.nan_to_num(weights).sum(-2)
@@ -161,18 +261,23 @@ def _hint(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, output: Tensor, 
         if close(sums_q, torch.ones_like(sums_q), dtype):
             return "Your weights sum to 1 over the query axis: take the softmax over k_len (dim=-1), not q_len."
         return "Each row of your weights should sum to 1 over k_len: is softmax applied at all?"
-    variants = {
-        hint: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        for hint, scale in (("You did not divide the scores by sqrt(d_k).", 1.0),
-                            ("You divided the scores by d_k: divide by sqrt(d_k).", 1.0 / d_k),
-                            ("You multiplied the scores by sqrt(d_k): divide by it instead.", math.sqrt(d_k)))
-    }
+    scales = [("You did not divide the scores by sqrt(d_k).", 1.0),
+              ("You divided the scores by d_k: divide by sqrt(d_k).", 1.0 / d_k),
+              ("You multiplied the scores by sqrt(d_k): divide by it instead.", math.sqrt(d_k))]
+    # d_k read off the wrong axis: q.shape[-2] (q_len), k.shape[-2] (k_len) or v.shape[-1] (d_v).
+    for name, axis, size in (("q_len", "q.shape[-2]", q.shape[-2]), ("k_len", "k.shape[-2]", k.shape[-2]),
+                             ("d_v", "v.shape[-1]", v.shape[-1])):
+        if size != d_k:
+            scales.append((f"You divided the scores by sqrt({name}) = sqrt({size}), the size of another axis "
+                           f"({axis}): d_k is the size of the last axis of q and k, q.shape[-1].",
+                           1.0 / math.sqrt(size)))
+    variants = {hint: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale) for hint, scale in scales}
     if mask is not None:
         variants.update({hint: out.to(dtype) for hint, out in _mask_variants(q, k, v, mask).items()})
-    for hint, expected in variants.items():
-        if close(output, expected, dtype, 1e-4 if dtype == torch.float32 else None):
-            return hint
-    return None
+    found = [hint for hint, expected in variants.items()
+             if close(output, expected, dtype, 1e-4 if dtype == torch.float32 else None)]
+    # Two mistakes that give the same output here (on sizes where two axes coincide) cannot be told apart.
+    return found[0] if len(found) == 1 else None
 
 
 @check(forbid=BUILT_IN_ATTENTION)
@@ -258,7 +363,13 @@ def check_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
              ("a causal (q_len, k_len) mask on 3-D (heads, seq, d) inputs, that is", q[0], k[0], v[0], causal))
     for name, q_, k_, v_, mask in cases:
         sizes = _sizes_of(q_, k_, v_)
-        output, weights = _result(fn, dtype, q_, k_, v_, mask)
+        try:
+            output, weights = _result(fn, dtype, q_, k_, v_, mask)
+        except CheckFailure as failure:
+            hint = _keepdim_mistake(fn, dtype, seed) if "must match the size" in str(failure) else None
+            if hint is None:
+                raise
+            raise CheckFailure(f"With {name} mask: {_first_line(failure)} {hint}") from None
         if not close(output, F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask), dtype):
             raise CheckFailure(f"With {name} mask: {_diagnose(q_, k_, v_, mask, output, weights)}")
         leaked = weights.masked_select(~mask.expand_as(weights))
@@ -298,6 +409,50 @@ def check_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
            "too), a fully masked row gives zeros")
 
 
+def _entropy_variants(p: Tensor) -> dict[str, Tensor]:
+    """The entropies that the usual slips in -Σ_k p log p give, in float64 (NaN and ±inf where they give them)."""
+    p = p.double()
+    plogp = torch.where(p > 0, p * p.log(), 0.0)
+    entropy = -plogp.sum(-1)
+    return {
+        "Your entropy has the wrong sign: H = -Σ p log p is never negative.": -entropy,
+        "You used log base 2: the course measures entropy in nats, the natural log.": entropy / math.log(2),
+        "You averaged p log p over the keys (a mean over k_len): the entropy is their sum.": entropy / p.shape[-1],
+        "Your terms are log p without the weight p: H = -Σ p · log p.": -torch.where(p > 0, p.log(), 0.0).sum(-1),
+        "Your terms are p, without log p: H = -Σ p · log p.": -p.sum(-1),
+        "Your terms are p · p, where log p is missing: H = -Σ p · log p.": -(p * p).sum(-1),
+        "You divided p by log p: multiply them, H = -Σ p · log p.": -torch.where(p > 0, p / p.log(), 0.0).sum(-1),
+        "Your torch.where keeps p log p where p = 0 and drops it where p > 0: its two values are the wrong way "
+        "round, torch.where(p > 0, p * p.log(), 0.0).": -torch.where(p > 0, 0.0, p * p.log()).sum(-1),
+        "Your entropy is 0 for every query, on spread-out weights and on weights with zeros alike: every p log p "
+        "term is dropped. Look at the condition of your torch.where, which keeps the terms where p > 0.":
+            torch.zeros_like(entropy),
+    }
+
+
+def _entropy_mistake(fn: Callable[..., Any], weights: Tensor, got: Tensor) -> str | None:
+    """The slip whose entropy equals the student's, on ``weights`` and, to tell apart the slips that differ only
+    where a weight is 0, on weights with zeros (one-hot rows, a fully masked row); None unless exactly one fits."""
+    zeros = torch.softmax(torch.randn(weights.shape, generator=torch.Generator().manual_seed(5),
+                                      dtype=torch.float64), dim=-1).to(weights.dtype)
+    zeros[..., 0, :] = 0.0
+    zeros[..., 0, 0] = 1.0
+    zeros[..., 1, :] = 0.0
+    try:
+        got_zeros = call(fn, zeros)
+    except CheckFailure:
+        got_zeros = None
+    right = torch.distributions.Categorical(probs=weights.double()).entropy()
+    found = []
+    for hint, wrong in _entropy_variants(weights).items():
+        if not _same(got, wrong, weights.dtype) or _same(wrong, right, weights.dtype):
+            continue
+        if type(got_zeros) is Tensor and not _same(got_zeros, _entropy_variants(zeros)[hint], weights.dtype):
+            continue
+        found.append(hint)
+    return found[0] if len(found) == 1 else None
+
+
 @check
 def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
     """Equal to torch.distributions.Categorical's entropy in float64 and float32; 0·log 0 counts as 0, and a
@@ -313,11 +468,9 @@ def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
         got = expect_tensor(call(fn, weights), "entropy", tuple(expected.shape), axes, dtype)
         if not close(got, expected, dtype):
             found = difference(got, expected, sizes)
-            if close(got, -expected, dtype):
-                raise CheckFailure(f"Your entropy has the wrong sign: H = -Σ p log p is never negative ({found}).")
-            if close(got, expected / math.log(2), dtype):
-                raise CheckFailure(f"You used log base 2: the course measures entropy in nats, the natural log "
-                                   f"({found}).")
+            hint = _entropy_mistake(fn, weights, got)
+            if hint is not None:
+                raise CheckFailure(f"{hint.removesuffix('.')} ({found}; {str(dtype).removeprefix('torch.')}).")
             raise CheckFailure(f"Your entropy differs from -Σ_k p log p summed over the k_len axis ({found}; "
                                f"{str(dtype).removeprefix('torch.')}).")
     weights = torch.softmax(logits, dim=-1)
@@ -381,16 +534,23 @@ def check_entropy_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
     table = {}
     for d_k in (4, 64, 256):
         for scale in (True, False):
-            value = call(fn, d_k, scale=scale, q_len=q_len, k_len=k_len, samples=samples, seed=seed)
+            try:
+                value = call(fn, d_k, scale=scale, q_len=q_len, k_len=k_len, samples=samples, seed=seed)
+            except CheckFailure as failure:
+                if "expected scalar type" not in str(failure) and "same dtype" not in str(failure):
+                    raise
+                # PyTorch names the two dtypes that met in one operation.
+                raise CheckFailure(
+                    f"{_first_line(failure)} Two tensors of different dtypes met in one operation of your function "
+                    "(the error names the two): give q, k and v one dtype, e.g. dtype=torch.float64 "
+                    "in each torch.randn and torch.zeros that creates them."
+                ) from None
             if type(value) is not float:
+                one = isinstance(value, Tensor) and value.numel() == 1
                 raise CheckFailure(
                     f"mean_attention_entropy should return a Python float (use .item()), got {kind(value)}."
-                )
-            if not 0.0 <= value <= math.log(k_len) + 1e-9:
-                raise CheckFailure(
-                    f"An entropy over {k_len} keys lies in [0, log {k_len}] = [0, {math.log(k_len):.3f}], "
-                    f"got {value:.3f} for d_k={d_k}, scale={scale}. Does your function draw k_len keys, "
-                    "the k_len it is given?"
+                    + (f" Your value is a tensor holding one number ({value.item():.4g}): return value.item(), the "
+                       "Python float inside it." if one else "")
                 )
             table[d_k, scale] = value
     g = torch.Generator().manual_seed(seed + 7)
@@ -402,15 +562,41 @@ def check_entropy_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
         return torch.distributions.Categorical(logits=scores).entropy().mean().item()
 
     for (d_k, scale), value in table.items():
-        reference, allowed = fresh(d_k, scale), ENTROPY_TOLERANCE[d_k, scale]
+        if not 0.0 <= value <= math.log(k_len) + 1e-9:
+            hint = ("Look at how the keys are drawn (k_len rows, the k_len it is given) and at how the entropies are "
+                    "averaged (.mean()).")
+            if abs(value - fresh(d_k, scale, keys=16)) <= ENTROPY_TOLERANCE[d_k, scale]:
+                hint = ("That is the entropy over 16 keys, the default k_len: draw the keys with k_len rows, the "
+                        "k_len it is given.")
+            # A sum over the samples' queries instead of their mean: the value divided by their number agrees.
+            for count, over in ((samples * q_len, "queries in all the samples"), (samples, "samples"),
+                                (q_len, "queries per sample")):
+                if abs(value / count - fresh(d_k, scale)) <= ENTROPY_TOLERANCE[d_k, scale]:
+                    hint = (f"Divided by {count}, the number of {over}, your value is the expected mean: you summed "
+                            "the entropies instead of averaging them (.mean(), not .sum()).")
+                    break
+            raise CheckFailure(
+                f"An entropy over {k_len} keys lies in [0, log {k_len}] = [0, {math.log(k_len):.3f}], "
+                f"got {value:.3f} for d_k={d_k}, scale={scale}. {hint}"
+            )
+    references = {cell: fresh(*cell) for cell in table}
+    # scale=True measuring the unscaled entropy and scale=False the scaled one, at every d_k: the test is inverted.
+    swapped = all(abs(table[d_k, scale] - references[d_k, not scale]) <= ENTROPY_TOLERANCE[d_k, not scale]
+                  for d_k, scale in table)
+    for (d_k, scale), value in table.items():
+        reference, allowed = references[d_k, scale], ENTROPY_TOLERANCE[d_k, scale]
         if abs(value - reference) > allowed:
-            if scale and abs(value - fresh(d_k, scale, keys=q_len)) <= allowed:
+            if swapped:
+                hint = ("At every d_k your scale=True value is the unscaled entropy and your scale=False value the "
+                        "scaled one: your test of scale is inverted (divide by sqrt(d_k) only when scale is True).")
+            elif scale and abs(value - fresh(d_k, scale, keys=q_len)) <= allowed:
                 hint = (f"That is the entropy over {q_len} keys: draw the keys with k_len rows, "
                         "torch.randn(samples, k_len, d_k), and the queries with q_len.")
             elif not scale:
                 hint = "Did you divide by sqrt(d_k) only when scale=True?"
             else:
-                hint = "Are q and k unit-variance (torch.randn), with the q_len, k_len and samples you are given?"
+                hint = ("Look at how q and k are drawn: unit variance (torch.randn), with the q_len, k_len and samples "
+                        "given.")
             raise CheckFailure(
                 f"For d_k={d_k}, scale={scale}, q_len={q_len}, k_len={k_len}, samples={samples} you measured "
                 f"{value:.3f} nats; a fresh sample gives about {reference:.3f} (difference "

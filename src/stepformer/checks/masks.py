@@ -1,5 +1,6 @@
 """Checks for chapter 02: padding masks, causal masks, and measuring what a mask hides."""
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -250,7 +251,31 @@ def _padding_attention(fn: Callable[..., Any], tokens: Tensor, pad_id: int, head
 
 def _causal_result(fn: Callable[..., Any], q_len: int, k_len: int | None = None) -> Tensor:
     args = (q_len,) if k_len is None else (q_len, k_len)
-    mask = call(fn, *args)
+    try:
+        mask = call(fn, *args)
+    except CheckFailure as failure:
+        if ") raised " not in str(failure):
+            raise
+        text = str(failure).splitlines()[0].rstrip(" .")
+        if "tril: input tensor must have at least 2 dimensions" in text or \
+                "triu: input tensor must have at least 2 dimensions" in text:
+            # PyTorch's own words: the tensor whose triangle was taken has one axis.
+            raise CheckFailure(
+                f"{text}. The tensor you take the triangle of has fewer than two axes: create it with both "
+                "lengths, torch.ones(q_len, k_len, dtype=torch.bool), then take its tril."
+            ) from None
+        if k_len is None:
+            try:
+                explicit = call(fn, q_len, q_len)
+            except CheckFailure:
+                raise failure from None
+            if type(explicit) is Tensor and torch.equal(explicit, torch.ones(q_len, q_len, dtype=torch.bool).tril()):
+                raise CheckFailure(
+                    f"{text}. causal_mask({q_len}, {q_len}) gives the right mask, so only k_len left out fails: "
+                    "with k_len=None it must default to q_len. Look at how k_len is set when it is None, before "
+                    "it is compared or used."
+                ) from None
+        raise
     rows, cols = q_len, q_len if k_len is None else k_len
     if type(mask) is not Tensor:
         raise CheckFailure(f"causal_mask should return a torch.Tensor, got {kind(mask)}.")
@@ -311,6 +336,10 @@ def _diagnose_causal(mask: Tensor, expected: Tensor) -> str:
                             "Keep the lower triangle (tril, not triu)."),
         (~expected, "Your mask is inverted: it is True on the future. True must mean 'may attend' "
                     "(the past and the token itself), so keep the lower triangle."),
+        (torch.ones_like(expected), (
+            "Your mask is True everywhere: it hides nothing, so every query reads the future. tril(diagonal=d) "
+            f"keeps every entry once d ≥ k_len - 1 = {k_len - 1}; the diagonal must be k_len - q_len = {offset}."
+        )),
     ]
     for wrong, hint in hints:
         if torch.equal(mask, wrong):
@@ -416,6 +445,80 @@ def _expected_changes(x: Tensor, mask: Tensor | None) -> Tensor:
     return jacobian.abs().amax(dim=(1, 3)) > 0
 
 
+def _measure(fn: Callable[..., Any], x: Tensor, mask: Tensor | None, seq: int, d_model: int) -> Tensor:
+    """The student's (seq, seq) matrix; a wrong type, dtype or shape, or a loop that runs past the last token,
+    says so."""
+    try:
+        got = call(fn, x, mask) if mask is not None else call(fn, x)
+    except CheckFailure as failure:
+        text = str(failure)
+        returned = re.search(r"Actual value: \w+\[(\d+),(\d+)\]", text)
+        if "return value" in text and returned:
+            raise CheckFailure(_shape_problem((int(returned[1]), int(returned[2])), seq, d_model)) from None
+        if f"index {seq} is out of bounds for dimension 0 with size {seq}" in text:
+            raise CheckFailure(
+                f"{text.splitlines()[0].rstrip(' .')}. Your loop reaches j = seq = {seq}, one past the last token: "
+                f"the tokens are x[0] ... x[seq - 1], so let j run over range(seq)."
+            ) from None
+        raise
+    if type(got) is not Tensor or got.dtype != torch.bool or tuple(got.shape) != (seq, seq):
+        if type(got) is Tensor and got.dtype == torch.bool:
+            raise CheckFailure(_shape_problem(tuple(got.shape), seq, d_model))
+        what = f"a {str(got.dtype).removeprefix('torch.')} tensor of shape {tuple(got.shape)}" \
+            if type(got) is Tensor else kind(got)
+        raise CheckFailure(
+            f"which_outputs_change should return a boolean tensor of shape (seq={seq}, seq={seq}), got {what}."
+        )
+    return got
+
+
+def _shape_problem(shape: tuple[int, ...], seq: int, d_model: int) -> str:
+    message = f"which_outputs_change should return a boolean tensor of shape (seq={seq}, seq={seq}), got shape {shape}."
+    if seq != d_model and shape in ((seq, d_model), (d_model, seq)):
+        message += (f" One of its axes has d_model={d_model} entries, one per feature of x rather than one per "
+                    "token: look at where the number of tokens is read. x is (seq, d_model), so seq = x.shape[0] "
+                    "(axis 0 holds the tokens, axis 1 the features).")
+    elif len(shape) == 2 and shape[0] == seq and abs(shape[1] - seq) == 1:
+        side = "fewer" if shape[1] < seq else "more"
+        message += (f" Your matrix has {shape[1]} columns, one {side} than the {seq} tokens: it needs one column per "
+                    "changed token j, for every j in range(seq), the last token included.")
+    return message
+
+
+def _changes_in_place(fn: Callable[..., Any], x: Tensor, mask: Tensor | None) -> bool:
+    """Does the student's function change the x it is given? Run through :func:`call`, so that the answer is
+    recorded and replayed with the rest."""
+    given = x.clone()
+    try:
+        fn(given) if mask is None else fn(given, mask)
+    except Exception:  # noqa: BLE001 - the first call reported what it raised; here only x matters
+        return False
+    return not torch.equal(given, x)
+
+
+def _cumulative_changes(x: Tensor, mask: Tensor | None) -> Tensor:
+    """What a measurement that changes x in place finds: token j's change on top of those of tokens 0 ... j - 1,
+    compared with the run before any change."""
+    base = F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+    changed, columns = x.clone(), []
+    for j in range(x.shape[0]):
+        changed[j] += 1.0
+        out = F.scaled_dot_product_attention(changed, changed, changed, attn_mask=mask)
+        columns.append((out != base).any(-1))
+    return torch.stack(columns, dim=1)
+
+
+def _inverted_elsewhere(fn: Callable[..., Any], x: Tensor, causal: Tensor, seq: int, d_model: int) -> bool:
+    """Is the student's matrix with a causal mask the opposite of the expected one too? Without a mask every
+    output changes, so an inverted matrix there is all False, like a change that reached nothing; a causal mask
+    tells them apart."""
+    try:
+        got = _measure(fn, x.clone(), causal, seq, d_model)
+    except CheckFailure:
+        return False
+    return torch.equal(got, ~_expected_changes(x.double(), causal))
+
+
 @check(forbid=BUILT_IN_JACOBIAN)
 def check_which_outputs_change(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float64) -> None:
     """The measured (seq, seq) matrix equals the dependence read off autograd's Jacobian, with and without masks."""
@@ -429,17 +532,18 @@ def check_which_outputs_change(fn: Callable[..., Any], seed: int = 0, dtype: tor
     random[1, 1], random[1, 0] = False, True
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     for name, mask in (("no mask", None), ("a causal mask", causal), ("a random mask", random)):
-        got = call(fn, x, mask) if mask is not None else call(fn, x)
-        if type(got) is not Tensor or got.dtype != torch.bool or tuple(got.shape) != (seq, seq):
-            what = f"a {str(got.dtype).removeprefix('torch.')} tensor of shape {tuple(got.shape)}" \
-                if type(got) is Tensor else kind(got)
-            raise CheckFailure(
-                f"which_outputs_change should return a boolean tensor of shape (seq={seq}, seq={seq}), got {what}."
-            )
+        got = _measure(fn, x.clone(), mask, seq, d_model)  # a copy: a function that changes x in place keeps x
         expected = _expected_changes(x.double(), mask)
         if torch.equal(got, expected):
             continue
-        if torch.equal(got, expected.T):
+        if call(_changes_in_place, fn, x, mask):
+            cumulative = _cumulative_changes(x.double(), mask)
+            hint = ("Your function changed x in place: after the call, the x it was given differs from before. "
+                    + ("Each change then stays for the next tokens (your matrix equals the one where token j's change "
+                       "adds to those of tokens 0 ... j - 1). "
+                       if torch.equal(got, cumulative) else "")
+                    + "Change a copy: changed_x = x.clone().")
+        elif torch.equal(got, expected.T):
             hint = "Your matrix is transposed: row i is output i, column j is the input you changed."
         elif mask is not None and torch.equal(got, mask):
             hint = ("You changed only the keys and values. In self-attention the changed token is also a query: "
@@ -448,10 +552,17 @@ def check_which_outputs_change(fn: Callable[..., Any], seed: int = 0, dtype: tor
             hint = ("You changed only the queries: then output i changes only when token i does. Token j is also "
                     "a key and a value that other queries read: run attention on the changed x as queries, "
                     "keys and values.")
+        elif torch.equal(got, ~expected) and _inverted_elsewhere(fn, x, causal, seq, d_model):
+            hint = ("Your matrix is inverted, here and with a causal mask: True exactly where an output did not "
+                    "change, so it marks the outputs equal to the unchanged run. changed[i, j] must be True where "
+                    "output i moved: out != base, not out == base.")
         elif not got.any():
-            hint = "Nothing changed at all: did you run attention on the changed copy of x (not on x)?"
+            hint = ("No output moved for any changed token, so the attention never saw a change. Look at the change "
+                    "itself (1.0 added to every entry of x[j], on a copy of x) and at the tensor the attention runs "
+                    "on (that changed copy, as queries, keys and values).")
         elif mask is not None and got.all():
-            hint = "Every output changed although some keys are masked: pass the mask to the attention."
+            hint = ("Every output changed although the mask hides some keys from some queries: look at whether the "
+                    "mask reaches the attention (pass the mask to scaled_dot_product_attention).")
         else:
             hint = ("Row i says which changed inputs j reach output i. "
                     + _compare_grids(expected, got, "Output", "inputs", "change with", "changes with"))

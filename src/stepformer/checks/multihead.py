@@ -7,6 +7,7 @@ module (building it, loading the weights, switching train/eval, running it) goes
 with the small helpers below.
 """
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -272,12 +273,68 @@ def _run(module: Any, what: str, *args: Tensor) -> Any:
         raise CheckFailure(f"For {what}: {_first_line(failure)}{hint}") from None
 
 
+def _w_o_input(module: Any, *args: Tensor) -> Tensor | None:
+    """What the student's forward passes to ``self.w_o``, whether or not the forward then raises."""
+    w_o = getattr(module, "w_o", None)
+    if not isinstance(w_o, nn.Module):
+        return None
+    seen: list[Tensor] = []
+
+    def note(_: nn.Module, inputs: tuple) -> None:
+        if inputs and isinstance(inputs[0], Tensor):
+            seen.append(inputs[0].detach().clone())
+
+    handle = w_o.register_forward_pre_hook(note)
+    try:
+        with torch.no_grad():
+            module(*args)
+    except Exception:  # noqa: BLE001 - the caller reports what the forward raised; here only w_o's input matters
+        pass
+    finally:
+        handle.remove()
+    return seen[0] if seen else None
+
+
+def _merge_mistake(module: Any, state: dict[str, Tensor], s: dict[str, int], query: Tensor, key: Tensor,
+                   value: Tensor, mask: Tensor | None) -> str | None:
+    """After a crash: is the tensor the forward hands to w_o the heads' outputs with their axes in another order,
+    merged as (batch, heads, q_len, d_head) would be? Named only where exactly one order reproduces it."""
+    args = (query, key, value) if mask is None else (query, key, value, mask)
+    seen = call(_w_o_input, module, *args)
+    if type(seen) is not Tensor:
+        return None
+    heads = s["heads"]
+    concat = _reference(state, heads, query, key, value, mask, w_o=False)
+    heads_out = rearrange(concat, "batch seq (heads d_head) -> batch heads seq d_head", heads=heads)
+    axes = ("batch", "heads", "q_len", "d_head")
+    found = []
+    for order in list(itertools.permutations(range(4)))[1:]:  # every order but the right one
+        laid = rearrange(heads_out.permute(order), "a b c d -> a c (b d)")
+        if laid.shape == seen.shape and close(seen, laid.to(seen.dtype), seen.dtype):
+            found.append(order)
+    if len(found) != 1:
+        return None
+    b, q_len, d_model = query.shape
+    named = ", ".join(axes[i] for i in found[0])
+    return (f"The tensor your forward passes to w_o has shape {tuple(seen.shape)}, not (batch={b}, q_len={q_len}, "
+            f"d_model={d_model}): it is the heads' outputs with their axes in the order ({named}) instead of (batch, "
+            "heads, q_len, d_head), then merged. Look at the pattern that makes the heads' outputs (the weighted sum "
+            "of the values): its output must be batch heads q_len d_head, the layout merge_heads expects.")
+
+
 def _compare(module: Any, oracle: nn.MultiheadAttention, state: dict[str, Tensor], s: dict[str, int],
              dtype: torch.dtype, what: str, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> None:
     args = (query, key, value) if mask is None else (query, key, value, mask)
     sizes = _sizes_of(query, key, s["heads"])
     b, q_len, d_model = query.shape
-    output = _expect_kept(_run(module, what, *args), "the output", (b, q_len, d_model), "batch q_len d_model", dtype)
+    try:
+        result = _run(module, what, *args)
+    except CheckFailure as failure:
+        hint = _merge_mistake(module, state, s, query, key, value, mask) if ") raised " in str(failure) else None
+        if hint is None:
+            raise
+        raise CheckFailure(f"{str(failure).rstrip()} {hint}") from None
+    output = _expect_kept(result, "the output", (b, q_len, d_model), "batch q_len d_model", dtype)
     kwargs: dict[str, Tensor] = {}
     if mask is not None:
         # PyTorch's True means "ignore this key"; its 3-D mask holds one (q_len, k_len) mask per batch and head.
@@ -329,6 +386,16 @@ def check_mha_init(cls: Callable[..., Any], seed: int = 0) -> None:
         raise CheckFailure(
             f"MultiHeadAttention({d_model + 1}, {heads}) should raise a ValueError, since {heads} heads cannot share "
             f"{d_model + 1} features equally; it raised {got}. Check d_model % heads in __init__."
+        )
+    # d_model is not a multiple of 0 (0 · n = 0), so heads=0 is refused too, with the same ValueError.
+    error = call(_error_of, cls, d_model, 0)
+    if error != "ValueError":
+        got = "no error" if error is None else f"a {error}"
+        hint = (" Your __init__ divides by heads, which is 0 (d_model % heads does): test heads < 1 before it."
+                if error == "ZeroDivisionError" else "")
+        raise CheckFailure(
+            f"MultiHeadAttention({d_model}, 0) should raise a ValueError, since {d_model} is not a multiple of 0 "
+            f"heads; it raised {got}.{hint}"
         )
     passed("w_q, w_k, w_v, w_o are (d_model, d_model), biases only with bias=True, "
            "ValueError when heads does not divide d_model")
