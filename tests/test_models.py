@@ -532,8 +532,8 @@ def test_the_filter_checks_name_the_step_that_runs_with_its_option_none() -> Non
 
     top_k = failure_of(check_top_k, edited("filter_logits", ("if top_k is not None:", "if top_k is None:")))
     top_p = failure_of(check_top_k, edited("filter_logits", ("if top_p is not None:", "if top_p is None:")))
-    assert "runs the top_k step although top_k is None" in top_k and "top_p step" not in top_k
-    assert "runs the top_p step although top_p is None" in top_p and "top_k step" not in top_p
+    assert "uses top_k although top_k is None" in top_k and "top_p although" not in top_k
+    assert "uses top_p although top_p is None" in top_p and "top_k although" not in top_p
 
 
 def test_the_filter_checks_repeat_which_dim_was_asked_of_a_row() -> None:

@@ -390,5 +390,5 @@ def test_the_visits_checks_name_boundary_and_range_slips() -> None:
     assert "all four below 1" in largest and "lets 0 through" not in largest
     assert "lets 0 through" in zero and "all four" not in zero
     axis = failure_of(check, edited("causal_block_visits", ('"k_blocks -> 1 k_blocks"', '"k_blocks -> k_blocks 1"')))
-    assert "lie along the same axis" in axis
+    assert "lie along the same axis" in axis and "never spreads over" in axis
     assert failure_of(check, edited("causal_block_visits")) == "passed"

@@ -444,8 +444,8 @@ def _none_hint(fn: Callable[..., Any], logits: Tensor, failure: CheckFailure) ->
         return ""
     name, options = found[0]
     return (f" Called with {_options(options)} alone, so that {name} is None, your filter_logits again raises an "
-            f"error about None: your code runs the {name} step although {name} is None. None means no {name} filter: "
-            f"do that step only if {name} is not None.")
+            f"error about None: your code uses {name} although {name} is None. None means no {name} filter: do the "
+            f"{name} step only if {name} is not None.")
 
 
 def _dim_hint(failure: CheckFailure) -> str:

@@ -565,9 +565,10 @@ def _step_probe(fn: Callable[..., Any], failure: CheckFailure, args: tuple) -> s
         got = _probe_state(fn, flat)
         if got is not None and _rows_close(got, _tile_oracle(*flat), every, None):
             return (f" The same step on q of shape {tuple(flat[0].shape)}, with no leading axes, runs and is right: "
-                    "with leading axes (batch, heads) it fails, so an einops pattern of your step puts its '...' (the "
-                    "leading axes) somewhere else than first, where the other tensors have them. Keep '...' first "
-                    "in every pattern: '... q_block k_block', '... q_block', '... q_block d_v'.")
+                    "with leading axes (batch, heads) it fails, so some operation of your step puts the leading axes "
+                    "elsewhere than the other tensors have them: an einops pattern with its '...' not first, or a "
+                    "transpose or index of fixed axes (0, 1). Keep '...' first in every pattern ('... q_block "
+                    "k_block', '... q_block', '... q_block d_v') and count other axes from the end (-2, -1).")
     c = 4
     square = (torch.randn(c, c, generator=g, dtype=dtype), torch.randn(c, c, generator=g, dtype=dtype),
               torch.randn(c, c, generator=g, dtype=dtype), None)
@@ -809,8 +810,9 @@ def _same_axis_hint(fn: Callable[..., Any], shape: tuple[int, ...]) -> str:
         return ""
     yours = f"Your result has shape {shape}, and" if shape else "Your code raises the error above, and"
     return (f"{yours} with as many query blocks as key blocks, causal_block_visits(12, 12, 3, 3), gives shape "
-            f"{tuple(square.shape)} instead of (4, 4): the two sides of your comparison lie along the same axis, "
-            "so they never broadcast to a (q_blocks, k_blocks) grid. Rearrange the first keys to "
+            f"{tuple(square.shape)} instead of (4, 4): the result never spreads over a (q_blocks, k_blocks) grid, as "
+            "when the two sides of the comparison lie along the same axis; they broadcast to a grid only when one "
+            "lies along each. Rearrange the first keys to "
             "(1, k_blocks) and the last readable positions to (q_blocks, 1).")
 
 
@@ -888,7 +890,8 @@ def _expect_value_error(fn: Callable[..., Any], args: tuple[int, int, int, int],
             negative = tuple(-1 if i == slot else a for i, a in enumerate(args))
             if call(_error_of, fn, 0, 0, 0, 0) == "ValueError":
                 hint = (" It does raise for causal_block_visits(0, 0, 0, 0), all four below 1: the test must fire "
-                        "when any one of them is below 1, min(q_len, k_len, block_q, block_k) < 1, not the largest.")
+                        "when any one of them is below 1, min(q_len, k_len, block_q, block_k) < 1, not only when the "
+                        "largest of them is.")
             elif call(_error_of, fn, *negative) == "ValueError":
                 hint = (f" It does raise for causal_block_visits{negative}: your test lets 0 through, but 0 is below "
                         "1 too (an empty length or block). Raise when min(q_len, k_len, block_q, block_k) < 1.")
