@@ -477,3 +477,135 @@ def test_the_2017_transformer_is_built_from_its_configuration() -> None:
     layer = model.decoder.layers[0]
     assert model.config.kv_heads == 2 and layer.self_attn.kv_heads == 2 and layer.cross_attn.kv_heads == 2
     assert isinstance(layer.norm1, nn.LayerNorm) and isinstance(model.encoder.norm, nn.Identity)
+
+
+# -- the checks' diagnoses: each fires on its mistake, and not on a similar one -------------------------------
+
+def edited(name: str, *edits: tuple[str, str]):
+    """The library's ``name`` with its source edited, defined as a student would define it (not the library's)."""
+    import inspect
+    import textwrap
+
+    import stepformer.models
+    from tests.fixtures.student import student_copy
+
+    module = student_copy(stepformer.models)
+    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new)
+    namespace = dict(vars(module))
+    exec(compile(source, f"<{name}>", "exec"), namespace)  # noqa: S102 - a test's own edited copy
+    return namespace[name]
+
+
+def failure_of(check, student, **options) -> str:
+    from stepformer.checks import CheckFailure
+
+    try:
+        check(student, **options)
+    except CheckFailure as failure:
+        return str(failure)
+    return "passed"
+
+
+def test_the_block_check_names_the_norm_that_keeps_rmsnorms_default_eps() -> None:
+    from stepformer.checks.models import _block_reference, _block_sizes, _block_state, _diagnose_block
+
+    s = _block_sizes(0)
+    state = _block_state(s, s["kv_heads"], torch.float64, 5)
+    x = 0.2 * torch.randn(s["batch"], s["seq"], s["d_model"], dtype=torch.float64)
+    mask = torch.ones(s["seq"], s["seq"], dtype=torch.bool).tril()
+
+    def diagnosis(eps) -> str:
+        output = _block_reference(state, s["heads"], s["kv_heads"], x, mask, eps)
+        return _diagnose_block(state, s["heads"], s["kv_heads"], x, mask, 0.1, output)
+
+    assert "Your norm1 uses eps=1e-6" in diagnosis((1e-6, 0.1))
+    assert "Your norm2 uses eps=1e-6" in diagnosis((0.1, 1e-6))
+    assert "Your RMSNorms use eps=1e-6" in diagnosis((1e-6, 1e-6))
+    assert "eps=1e-6" not in diagnosis((0.1, 0.01))  # another eps: not RMSNorm's default
+
+
+def test_the_filter_checks_name_the_step_that_runs_with_its_option_none() -> None:
+    from stepformer.checks.models import check_top_k
+
+    top_k = failure_of(check_top_k, edited("filter_logits", ("if top_k is not None:", "if top_k is None:")))
+    top_p = failure_of(check_top_k, edited("filter_logits", ("if top_p is not None:", "if top_p is None:")))
+    assert "uses top_k although top_k is None" in top_k and "top_p although" not in top_k
+    assert "uses top_p although top_p is None" in top_p and "top_k although" not in top_p
+
+
+def test_the_filter_checks_repeat_which_dim_was_asked_of_a_row() -> None:
+    from stepformer.checks.models import check_top_p
+
+    sort = failure_of(check_top_p, edited("filter_logits", ("dim=-1), dim=-1)", "dim=-1), dim=-2)")))
+    scatter = failure_of(check_top_p, edited("filter_logits", (".scatter(-1, order", ".scatter(0, order")))
+    assert "asks a tensor with 1 axis for dim=-2" in sort
+    assert "asks a tensor" not in scatter and scatter != "passed"  # a batch fails, no dim out of range
+
+
+def test_the_nucleus_check_tells_a_strict_comparison_at_an_exact_boundary() -> None:
+    from stepformer.checks.models import check_top_p
+
+    strict = failure_of(check_top_p, edited("filter_logits", ("dim=-1) <= 1.0 - top_p", "dim=-1) < 1.0 - top_p")))
+    keep_all = failure_of(check_top_p, edited("filter_logits", ("<= 1.0 - top_p", "<= 0.0 - top_p")))
+    assert "8 equally likely tokens" in strict and "equality goes the other way" in strict
+    assert "You drop no token at all" in keep_all and "equality" not in keep_all
+
+
+def test_the_nucleus_check_names_the_decision_forced_at_the_wrong_place() -> None:
+    from stepformer.checks.models import check_top_p
+
+    def forced(line: str) -> str:
+        return failure_of(check_top_p, edited("filter_logits", ("drop_sorted[..., -1] = False", line)))
+
+    first, second = forced("drop_sorted[..., 0] = False"), forced("drop_sorted[..., 1] = False")
+    dropped = forced("drop_sorted[..., -1] = True")
+    assert "the least likely token, position 0" in first
+    assert "the second least likely token, position 1" in second
+    assert "You drop the most likely token" in dropped and "position" not in dropped
+
+
+@pytest.mark.parametrize("a", ["", ", a=5", ", a=math.sqrt(6)"])
+def test_the_lora_check_measures_how_lora_a_is_drawn(a: str) -> None:
+    from stepformer.checks.models import check_lora_init
+
+    message = failure_of(check_lora_init, edited("LoRALinear", (", a=math.sqrt(5))", a + ")")))
+    assert "nn.init.kaiming_uniform_ with a ≈" in message
+    assert failure_of(check_lora_init, edited("LoRALinear")) == "passed"
+    normal = failure_of(check_lora_init, edited("LoRALinear", (
+        "nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))", "nn.init.normal_(self.lora_a.weight)")))
+    assert "reach" in normal and "kaiming_uniform_ with a ≈" not in normal  # not uniform: no a to name
+
+
+def test_the_lora_checks_name_an_inverted_rank_test_and_a_missing_update() -> None:
+    from stepformer.checks.models import check_lora_init
+
+    inverted = failure_of(check_lora_init, edited("LoRALinear", ("if r < 1:", "if not r < 1:")))
+    at_most_one = failure_of(check_lora_init, edited("LoRALinear", ("if r < 1:", "if r <= 1:")))
+    assert "your test of r is inverted" in inverted
+    assert "inverted" not in at_most_one and "r=1" in at_most_one
+    missing = failure_of(check_lora_init, edited("LoRALinear", (
+        "return self.base(x) + self.scaling * self.lora_b(self.lora_a(self.dropout(x)))", "return self.base(x)")))
+    frozen = failure_of(check_lora_init, edited("LoRALinear", (
+        "nn.init.zeros_(self.lora_b.weight)", "nn.init.zeros_(self.lora_b.weight)\n        "
+        "self.lora_b.requires_grad_(False)")))
+    assert "your forward leaves out the update" in missing
+    assert "leaves out" not in frozen
+
+
+def test_the_merged_check_names_a_bias_test_the_wrong_way_and_a_weight_without_its_base() -> None:
+    from stepformer.checks.models import check_lora_merged
+
+    inverted = failure_of(check_lora_merged, edited("LoRALinear", ("bias=self.base.bias is not None",
+                                                                  "bias=self.base.bias is None")))
+    never = failure_of(check_lora_merged, edited("LoRALinear", ("bias=self.base.bias is not None", "bias=False")))
+    assert "the test of base.bias is inverted" in inverted
+    assert "inverted" not in never and never != "passed"
+    update = failure_of(check_lora_merged, edited("LoRALinear", (
+        "self.base.weight + self.scaling * self.lora_b.weight", "self.scaling * self.lora_b.weight")))
+    base = failure_of(check_lora_merged, edited("LoRALinear", (
+        "self.base.weight + self.scaling * self.lora_b.weight @ self.lora_a.weight", "self.base.weight")))
+    assert "the update (alpha / r) · B A alone, without the base's weight" in update
+    assert "the base's alone, without the update" in base and "B A alone" not in base

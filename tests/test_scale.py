@@ -306,3 +306,89 @@ def test_a_new_query_under_a_window_reads_only_the_kept_positions_so_the_cache_c
     kept_cache = [k[..., kept, :], v[..., kept, :]]  # one layer, 4 key/value heads of 8, batch 2
     assert window_cache_bytes(1, 4, 8, length, window, sinks, batch=2) == sum(t.nbytes for t in kept_cache)
     assert window_cache_bytes(4, 4, 8, 100_000, window, sinks) == window_cache_bytes(4, 4, 8, 1_000, window, sinks)
+
+
+# -- the checks' diagnoses: each fires on its mistake, and not on a similar one -------------------------------
+
+def edited(name: str, *edits: tuple[str, str]):
+    """The library's ``name`` with its source edited, defined as a student would define it (not the library's)."""
+    import inspect
+    import textwrap
+
+    from tests.fixtures.student import student_copy
+
+    module = student_copy(scale)
+    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new)
+    namespace = dict(vars(module))
+    exec(compile(source, f"<{name}>", "exec"), namespace)  # noqa: S102 - a test's own edited copy
+    return namespace[name]
+
+
+def failure_of(check, student, **options) -> str:
+    from stepformer.checks import CheckFailure
+
+    try:
+        check(student, **options)
+    except CheckFailure as failure:
+        return str(failure)
+    return "passed"
+
+
+def test_the_softmax_check_tells_which_blocks_an_online_softmax_fails_on() -> None:
+    from stepformer.checks.scale import check_online_softmax_values as check
+
+    past_the_end = failure_of(check, edited("online_softmax", ("shape[-1], block)", "shape[-1] + 1, block)")))
+    later_empty = failure_of(check, edited("online_softmax", ("start : start + block]", "start : block]")))
+    all_empty = failure_of(check, edited("online_softmax", ("start : start + block]", "start : start]")))
+    state = failure_of(check, edited("online_softmax", ("full(scores.shape[:-1]", "full(scores.shape[:-2]")))
+    columns = failure_of(check, edited("online_softmax", ("scores.shape[-1], block)", "scores.shape[-2], block)")))
+    assert "It fails exactly when block divides n" in past_the_end and "With one block" not in past_the_end
+    assert "With one block it is right" in later_empty and "divides n" not in later_empty
+    assert "With every block size" in all_empty and "With one block" not in all_empty
+    assert "does not have one entry per row" in state and "block" not in state.split("fail:")[-1]
+    assert "cover only the first" in columns
+    assert failure_of(check, edited("online_softmax")) == "passed"
+
+
+def test_the_tile_check_probes_a_step_that_raises() -> None:
+    from stepformer.checks.scale import check_tile_step_first, check_tile_step_mask
+
+    transposed = failure_of(check_tile_step_first, edited("tile_step", ("einsum(q, k,", "einsum(k, q,")))
+    leading = failure_of(check_tile_step_first, edited("tile_step", (
+        '"... q_block k_block -> ... q_block", "max"', '"... q_block k_block -> q_block ...", "max"')))
+    out = failure_of(check_tile_step_first, edited("tile_step", (
+        'k_block d_v -> ... q_block d_v"', 'k_block d_v -> ... d_v q_block"')))
+    inverted = failure_of(check_tile_step_first, edited("tile_step", ("if allowed is not", "if allowed is")))
+    assert "the scores transposed" in transposed and "out transposed" not in transposed
+    assert "with no leading axes, runs and is right" in leading and "transposed" not in leading
+    assert "with out transposed" in out and "scores transposed" not in out
+    assert "your test of allowed is inverted" in inverted
+    ignored = failure_of(check_tile_step_mask, edited("tile_step", ("if allowed is not None:", "if False:")))
+    assert "Your step ignores allowed" in ignored and "inverted" not in ignored
+
+
+def test_the_visits_checks_name_boundary_and_range_slips() -> None:
+    from stepformer.checks.scale import check_causal_block_visits_square as check
+
+    strict = failure_of(check, edited("causal_block_visits", ('1 k_blocks") <= rearrange', '1 k_blocks") < rearrange')))
+    late_keys = failure_of(check, edited("causal_block_visits", ("torch.arange(0, k_len, block_k)",
+                                                                 "torch.arange(1, k_len, block_k)")))
+    last_query = failure_of(check, edited("causal_block_visits", ("torch.arange(block_q - 1, q_len",
+                                                                  "torch.arange(block_q, q_len")))
+    one_more = failure_of(check, edited("causal_block_visits", ("q_len + block_q - 1, block_q",
+                                                                "q_len + block_q, block_q")))
+    assert "equality included" in strict and "equality included" in late_keys  # the same tiles: both named
+    assert "last queries are off by one" in last_query and "equality" not in last_query
+    assert "number of query blocks is off by one" in one_more
+    inverted = failure_of(check, edited("causal_block_visits", ("if min(q_len", "if not min(q_len")))
+    largest = failure_of(check, edited("causal_block_visits", ("if min(q_len", "if max(q_len")))
+    zero = failure_of(check, edited("causal_block_visits", ("block_k) < 1:", "block_k) < 0:")))
+    assert "your test is inverted" in inverted
+    assert "all four below 1" in largest and "lets 0 through" not in largest
+    assert "lets 0 through" in zero and "all four" not in zero
+    axis = failure_of(check, edited("causal_block_visits", ('"k_blocks -> 1 k_blocks"', '"k_blocks -> k_blocks 1"')))
+    assert "lie along the same axis" in axis and "never spreads over" in axis
+    assert failure_of(check, edited("causal_block_visits")) == "passed"

@@ -11,6 +11,7 @@ it, reading its cache or its gradients) goes through :func:`call`, with the smal
 """
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -189,16 +190,18 @@ BLOCK_MISTAKES = {
 
 
 def _block_reference(state: dict[str, Tensor], heads: int, kv_heads: int, x: Tensor, mask: Tensor | None,
-                     eps: float, mistake: str = "") -> Tensor:
-    """LLaMA's layer from PyTorch's pieces, in float64; ``mistake`` (a key of BLOCK_MISTAKES) builds a usual one."""
+                     eps: float | tuple[float, float], mistake: str = "") -> Tensor:
+    """LLaMA's layer from PyTorch's pieces, in float64; ``mistake`` (a key of BLOCK_MISTAKES) builds a usual one.
+    ``eps`` may be a pair, norm1's and norm2's, to build a block that passes it on to one norm only."""
     state = {name: value.double() for name, value in state.items()}
+    eps1, eps2 = eps if isinstance(eps, tuple) else (eps, eps)
     x = x.double()
     attention_state = {name.removeprefix("self_attn."): value for name, value in state.items()
                        if name.startswith("self_attn.")}
     positions = None if mistake == "no rope" else torch.arange(x.shape[1])
 
     def norm(i: int, t: Tensor) -> Tensor:
-        return F.rms_norm(t, (t.shape[-1],), state[f"norm{i}.weight"], eps)
+        return F.rms_norm(t, (t.shape[-1],), state[f"norm{i}.weight"], eps1 if i == 1 else eps2)
 
     def attention(t: Tensor) -> Tensor:
         return _module_oracle(attention_state, heads, kv_heads, t, t, t, None if mistake == "no mask" else mask,
@@ -233,10 +236,15 @@ def _diagnose_block(state: dict[str, Tensor], heads: int, kv_heads: int, x: Tens
         if close(output, _block_reference(state, heads, kv_heads, x, mask, eps, mistake).to(output.dtype),
                  output.dtype, tolerance):
             return BLOCK_MISTAKES[mistake]
-    if eps != 1e-6 and close(output, _block_reference(state, heads, kv_heads, x, mask, 1e-6).to(output.dtype),
-                             output.dtype, tolerance):
-        return (f"Your RMSNorms use eps=1e-6 although the block was built with eps={eps}: pass eps on to both, "
-                "RMSNorm(d_model, eps).")
+    if eps != 1e-6:
+        # Which norms use RMSNorm's default eps: both, norm1 alone, norm2 alone (each rebuilt, and matched exactly).
+        for eps_pair, which in (((1e-6, 1e-6), "Your RMSNorms use"), ((1e-6, eps), "Your norm1 uses"),
+                                ((eps, 1e-6), "Your norm2 uses")):
+            if close(output, _block_reference(state, heads, kv_heads, x, mask, eps_pair).to(output.dtype),
+                     output.dtype, tolerance):
+                target = "both" if which.endswith("RMSNorms use") else which.split()[1]
+                return (f"{which} eps=1e-6, RMSNorm's default, although the block was built with eps={eps}: pass eps "
+                        f"on to {target}, RMSNorm(d_model, eps).")
     return ("Write forward as the two equations: h = x + self_attn(n, n, n, mask, cache=cache) with n = norm1(x), "
             "then out = h + ffn(norm2(h)); and build self_attn as GroupedQueryAttention(d_model, heads, kv_heads, "
             "bias=False, rope=True).")
@@ -420,6 +428,39 @@ def _axes(x: Tensor) -> str:
     return {1: "vocab", 2: "batch vocab", 3: "batch seq vocab"}[x.dim()]
 
 
+def _none_hint(fn: Callable[..., Any], logits: Tensor, failure: CheckFailure) -> str:
+    """After an error about None: which filter's step runs although its option is None, found by giving each option
+    alone (the other one None); empty unless exactly one of them raises about None again."""
+    if "NoneType" not in str(failure):
+        return ""
+    found = []
+    for name, options in (("top_k", {"top_p": 1.0}), ("top_p", {"top_k": logits.shape[-1]})):
+        try:
+            call(fn, logits.clone(), **options)
+        except CheckFailure as probe:
+            if "NoneType" in str(probe):
+                found.append((name, options))
+    if len(found) != 1:
+        return ""
+    name, options = found[0]
+    return (f" Called with {_options(options)} alone, so that {name} is None, your filter_logits again raises an "
+            f"error about None: your code uses {name} although {name} is None. None means no {name} filter: do the "
+            f"{name} step only if {name} is not None.")
+
+
+def _dim_hint(failure: CheckFailure) -> str:
+    """What PyTorch's "Dimension out of range" says: which dim the code asked of a tensor with how many axes."""
+    found = re.search(r"Dimension out of range \(expected to be in range of \[(-\d+), (\d+)\], but got (-?\d+)\)",
+                      str(failure))
+    if not found:
+        return ""
+    axes, asked = int(found.group(2)) + 1, int(found.group(3))
+    noun = "axis" if axes == 1 else "axes"
+    return (f" Your code asks a tensor with {axes} {noun} for dim={asked}: filter_logits works along "
+            "the last axis, vocab, which is dim=-1 for (vocab,), (batch, vocab) and (batch, seq, vocab) alike "
+            "(a negative dim counts from the end); every softmax, sort, cumsum, topk and scatter of it takes dim=-1.")
+
+
 def _filtered(fn: Callable[..., Any], logits: Tensor, what: str, **options: Any) -> Tensor:
     try:
         got = call(fn, logits.clone(), **options)
@@ -429,7 +470,9 @@ def _filtered(fn: Callable[..., Any], logits: Tensor, what: str, **options: Any)
                 failure):
             hint = (f" A top_k larger than vocab={logits.shape[-1]} keeps every token: torch.topk needs k <= vocab, "
                     "so take min(top_k, vocab).")
-        raise CheckFailure(f"For {what}: {failure}{hint}") from failure
+        hint = hint or _none_hint(fn, logits, failure) or _dim_hint(failure)
+        text = str(failure).rstrip()
+        raise CheckFailure(f"For {what}: {text}{'.' if hint and not text.endswith('.') else ''}{hint}") from failure
     return expect_tensor(got, f"filter_logits on {what}", tuple(logits.shape), _axes(logits), logits.dtype)
 
 
@@ -438,6 +481,7 @@ def _options(options: dict[str, Any]) -> str:
 
 
 def _expect_unchanged_input(fn: Callable[..., Any], logits: Tensor, **options: Any) -> None:
+    _filtered(fn, logits, f"a batch (batch, vocab) with {_options(options)}", **options)  # first: its errors named
     if call(_changes_its_input, fn, logits, **options):
         raise CheckFailure("filter_logits changed the logits it was given (masked_fill_ or an assignment into "
                            "logits[...]): return a new tensor (masked_fill without the underscore), the caller may "
@@ -531,6 +575,9 @@ def _nucleus_problem(got: Tensor, logits: Tensor, top_p: float, tolerance: float
                 "those.")
     source = logits if allowed is None else logits.masked_fill(~allowed, NEG_INF)
     probs = torch.softmax(source.double(), dim=-1)
+    variant = _nucleus_variant(kept, source, top_p)
+    if variant:
+        return variant
     if not kept.any(dim=-1).all():
         return ("A row keeps no token at all: the most likely token always stays (the tokens before it sum to 0, "
                 "less than p).")
@@ -551,6 +598,50 @@ def _nucleus_problem(got: Tensor, logits: Tensor, top_p: float, tolerance: float
                 f"probability >= top_p={top_p}. A token stays only while the tokens sorted before it sum to less "
                 "than p.")
     return None
+
+
+def _ascending_rule(source: Tensor, top_p: float, forced: int = -1, keep_forced: bool = True) -> Tensor:
+    """The kept tokens by the docstring's rule, in float64: least likely first, a token is dropped while the running
+    sum (its own probability included) is at most 1 - p, and the decision at ascending position ``forced`` is set to
+    keep (the most likely token, by default) or, with ``keep_forced=False``, to drop: the usual slips in that line."""
+    probs, order = torch.sort(torch.softmax(source.double(), dim=-1), dim=-1)
+    drop = torch.cumsum(probs, dim=-1) <= 1.0 - top_p
+    drop[..., forced] = not keep_forced
+    return ~torch.zeros_like(drop).scatter(-1, order, drop) & (source > NEG_INF)
+
+
+def _ordinal(n: int) -> str:
+    return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
+
+
+def _nucleus_variant(kept: Tensor, source: Tensor, top_p: float) -> str | None:
+    """The one usual slip whose kept tokens are exactly ``kept`` (rebuilt on these logits), where the right rule keeps
+    others; None if no slip, or more than one, gives them."""
+    correct = _ascending_rule(source, top_p)
+    if torch.equal(kept, correct):
+        return None
+    vocab = source.shape[-1]
+    found = []
+    if torch.equal(kept, source > NEG_INF):
+        found.append(f"You drop no token at all with top_p={top_p}, where the nucleus is smaller: none of your "
+                     "decisions drops. Least likely first, a token is dropped while the running sum of the "
+                     "probabilities (cumsum, its own included) is at most 1 − top_p.")
+    probs = torch.sort(torch.softmax(source.double(), dim=-1), dim=-1).values
+    if ((probs[..., 1:] == probs[..., :-1]) & (probs[..., 1:] > 0)).any():
+        # Tied tokens: which of them a sort puts first is arbitrary, so a slip at one position cannot be told from a
+        # slip in the comparison (eight equal tokens, one more kept: either one).
+        return found[0] if len(found) == 1 else None
+    if torch.equal(kept, _ascending_rule(source, top_p, -1, keep_forced=False)):
+        found.append("You drop the most likely token of each row, and keep the rest of the nucleus: that token always "
+                     "stays, so its decision is forced to keep (not dropped), never to drop.")
+    for j in range(vocab - 1):
+        if torch.equal(kept, _ascending_rule(source, top_p, j)):
+            rank = "least likely" if j == 0 else f"{_ordinal(j + 1)} least likely"
+            found.append(f"Besides the nucleus you keep, in every row, the {rank} token, position {j} of an ascending "
+                         "sort, whose decision you force to keep: the token forced to stay is the most likely one, the "
+                         f"last position of an ascending sort, index -1 (a negative index counts from the end), not "
+                         f"position {j}.")
+    return found[0] if len(found) == 1 else None
 
 
 def _check_nucleus(fn: Callable[..., Any], logits: Tensor, what: str, top_p: float, top_k: int | None = None) -> None:
@@ -602,6 +693,7 @@ def check_top_p(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torc
     # A near-certain token: the nucleus of p = 0.5 is that token alone.
     logits = torch.tensor([0.0, 5.0, 1.0, -1.0, 2.0], dtype=dtype)
     _check_nucleus(fn, logits, "a row whose most likely token has probability 0.93", 0.5)
+    _check_exact_nucleus(fn, dtype)
     for top_p in (0.0, 1.5):
         error = call(_error_of, fn, cases[1][1], top_p=top_p)
         if error != "ValueError":
@@ -610,6 +702,31 @@ def check_top_p(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torc
     passed(f"top_p keeps the smallest set of most likely tokens whose probabilities reach p, in the input's order, "
            f"for (vocab,), (batch, vocab) and (batch, seq, vocab), ties included; p = 1.0 keeps all; ValueError "
            f"outside (0, 1] ({_dtype_name(dtype)})")
+
+
+def _check_exact_nucleus(fn: Callable[..., Any], dtype: torch.dtype) -> None:
+    """Eight equally likely tokens: every probability (1/8) and every sum of them is exact in float32, so a set whose
+    mass is exactly p can be asked for. 'At least p' includes equality: the nucleus of p = k/8 holds k tokens (any k of
+    them: they tie)."""
+    logits = torch.full((8,), 0.5, dtype=dtype)
+    for top_p in (0.25, 0.5, 0.75):
+        what = "a row of 8 equally likely tokens (probability 0.125 each, exact in any dtype)"
+        _check_nucleus(fn, logits, what, top_p)
+        count = int(torch.isfinite(_filtered(fn, logits, f"{what} with top_p={top_p}", top_p=top_p)).sum())
+        expected = round(8 * top_p)
+        if count == expected:
+            continue
+        hint = ""
+        if count == expected + 1:
+            # Every nucleus check above passed, and these decisions differ from the right ones only where a sum equals
+            # p (or 1 - p) exactly: the comparison that decides it treats equality the other way.
+            hint = (f" Your set without its last token has mass {expected / 8} = top_p exactly, which already reaches "
+                    "p: 'at least p' includes equality. Where your rule compares a sum with p (or with 1 − p), "
+                    "equality goes the other way: a token stays only while the tokens before it sum to strictly "
+                    "less than p; least likely first, it is dropped while the running sum is at most 1 − p (<=, "
+                    "not <).")
+        raise CheckFailure(f"filter_logits(top_p={top_p}) on {what} keeps {count} tokens; the smallest set whose "
+                           f"probabilities sum to at least p holds {expected} (mass {expected / 8}).{hint}")
 
 
 def _renormalising_row(dtype: torch.dtype, seed: int) -> Tensor:
@@ -757,7 +874,7 @@ def _scaling_hint(got: Tensor, base: _Weights, state: dict[str, Tensor], alpha: 
     for scaling, hint in ((alpha, "You scale the update by alpha; LoRA scales it by alpha / r, so that changing r "
                                   "does not change the update's size."),
                           (r / alpha, "You scale the update by r / alpha; LoRA scales it by alpha / r."),
-                          (1.0, "You do not scale the update: multiply B(A(x)) by alpha / r."),
+                          (1.0, "You left out the scaling: multiply B(A(x)) by alpha / r (self.scaling)."),
                           (alpha * r, "You scale the update by alpha · r; LoRA scales it by alpha / r."),
                           (0.0, "Your output is base(x) alone: the update (alpha / r) · lora_b(lora_a(x)) does "
                                 "not reach it. Look at whether forward adds it, and at the dropout on its input "
@@ -782,7 +899,10 @@ def _gradients(module: nn.Module, x: Tensor, weights: Tensor) -> dict[str, Tenso
     for p in module.parameters():
         p.grad = None
     with torch.enable_grad():
-        (module(x) * weights).sum().backward()
+        y = module(x)
+        if not y.requires_grad:  # nothing trainable reached the output: no parameter gets a gradient
+            return {name: None for name, _ in module.named_parameters()}
+        (y * weights).sum().backward()
     grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in module.named_parameters()}
     for p in module.parameters():
         p.grad = None
@@ -794,6 +914,38 @@ def _lora_weights(module: nn.Module) -> dict[str, Tensor]:
     return {name: params[name].detach().clone() for name in ("lora_a.weight", "lora_b.weight") if name in params}
 
 
+def _expect_linear_draw(cls: Callable[..., Any], seed: int) -> None:
+    """lora_a drawn as nn.Linear draws a weight: uniform on ±1/sqrt(in_features) (kaiming_uniform_ with a=sqrt(5)).
+    Of 1,024 draws a right one has all inside the bound and, but with probability 0.97^1024 (3e-14), one beyond 0.97
+    of it (kaiming_uniform_ with a=sqrt(6) reaches 0.926 of it); a uniform draw on ±B shows B as its largest value (to
+    0.3 %) and half of its values inside B / 2."""
+    s = {"d_in": 64, "d_out": 40}
+    r, bound = 16, 1 / math.sqrt(64)
+    base, _ = _base(s, torch.float64, seed + 83)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 89)
+        layer = call(cls, base, r, 1.0)
+    a = call(_lora_weights, layer).get("lora_a.weight")
+    if type(a) is not Tensor or tuple(a.shape) != (r, s["d_in"]):
+        return  # the shapes are graded above
+    largest = a.abs().max().item()
+    if bound * 0.97 <= largest <= bound * (1 + 1e-6):
+        return
+    what = (f"lora_a of LoRALinear(nn.Linear({s['d_in']}, {s['d_out']}), r={r}): its {a.numel()} values reach "
+            f"{largest:.3g}, where nn.Linear draws uniformly on ±1/sqrt(in_features) = ±{bound:.4g}")
+    inside_half = (a.abs() < largest / 2).double().mean().item()
+    if abs(inside_half - 0.5) < 0.07 and largest > 0:  # uniform on ±largest: it is kaiming_uniform_ with some a
+        a_squared = 6 / (largest ** 2 * s["d_in"]) - 1
+        implied = f" with a ≈ {math.sqrt(max(a_squared, 0.0)):.2g}" if a_squared > -0.05 else ""
+        hint = (f"Your values are spread uniformly over ±{largest:.3g}: that is nn.init.kaiming_uniform_{implied}, "
+                "whose range is ±sqrt(6 / ((1 + a²) · in_features)); nn.Linear uses a=math.sqrt(5), which gives "
+                "±1/sqrt(in_features). Leave lora_a as nn.Linear draws it (or pass a=math.sqrt(5)).")
+    else:
+        hint = ("Leave lora_a as nn.Linear(in_features, r, bias=False) draws it: the update's size at the start of "
+                "training depends on it (nn.init.kaiming_uniform_ with a=math.sqrt(5)).")
+    raise CheckFailure(f"{what}. {hint}")
+
+
 @check
 def check_lora_init(cls: Callable[..., Any], seed: int = 0) -> None:
     """Frozen base, lora_a (r, in) drawn and lora_b (out, r) zero: the layer starts equal to its base and trains
@@ -803,7 +955,18 @@ def check_lora_init(cls: Callable[..., Any], seed: int = 0) -> None:
     for r, alpha, bias, dtype in ((1, 1.0, True, torch.float32), (s["r"], 8.0, False, torch.float32),
                                   (s["r"] + 1, 3.0, True, torch.float64)):
         base, weights = _base(s, dtype, seed + r, bias)
-        layer = call(cls, base, r, alpha)
+        try:
+            layer = call(cls, base, r, alpha)
+        except CheckFailure as failure:
+            hint = ""
+            zero = call(_error_of, cls, _base(s, dtype, seed, bias)[0], 0, alpha) if "ValueError" in str(
+                failure) else "ValueError"
+            if zero != "ValueError":
+                hint = (f" LoRALinear(base, r=0, alpha={alpha}) on the other hand raises "
+                        f"{'no error' if zero is None else 'a ' + zero + ', not your ValueError'}: your test of r is "
+                        "inverted. r = 0 (no update at all) is the one to refuse: if r < 1: raise ValueError(...).")
+            raise CheckFailure(f"LoRALinear(base, r={r}, alpha={alpha}) should build a layer (a rank of 1 or more is "
+                               f"valid): {str(failure).rstrip('.')}.{hint}") from failure
         _expect_lora_parameters(layer, s, r, bias, dtype)
         low_rank = call(_lora_weights, layer)
         a, b = low_rank["lora_a.weight"], low_rank["lora_b.weight"]
@@ -829,9 +992,20 @@ def check_lora_init(cls: Callable[..., Any], seed: int = 0) -> None:
             if grads.get(name) is not None and grads[name].abs().sum() > 0:
                 raise CheckFailure(f"{name} received a gradient: freeze the base, self.base.requires_grad_(False).")
         if grads.get("lora_b.weight") is None or not grads["lora_b.weight"].abs().sum() > 0:
-            raise CheckFailure("lora_b received no gradient from a backward pass through the layer: use lora_a and "
-                               "lora_b in forward (base(x) + (alpha / r) * lora_b(lora_a(dropout(x)))), and leave "
-                               "them trainable.")
+            # lora_b is zero at first, so the output cannot show whether the update is there: give it weights.
+            state = _lora_state(s, r, dtype, seed)
+            call(_load, layer, state)
+            with_update = expect_tensor(call(layer, xs), f"the output of LoRALinear(r={r}, alpha={alpha})", tuple(
+                xs.shape[:-1]) + (s["d_out"],), "batch seq d_out", dtype)
+            alone = ""
+            if close(with_update, expected, dtype) and not close(
+                    _lora_reference(weights, state, alpha, r, xs), expected, dtype):
+                alone = (" With lora_a and lora_b given nonzero weights your layer still computes base(x) alone: your "
+                         "forward leaves out the update (alpha / r) · lora_b(lora_a(dropout(x))).")
+            raise CheckFailure("lora_b received no gradient from a backward pass through the layer." + alone +
+                               " Use lora_a and lora_b in forward (base(x) + (alpha / r) * lora_b(lora_a(dropout(x))"
+                               ")), and leave them trainable.")
+    _expect_linear_draw(cls, seed)
     passed("LoRALinear freezes its base, adds lora_a (r, in_features) drawn at random and lora_b (out_features, r) "
            "at zero: it starts equal to its base, trains r · (in + out) numbers and gets gradients in lora_b, for "
            "r = 1 and more, with and without a bias, float32 and float64")
@@ -929,6 +1103,23 @@ def _merged(layer: nn.Module, x: Tensor) -> dict[str, Any]:
     return found
 
 
+def _merged_bias_hint(cls: Callable[..., Any], s: dict[str, int], dtype: torch.dtype, seed: int, x: Tensor,
+                      bias: bool, failure: CheckFailure) -> str:
+    """After merged() raised on a base with a bias: whether, on a base without one, it builds a layer with a bias."""
+    if not bias or "bias" not in str(failure):
+        return ""
+    layer, _, _ = _build_lora(cls, s, 2, 5.0, dtype, seed + 11, False, dropout=0.25)
+    try:
+        found = call(_merged, layer, x)
+    except CheckFailure:
+        return ""
+    if not found["linear"] or found["bias"] is None:
+        return ""
+    return (" On a base without bias your merged() builds an nn.Linear with a bias: the merged layer gets a bias "
+            "exactly when the base has none, so the test of base.bias is inverted. Build it with "
+            "nn.Linear(..., bias=self.base.bias is not None).")
+
+
 @check
 def check_lora_merged(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """merged() is one nn.Linear with weight W + (alpha / r) · B A and the base's bias, computing the same function;
@@ -938,7 +1129,11 @@ def check_lora_merged(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype
     for i, (r, alpha, bias) in enumerate(((s["r"], 12.0, True), (2, 5.0, False))):
         layer, base, state = _build_lora(cls, s, r, alpha, dtype, seed + 10 + i, bias, dropout=0.25)
         what = f"LoRALinear(r={r}, alpha={alpha}, dropout=0.25{'' if bias else ', a base without bias'}) in eval()"
-        found = call(_merged, layer, x)
+        try:
+            found = call(_merged, layer, x)
+        except CheckFailure as failure:
+            hint = _merged_bias_hint(cls, s, dtype, seed, x, bias, failure)
+            raise CheckFailure(f"merged() of {what}: {str(failure).rstrip('.')}.{hint}") from failure
         if not found["linear"]:
             raise CheckFailure(f"merged() of {what} should return one nn.Linear, got {found['kind']}.")
         expected = _lora_reference(base, state, alpha, r, x)
@@ -961,7 +1156,11 @@ def check_lora_merged(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype
             if close(weight, base.weight + b_a, dtype):
                 hint = "You added B·A without its scale: the merged weight is W + (alpha / r) · B A."
             elif close(weight, base.weight, dtype):
-                hint = "Your merged weight is the base's alone: add the update (alpha / r) · B A to it."
+                hint = ("Your merged weight is the base's alone, without the update: add (alpha / r) · "
+                        "lora_b.weight @ lora_a.weight to it.")
+            elif close(weight, alpha / r * b_a, dtype):
+                hint = ("Your merged weight is the update (alpha / r) · B A alone, without the base's weight W: the "
+                        "merged layer computes both paths, W + (alpha / r) · B A.")
             else:
                 hint = "The merged weight is W + (alpha / r) · lora_b.weight @ lora_a.weight, shape (out, in)."
             raise CheckFailure(f"merged() of {what} has the wrong weight ({difference(weight, expected_weight, s)}). "

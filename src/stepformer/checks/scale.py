@@ -41,6 +41,12 @@ BUILT_IN_TILE = {
 }
 
 
+def _then(failure: CheckFailure, hint: str) -> str:
+    """A failure's message and what a probe after it found (a hint that starts with a space), as sentences."""
+    text = str(failure).rstrip()
+    return text + ("" if not hint or text.endswith((".", "!", "?")) else ".") + hint
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -92,6 +98,53 @@ def _online_variant(scores: Tensor, block: int, mistake: str) -> Tensor:
     return torch.where(rearrange(row_sum > 0, "... -> ... 1"), weights, 0.0)
 
 
+def _first_columns_softmax(scores: Tensor, columns: int) -> Tensor:
+    """exp(score - m) / l for every column, m and l taken over the first ``columns`` only (a loop that stops there)."""
+    scores = scores.double()
+    seen = scores[..., :columns]
+    row_max = seen.amax(dim=-1, keepdim=True)
+    return torch.exp(scores - row_max) / torch.exp(seen - row_max).sum(dim=-1, keepdim=True)
+
+
+def _softmax_probe(fn: Callable[..., Any], failure: CheckFailure, n: int, dtype: torch.dtype) -> str:
+    """After online_softmax raised: the same function on one row with several block sizes, and with 0, 1 and 2 leading
+    axes, to say which of them it handles; a cause only where the pattern of failures singles one out."""
+    g = torch.Generator().manual_seed(n)
+    row = 3 * torch.randn(n, generator=g, dtype=dtype)
+
+    def works(scores: Tensor, block: int) -> bool:
+        try:
+            got = call(fn, scores.clone(), block)
+        except CheckFailure:
+            return False
+        return type(got) is Tensor and close(got, _softmax_oracle(scores).to(dtype), dtype)
+
+    blocks = sorted({1, 2, 3, n - 1, n, n + 3})
+    ok = {block: works(row, block) for block in blocks}
+    fine, broken = [b for b in blocks if ok[b]], [b for b in blocks if not ok[b]]
+    said = f" On one row of n = {n} scores, blocks of {broken} fail" + (f" and blocks of {fine} are right." if fine
+                                                                        else ".")
+    empty = "non-zero size" in str(failure) or "zero-size" in str(failure)
+    if broken and all(ok[b] == bool(n % b) for b in blocks):
+        return (said + " It fails exactly when block divides n: then your loop takes one block more, starting at n "
+                "itself, an empty block past the last score. The starts are range(0, n, block), which stops before "
+                "n.")
+    if empty and fine and all(ok[b] == (b >= n) for b in blocks):
+        return (said + " With one block it is right, with several a later block of scores is empty (the maximum over "
+                "it raises): look at the slice of each block, scores[..., start : start + block].")
+    if empty and not fine:
+        return (said + " With every block size a block of scores your loop takes is empty (the maximum over it "
+                "raises): look at the slice of each block, scores[..., start : start + block], and at the starts, "
+                "range(0, n, block).")
+    if fine == blocks:
+        lead = [works(3 * torch.randn(*shape, n, generator=g, dtype=dtype), 2) for shape in ((4,), (4, 5))]
+        if lead[0] and not lead[1]:
+            return (" One row (n,) and rows of shape (4, n) are right, rows of shape (4, 5, n) fail: your running "
+                    "state does not have one entry per row. The running maximum and sum have the shape of every "
+                    "axis but the last, scores.shape[:-1].")
+    return ""
+
+
 NO_RESCALE = (
     "You added each block's Σ exp(score − new max) to the running sum without rescaling the old sum: its terms were "
     "taken relative to the old maximum, so when a block raises the maximum they are too large. Multiply the old sum "
@@ -123,6 +176,11 @@ def _softmax_hint(got: Tensor, scores: Tensor, block: int, one_block_passed: boo
     for mistake, hint in (("no rescale", NO_RESCALE), ("wrong sign", WRONG_SIGN), ("restart", RESTART)):
         if close(got, _online_variant(scores, block, mistake).to(got.dtype), got.dtype):
             return hint
+    columns = scores.shape[-2] if scores.dim() > 1 else scores.shape[-1]
+    if columns < scores.shape[-1] and close(got, _first_columns_softmax(scores, columns).to(got.dtype), got.dtype):
+        return (f"Your running maximum and sum cover only the first {columns} of the n = {scores.shape[-1]} columns, "
+                f"{columns} being the size of the second-to-last axis: the blocks run over the last axis, "
+                "range(0, scores.shape[-1], block).")
     if scores.dim() > 1 and close(got, torch.softmax(scores.double(), dim=-2).to(got.dtype), got.dtype):
         return "Your weights sum to 1 over the second-to-last axis: the softmax runs over the last axis, n."
     sums = got.double().sum(dim=-1)
@@ -154,7 +212,12 @@ def _expect_weights(got: Any, what: str, scores: Tensor) -> Tensor:
 
 
 def _weights(fn: Callable[..., Any], scores: Tensor, block: int, what: str) -> Tensor:
-    got = _call_on_copies(fn, (scores, block), ("scores", "block"), "online_softmax")
+    try:
+        got = _call_on_copies(fn, (scores, block), ("scores", "block"), "online_softmax")
+    except CheckFailure as failure:
+        if "changed the tensors" in str(failure):
+            raise
+        raise CheckFailure(_then(failure, _softmax_probe(fn, failure, scores.shape[-1], scores.dtype))) from failure
     return _expect_weights(got, what, scores)
 
 
@@ -313,6 +376,8 @@ def _tile_oracle(
     d_k, d_v = q.shape[-1], v.shape[-1]
     scale = {"no scale": 1.0, "d_k": d_k, "sqrt d_v": math.sqrt(d_v)}.get(mistake, math.sqrt(d_k))
     scores = einsum(q, k, "... q_block d_k, ... k_block d_k -> ... q_block k_block") / scale
+    if mistake == "scores transposed":  # k qᵀ: only where q_block == k_block
+        scores = rearrange(scores, "... q_block k_block -> ... k_block q_block")
     if allowed is not None and mistake != "mask ignored":
         scores = scores.masked_fill(allowed if mistake == "mask inverted" else ~allowed, -math.inf)
     block_max = reduce(scores, "... q_block k_block -> ... q_block", "max")
@@ -334,6 +399,8 @@ def _tile_oracle(
                               new_out / rearrange(new_sum, "... q_block -> ... q_block 1"), 0.0)
     if mistake == "block max":
         new_max = block_max
+    if mistake == "out transposed":  # (d_v, q_block): only where q_block == d_v
+        new_out = rearrange(new_out, "... q_block d_v -> ... d_v q_block")
     return new_max, new_sum, new_out
 
 
@@ -348,8 +415,8 @@ TILE_MISTAKES = {
     "sum not rescaled": "You added the block's terms to row_sum without rescaling the old sum by exp(old max − new "
                         "max): it was taken relative to the old maximum.",
     "out not rescaled": "You rescaled row_sum but not the accumulated output: out was taken relative to the old "
-                        "maximum too, so multiply it by exp(old max − new max) as well before adding the block's "
-                        "Σ exp(score − new max) · v.",
+                        "maximum too, so multiply it by the same rescale factor, exp(old max − new max), before "
+                        "adding the block's Σ exp(score − new max) · v.",
     "neither rescaled": "You added the block's terms to row_sum and out without rescaling the old ones: both were "
                         "taken relative to the old maximum, so multiply both by exp(old max − new max) first.",
     "wrong sign": "You rescaled by exp(new max − old max) instead of exp(old max − new max): when a block raises "
@@ -445,9 +512,82 @@ def _compare_state(got: tuple[Tensor, Tensor, Tensor], args: tuple, what: str,
                            f"{_tile_hint(got, args, tolerance)}")
 
 
+STEP_NAMES = ("q", "k", "v", "allowed", "row_max", "row_sum", "out")
+
+
 def _step(fn: Callable[..., Any], args: tuple, what: str) -> tuple[Tensor, Tensor, Tensor]:
-    names = ("q", "k", "v", "allowed", "row_max", "row_sum", "out")
-    return _expect_state(_call_on_copies(fn, args, names, "tile_step"), what, args[0], args[2])
+    try:
+        got = _call_on_copies(fn, args, STEP_NAMES, "tile_step")
+    except CheckFailure as failure:
+        if "changed the tensors" in str(failure):
+            raise
+        raise CheckFailure(_then(failure, _step_probe(fn, failure, args))) from failure
+    return _expect_state(got, what, args[0], args[2])
+
+
+def _probe_state(fn: Callable[..., Any], args: tuple) -> tuple[Tensor, ...] | None:
+    """The student's step on ``args``, or None if it raises or returns something else than three tensors of the
+    state's shapes."""
+    try:
+        got = call(fn, *(a.clone() if isinstance(a, Tensor) else a for a in args))
+    except CheckFailure:
+        return None
+    q, v = args[0], args[2]
+    shapes = (q.shape[:-1], q.shape[:-1], (*q.shape[:-1], v.shape[-1]))
+    if type(got) not in (tuple, list) or len(got) != 3 or any(
+            type(t) is not Tensor or tuple(t.shape) != tuple(shape) for t, shape in zip(got, shapes, strict=True)):
+        return None
+    return tuple(got)
+
+
+def _step_probe(fn: Callable[..., Any], failure: CheckFailure, args: tuple) -> str:
+    """After tile_step raised: the same step without leading axes, on a square tile (q_block = k_block = d_k = d_v,
+    where a transposed einsum runs too), and with a mask given, to say which of them it gets right."""
+    q, k, v, allowed = args[:4]
+    dtype = q.dtype
+    g = torch.Generator().manual_seed(q.shape[-2] * 100 + k.shape[-2])
+    if allowed is None and "NoneType" in str(failure):
+        # allowed=None made it raise: with a mask given, does it apply it?
+        mask = torch.rand(q.shape[-2], k.shape[-2], generator=g) < 0.5
+        mask[:, 0] = True
+        masked = (q, k, v, mask, *args[4:])
+        got = _probe_state(fn, masked)
+        if got is not None and _rows_close(got, _tile_oracle(*masked, mistake="mask ignored"),
+                                           torch.ones(q.shape[:-1], dtype=torch.bool), None) \
+                and not _rows_close(got, _tile_oracle(*masked), torch.ones(q.shape[:-1], dtype=torch.bool), None):
+            return (" With allowed=None your step applies the mask anyway (~ of None), and with a mask given it "
+                    "ignores it: your test of allowed is inverted. Mask only if allowed is not None.")
+        return ""
+    every = torch.ones(q.shape[-2], dtype=torch.bool)
+    if q.dim() > 2:
+        flat = (q[(0,) * (q.dim() - 2)], k[(0,) * (k.dim() - 2)], v[(0,) * (v.dim() - 2)], None,
+                *(t[(0,) * (q.dim() - 2)] for t in args[4:]))
+        got = _probe_state(fn, flat)
+        if got is not None and _rows_close(got, _tile_oracle(*flat), every, None):
+            return (f" The same step on q of shape {tuple(flat[0].shape)}, with no leading axes, runs and is right: "
+                    "with leading axes (batch, heads) it fails, so some operation of your step puts the leading axes "
+                    "elsewhere than the other tensors have them: an einops pattern with its '...' not first, or a "
+                    "transpose or index of fixed axes (0, 1). Keep '...' first in every pattern ('... q_block "
+                    "k_block', '... q_block', '... q_block d_v') and count other axes from the end (-2, -1).")
+    c = 4
+    square = (torch.randn(c, c, generator=g, dtype=dtype), torch.randn(c, c, generator=g, dtype=dtype),
+              torch.randn(c, c, generator=g, dtype=dtype), None)
+    square = (*square, torch.full((c,), -math.inf, dtype=dtype), torch.zeros(c, dtype=dtype),
+              torch.zeros(c, c, dtype=dtype))
+    got = _probe_state(fn, square)
+    if got is None:
+        return ""
+    found = [m for m in ("scores transposed", "out transposed")
+             if _rows_close(got, _tile_oracle(*square, mistake=m), torch.ones(c, dtype=torch.bool), None)]
+    if _rows_close(got, _tile_oracle(*square), torch.ones(c, dtype=torch.bool), None) or len(found) != 1:
+        return ""
+    if found[0] == "scores transposed":
+        return (f" On a square tile (q_block = k_block = d_k = d_v = {c}, no leading axes) your step runs, and equals "
+                "the step with the scores transposed, k qᵀ instead of q kᵀ: the scores have one row per query, "
+                "einsum(q, k, '... q_block d_k, ... k_block d_k -> ... q_block k_block').")
+    return (f" On a square tile (q_block = k_block = d_k = d_v = {c}, no leading axes) your step runs, and equals the "
+            "step with out transposed, (d_v, q_block) instead of (q_block, d_v): the weighted sum of the values "
+            "ends in '... q_block d_v'.")
 
 
 def _large_scores(q: Tensor, k: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -627,9 +767,13 @@ def _visits_variant(q_len: int, k_len: int, block_q: int, block_k: int, mistake:
     last_query = (first_query + block_q - 1).clamp(max=q_len - 1)
     if mistake == "first query":
         last_query = first_query
+    if mistake == "last query + 1":
+        last_query = (first_query + block_q).clamp(max=q_len - 1)
     first_key = torch.arange(0, k_len, block_k)
     if mistake == "last key":
         first_key = (first_key + block_k - 1).clamp(max=k_len - 1)
+    if mistake == "strict":  # first_key < reads_up_to, the same tiles as first keys counted one position late
+        first_key = first_key + 1
     return rearrange(first_key, "k_blocks -> 1 k_blocks") <= rearrange(last_query + offset, "q_blocks -> q_blocks 1")
 
 
@@ -642,6 +786,12 @@ VISIT_MISTAKES = {
     "last key": "You asked whether the block's last key is readable, i.e. whether the whole tile is unmasked: a tile "
                 "is needed as soon as its first key is readable by the block's last query (a partly masked tile on "
                 "the diagonal is computed too).",
+    "last query + 1": "Your blocks' last queries are off by one: each tile is decided as if the block's last query "
+                      "sat one position later, (a + 1)·block_q instead of (a + 1)·block_q − 1 (capped at q_len − 1), "
+                      "so you compute tiles that no query of the block may read.",
+    "strict": "You skip each tile whose first key is exactly the last key its block's queries may read: a tile is "
+              "needed when its first key <= that position, equality included. A strict first_key < reads_up_to, or "
+              "first keys shifted by one (counted from 1), skips exactly these tiles.",
 }
 
 
@@ -650,8 +800,28 @@ def _grid(mask: Tensor) -> str:
     return "\n".join("    " + " ".join("1" if v else "0" for v in row.tolist()) for row in mask)
 
 
+def _same_axis_hint(fn: Callable[..., Any], shape: tuple[int, ...]) -> str:
+    """A result of one row or one column: with as many query blocks as key blocks, is it still one row or column?"""
+    try:
+        square = call(fn, 12, 12, 3, 3)
+    except CheckFailure:
+        square = None
+    if type(square) is not Tensor or tuple(square.shape) not in ((4, 1), (1, 4)):
+        return ""
+    yours = f"Your result has shape {shape}, and" if shape else "Your code raises the error above, and"
+    return (f"{yours} with as many query blocks as key blocks, causal_block_visits(12, 12, 3, 3), gives shape "
+            f"{tuple(square.shape)} instead of (4, 4): the result never spreads over a (q_blocks, k_blocks) grid, as "
+            "when the two sides of the comparison lie along the same axis; they broadcast to a grid only when one "
+            "lies along each. Rearrange the first keys to "
+            "(1, k_blocks) and the last readable positions to (q_blocks, 1).")
+
+
 def _expect_visits(fn: Callable[..., Any], q_len: int, k_len: int, block_q: int, block_k: int, what: str) -> None:
-    got = call(fn, q_len, k_len, block_q, block_k)
+    try:
+        got = call(fn, q_len, k_len, block_q, block_k)
+    except CheckFailure as failure:
+        raise CheckFailure(_then(failure, _visits_error_hint(fn, failure, (q_len, k_len, block_q, block_k)))) \
+            from failure
     expected = _visits_oracle(q_len, k_len, block_q, block_k)
     shape = tuple(expected.shape)
     call_text = f"causal_block_visits(q_len={q_len}, k_len={k_len}, block_q={block_q}, block_k={block_k}) ({what})"
@@ -661,6 +831,14 @@ def _expect_visits(fn: Callable[..., Any], q_len: int, k_len: int, block_q: int,
         q_blocks, k_blocks = shape
         if tuple(got.shape) == (k_blocks, q_blocks):
             hint = "Your result is transposed: rows are query blocks, columns key blocks."
+        elif tuple(got.shape) in ((q_blocks + 1, k_blocks), (q_blocks, k_blocks + 1)):
+            axis = "query" if got.shape[0] != q_blocks else "key"
+            hint = (f"The number of {axis} blocks is off by one, one too many: ⌈q_len / block_q⌉ = {q_blocks} query "
+                    f"blocks and ⌈k_len / block_k⌉ = {k_blocks} key blocks. Look at where the range of your blocks' "
+                    f"{'last queries' if axis == 'query' else 'first keys'} stops.")
+        elif q_blocks > 1 and tuple(got.shape) in ((q_blocks, 1), (1, k_blocks), (k_blocks, 1), (1, q_blocks)):
+            hint = _same_axis_hint(fn, tuple(got.shape)) or ("There is one row per query block and one column "
+                                                             "per key block, ⌈length / block⌉ of each.")
         elif tuple(got.shape) in ((q_len // block_q, k_len // block_k), (q_len // block_q, k_blocks),
                                   (q_blocks, k_len // block_k)):
             hint = ("The last query block is partial: with integer division a last block shorter than the others "
@@ -685,13 +863,40 @@ def _expect_visits(fn: Callable[..., Any], q_len: int, k_len: int, block_q: int,
     raise CheckFailure(f"{call_text} marks the wrong tiles (rows: query blocks, columns: key blocks):{shown}{hint}")
 
 
+def _visits_error_hint(fn: Callable[..., Any], failure: CheckFailure, args: tuple[int, int, int, int]) -> str:
+    """After valid sizes raised: a ValueError, does a length of 0 raise none (then the test is inverted)? Another
+    error: does the result with as many query blocks as key blocks lie along one axis?"""
+    if min(args) < 1 or args[1] < args[0]:
+        return ""
+    if "ValueError" not in str(failure):
+        hint = _same_axis_hint(fn, ())
+        return " " + hint if hint else ""
+    zero = (0, *args[1:])
+    if call(_error_of, fn, *zero) == "ValueError":
+        return ""
+    return (f" Every length and block here is at least 1, while causal_block_visits{zero} raises no ValueError: your "
+            "test is inverted. Raise when min(q_len, k_len, block_q, block_k) < 1.")
+
+
 def _expect_value_error(fn: Callable[..., Any], args: tuple[int, int, int, int], why: str) -> None:
     error = call(_error_of, fn, *args)
     if error != "ValueError":
         got = "no error" if error is None else f"a {error}"
         q_len, k_len, block_q, block_k = args
+        hint = ""
+        if min(args) == 0 and k_len >= q_len:
+            # Which sizes below 1 it does refuse: all four at 0, or the same one at -1.
+            slot = args.index(0)
+            negative = tuple(-1 if i == slot else a for i, a in enumerate(args))
+            if call(_error_of, fn, 0, 0, 0, 0) == "ValueError":
+                hint = (" It does raise for causal_block_visits(0, 0, 0, 0), all four below 1: the test must fire "
+                        "when any one of them is below 1, min(q_len, k_len, block_q, block_k) < 1, not only when the "
+                        "largest of them is.")
+            elif call(_error_of, fn, *negative) == "ValueError":
+                hint = (f" It does raise for causal_block_visits{negative}: your test lets 0 through, but 0 is below "
+                        "1 too (an empty length or block). Raise when min(q_len, k_len, block_q, block_k) < 1.")
         raise CheckFailure(f"causal_block_visits(q_len={q_len}, k_len={k_len}, block_q={block_q}, block_k={block_k}) "
-                           f"should raise a ValueError ({why}); it raised {got}.")
+                           f"should raise a ValueError ({why}); it raised {got}.{hint}")
 
 
 def _visit_sizes(seed: int) -> tuple[int, int, int]:
