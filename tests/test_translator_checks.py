@@ -355,7 +355,7 @@ def test_translator_checks_replay_the_recorded_verdicts(monkeypatch, tmp_path):
                 replayed.append(str(failure))
     assert replayed == verdicts
     assert verdicts[0] == "passed" and "accumulate" in verdicts[1] and verdicts[3] == "passed"
-    assert "does not depend on the logits" in verdicts[4] and "line `" in verdicts[5]
+    assert "does not depend on the logits" in verdicts[4] and "The line that raised it" in verdicts[5]
     assert "tgt[:, 2:]" in verdicts[6] and "batch 1 beam" in verdicts[7]
 
 
@@ -391,7 +391,7 @@ def term_loss(kind):
     (smoothed_loss(spread="others"), "vocab - 1 other tokens", "does not depend on the logits"),
     (term_loss("gather over positions"), "along dim -2, the positions", "axes are swapped"),
     (term_loss("uniform transposed"), r"whose axes are swapped, \(tgt_len, batch\)", "dim -2"),
-    (term_loss("second column"), r"at the line `.*\[\.\.\., 1\]", "batch = tgt_len = vocab"),
+    (term_loss("second column"), r"The line that raised it.*: `.*\[\.\.\., 1\]", "batch = tgt_len = vocab"),
 ])
 def test_translator_loss_check_verifies_what_it_names(mistake, message, not_message):
     with pytest.raises(CheckFailure, match=message) as failure:

@@ -92,13 +92,13 @@ def _raised_at(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, 
 
 
 def _where(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
-    """' It was raised in your f, at the line `...`.' for a failure that the student's code raised, else ''."""
+    """' The line that raised it, in f: `...`.' for a failure that the student's code raised, else ''."""
     found = call(_raised_at, fn, *args, **kwargs)
     if type(found) is not tuple or len(found) != 2:
         return ""
     name, line = found
-    return f" It was raised in your {name}, at the line `{line}`." if name.isidentifier() else \
-        f" It was raised at your line `{line}`."
+    return f" The line that raised it, in {name}: `{line}`." if name.isidentifier() else \
+        f" The line that raised it: `{line}`."
 
 
 def _unchecked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
