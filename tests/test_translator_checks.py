@@ -6,6 +6,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from beartype import beartype
+from einops import rearrange
+from jaxtyping import jaxtyped
 
 import stepformer.translator.recipe
 from stepformer.checks import CheckFailure
@@ -327,7 +330,12 @@ def test_translator_models_are_pytorch_and_the_library_stays_watched():
 def test_translator_checks_replay_the_recorded_verdicts(monkeypatch, tmp_path):
     cases = [(check_train_step, recipe.train_step), (check_train_steps, training_step(zero=False)),
              (check_beam_step, recipe.beam_step),
-             (check_memorise, (memorise, recipe.train_step, recipe.inverse_sqrt_lr))]
+             (check_memorise, (memorise, recipe.train_step, recipe.inverse_sqrt_lr)),
+             # Diagnoses that run the student's code again, watch it, or read the line that raised.
+             (check_label_smoothed_loss, term_loss("constant smoothing term")),
+             (check_label_smoothed_loss, term_loss("second column")),
+             (check_train_step, step_with(compares_with=slice(2, None))),
+             (check_beam_step, beam_with("batch 1 beam"))]
     monkeypatch.setenv(RECORD_ENV, str(tmp_path))
     verdicts = []
     for check, fn in cases:
@@ -347,3 +355,174 @@ def test_translator_checks_replay_the_recorded_verdicts(monkeypatch, tmp_path):
                 replayed.append(str(failure))
     assert replayed == verdicts
     assert verdicts[0] == "passed" and "accumulate" in verdicts[1] and verdicts[3] == "passed"
+    assert "does not depend on the logits" in verdicts[4] and "The line that raised it" in verdicts[5]
+    assert "tgt[:, 2:]" in verdicts[6] and "batch 1 beam" in verdicts[7]
+
+
+# -- diagnoses verified by running the student's code again (issue 27) --------------------------------------------
+
+def term_loss(kind):
+    """The loss with one of its terms dropped or replaced: the targets' term, the smoothing term, or its mean."""
+    def fn(logits, target, pad_id, smoothing=0.1, reduction="mean"):
+        log_probs = torch.log_softmax(logits, -1)
+        nll = -log_probs.gather(-1, target[..., None])[..., 0]
+        uniform = -log_probs.mean(-1)
+        per_token = {"no smoothing term": lambda: (1 - smoothing) * nll,
+                     "no smoothing": lambda: nll,
+                     "no target term": lambda: (1 - smoothing) + smoothing * uniform,
+                     "constant smoothing term": lambda: (1 - smoothing) * nll + smoothing,
+                     "gather over positions": lambda: (1 - smoothing) * -log_probs.gather(-2, target[..., None])[
+                         ..., 0] + smoothing * uniform,
+                     "uniform transposed": lambda: (1 - smoothing) * nll + smoothing * uniform.transpose(0, 1),
+                     "second column": lambda: (1 - smoothing) * -log_probs.gather(-1, target[..., None])[..., 1],
+                     }[kind]()
+        real = target != pad_id
+        total = (per_token * real).sum()
+        return total if reduction == "sum" else total / real.sum().clamp(min=1)
+    return fn
+
+
+@pytest.mark.parametrize(("mistake", "message", "not_message"), [
+    (term_loss("no smoothing term"), r"the smoothing term, smoothing · \(the mean over the vocabulary of -log p\), is "
+     "missing", "does not read"),
+    (term_loss("no smoothing"), "Your loss ignores the smoothing", "is missing"),
+    (term_loss("no target term"), r"does not read -log p\[target\], so its term .* is missing", "smoothing term"),
+    (term_loss("constant smoothing term"), "your smoothing term does not depend on the logits", "does not read"),
+    (smoothed_loss(spread="others"), "vocab - 1 other tokens", "does not depend on the logits"),
+    (term_loss("gather over positions"), "along dim -2, the positions", "axes are swapped"),
+    (term_loss("uniform transposed"), r"whose axes are swapped, \(tgt_len, batch\)", "dim -2"),
+    (term_loss("second column"), r"The line that raised it.*: `.*\[\.\.\., 1\]", "batch = tgt_len = vocab"),
+])
+def test_translator_loss_check_verifies_what_it_names(mistake, message, not_message):
+    with pytest.raises(CheckFailure, match=message) as failure:
+        check_label_smoothed_loss(mistake)
+    assert not_message not in str(failure.value)
+
+
+def test_translator_loss_edges_name_the_division_by_zero_only_when_the_sum_is_right():
+    with pytest.raises(CheckFailure, match=r"'mean' divides that 0 by the number of real tokens, 0.*clamp\(min=1\)"):
+        check_label_smoothed_loss_edges(smoothed_loss(nan_when_empty=True))
+    with pytest.raises(CheckFailure, match="must be 0") as failure:
+        check_label_smoothed_loss_edges(smoothed_loss(mask_sum=False))  # padded positions counted: no 0 / 0
+    assert "clamp" not in str(failure.value)
+
+
+def guarded(step_guard="step < 1", warmup_guard="warmup < 1"):
+    def fn(step, peak_lr, warmup):
+        if eval(warmup_guard):
+            raise ValueError(warmup)
+        if eval(step_guard):
+            raise ValueError(step)
+        return peak_lr * min(step / warmup, math.sqrt(warmup / step))
+    return fn
+
+
+@pytest.mark.parametrize(("mistake", "message", "not_message"), [
+    (guarded(step_guard="step <= 1"), "Your guard on step rejects step = 1", "inverted"),
+    (guarded(step_guard="not step < 1"), "Your guard on step is inverted", "rejects step = 1"),
+    (guarded(warmup_guard="warmup <= 1"), "Your guard on warmup rejects warmup = 1", "guard on step"),
+    (lambda step, peak_lr, warmup: schedule()(step, peak_lr, warmup) * (1.5 if warmup == 1 else 1.0),
+     "With warmup=1", "guard"),
+])
+def test_translator_schedule_check_names_the_guard_that_rejects_a_valid_step(mistake, message, not_message):
+    with pytest.raises(CheckFailure, match=message) as failure:
+        check_inverse_sqrt_lr(mistake)
+    assert not_message not in str(failure.value)
+
+
+label_smoothed_loss = recipe.label_smoothed_loss  # the name train_step finds in its globals, as in the notebook
+
+
+def step_with(decoder_reads=slice(None, -1), compares_with=slice(1, None), item=True):
+    @jaxtyped(typechecker=beartype)
+    def train_step(model, optimizer, src, tgt, pad_id, lr, smoothing=0.1, clip_norm=1.0) -> float:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = label_smoothed_loss(model(src, tgt[:, decoder_reads]), tgt[:, compares_with], pad_id, smoothing)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item() if item else loss
+    return train_step
+
+
+@pytest.mark.parametrize(("mistake", "message", "not_message"), [
+    (step_with(decoder_reads=slice(None, -2)), r"fed the decoder tgt\[:, :-2\]", "your loss compared"),
+    (step_with(compares_with=slice(2, None)), r"your loss compared its logits with tgt\[:, 2:\]", "fed the decoder"),
+    (step_with(item=False), r"returns a tensor where its signature says float: return loss.item\(\)", "decoder"),
+])
+def test_translator_step_check_watches_what_the_decoder_and_the_loss_read(mistake, message, not_message):
+    with pytest.raises(CheckFailure, match=message) as failure:
+        check_train_step(mistake)
+    assert not_message not in str(failure.value)
+
+
+def beam_with(kind):
+    def fn(scores, log_probs, k):
+        batch, beams, vocab = log_probs.shape
+        if not 1 <= k <= (vocab if kind == "bound vocab" else beams * vocab):
+            raise ValueError(k)
+        pattern = {"batch 1 beam": "batch beam -> batch 1 beam", "beam batch 1": "batch beam -> beam batch 1"}
+        candidates = rearrange(scores, pattern.get(kind, "batch beam -> batch beam 1"))
+        if kind != "scores alone":
+            candidates = candidates + log_probs
+        if kind == "flat batch last":
+            best, flat = rearrange(candidates, "batch beam vocab -> (beam vocab) batch").topk(k, dim=-1)
+        else:
+            best, flat = rearrange(candidates, "batch beam vocab -> batch (beam vocab)").topk(
+                k, dim=-2 if kind == "topk dim -2" else -1)
+        return best, flat // vocab, flat % vocab
+    return fn
+
+
+@pytest.mark.parametrize(("mistake", "message"), [
+    (beam_with("bound vocab"), "your bound on k is vocab, without the factor beam"),
+    (beam_with("scores alone"), "the log_probs were not added"),
+    (beam_with("batch 1 beam"), r"added along the vocab axis \(scores broadcast as batch 1 beam\)"),
+    (beam_with("beam batch 1"), r"scores transposed, \(beam, batch\)"),
+    (beam_with("topk dim -2"), "a topk along the batch axis \\(dim -2"),
+    (beam_with("flat batch last"), r"flattened to \(\(beam vocab\), batch\)"),
+])
+def test_translator_beam_check_names_what_runs_where_the_sizes_coincide(mistake, message):
+    with pytest.raises(CheckFailure, match=message) as failure:
+        check_beam_step(mistake)
+    others = ["without the factor beam", "were not added", "batch 1 beam", "scores transposed", "(dim -2",
+              "((beam vocab), batch)"]
+    assert sum(other in str(failure.value) for other in others) == 1
+
+
+def test_translator_beam_check_names_no_axis_for_other_mistakes():
+    with pytest.raises(CheckFailure, match=r"with % beam and // beam") as failure:
+        check_beam_step(beam("% beam"))
+    assert "batch = beam = vocab" not in str(failure.value)
+
+
+train_step, inverse_sqrt_lr = recipe.train_step, recipe.inverse_sqrt_lr  # the names memorise finds, as in the notebook
+
+
+def memorise_over(first=1, past_last=1):
+    def fn(model, src, tgt, pad_id, steps=150, peak_lr=1e-2, warmup=20):
+        optimizer = torch.optim.AdamW(model.parameters(), betas=(0.9, 0.98))
+        return [train_step(model, optimizer, src, tgt, pad_id, inverse_sqrt_lr(step, peak_lr, warmup), smoothing=0.0)
+                for step in range(first, steps + past_last)]
+    return fn
+
+
+@pytest.mark.parametrize(("mistake", "message"), [
+    (memorise_over(first=2), r"steps 2, 3, ..., 12 and called train_step 11 times: it starts at step 2, so the "
+     "first step, 1, is missing"),
+    (memorise_over(past_last=0), "it stops at step 11, so the last step, 12, is missing"),
+    (memorise_over(past_last=2), "it runs on to step 13, one step too many"),
+    (memorise_over(first=0), r"raised ValueError.*the rate of step 0 and called train_step 0 times: it starts at "
+     "step 0, and steps count from 1"),
+])
+def test_translator_memorise_check_watches_the_steps_of_its_loop(mistake, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_memorise((mistake, train_step, inverse_sqrt_lr))
+
+
+def test_translator_memorise_check_watches_no_loop_where_the_count_is_right():
+    with pytest.raises(CheckFailure, match="constant learning rate of peak_lr") as failure:
+        check_memorise((_memorising(schedule=False), recipe.train_step, recipe.inverse_sqrt_lr))
+    assert "Watched" not in str(failure.value)

@@ -11,8 +11,13 @@ builds them), so the checks need none of the course's reference code. Every touc
 code goes through :func:`call`.
 """
 
+import contextlib
+import inspect
+import linecache
 import math
-from collections.abc import Callable
+import re
+import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,6 +56,77 @@ def _lengths(batch: int, longest: int, shortest: int, g: torch.Generator) -> lis
     """Sentence lengths: the first sentence as long as the batch, the others between shortest and longest."""
     rest = torch.randint(shortest, longest + 1, (batch - 1,), generator=g).tolist()
     return [longest, *rest]
+
+
+# -- what the student's code did, seen from inside (each run through call(), so recorded and replayed) --------
+
+_RAISED = re.compile(r"\) raised (\w+): ")
+
+
+def _raised(failure: CheckFailure) -> str | None:
+    """The name of the exception that the student's code raised, where ``failure`` reports one (not a stub)."""
+    found = _RAISED.search(str(failure))
+    return found.group(1) if found and found.group(1) != "NotImplementedError" else None
+
+
+def _then(failure: CheckFailure, hint: str) -> CheckFailure:
+    """The failure's message with ``hint`` after it, as a sentence of its own."""
+    text = str(failure).rstrip()
+    return CheckFailure(text + ("" if not hint or text.endswith(".") else ".") + hint)
+
+
+def _raised_at(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, str] | None:
+    """The function and the line of the student's own code (the notebook's, not a library's) where
+    ``fn(*args, **kwargs)`` raises: the deepest of the notebook's frames."""
+    home = getattr(inspect.unwrap(fn), "__globals__", None)
+    try:
+        fn(*args, **kwargs)
+    except Exception as error:  # which line raised is the answer
+        found = None
+        for frame, lineno in traceback.walk_tb(error.__traceback__):
+            line = linecache.getline(frame.f_code.co_filename, lineno).strip()
+            if frame.f_globals is home and line:
+                found = (frame.f_code.co_name, line)
+        return found
+    return None
+
+
+def _where(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """' The line that raised it, in f: `...`.' for a failure that the student's code raised, else ''."""
+    found = call(_raised_at, fn, *args, **kwargs)
+    if type(found) is not tuple or len(found) != 2:
+        return ""
+    name, line = found
+    return f" The line that raised it, in {name}: `{line}`." if name.isidentifier() else \
+        f" The line that raised it: `{line}`."
+
+
+def _unchecked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn`` called without its jaxtyping and beartype wrapper: what it returns, whatever the annotations say."""
+    return inspect.unwrap(fn)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _spying(fn: Callable[..., Any], names: tuple[str, ...],
+            seen: dict[str, list[tuple[tuple, dict]]]) -> Iterator[None]:
+    """Within the block, the student's functions called ``names`` by ``fn`` (through its globals) note their
+    arguments in ``seen[name]``; the notebook's names are given back afterwards."""
+    home = getattr(inspect.unwrap(fn), "__globals__", {})
+    saved = {name: home[name] for name in names if callable(home.get(name))}
+
+    def spy(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            seen[name].append((args, kwargs))
+            return original(*args, **kwargs)
+        return noted
+
+    try:
+        for name, original in saved.items():
+            seen[name] = []
+            home[name] = spy(name, original)
+        yield
+    finally:
+        home.update(saved)
 
 
 # -- the models the student trains -----------------------------------------------------------
@@ -173,6 +249,8 @@ def _loss_variant(logits: Tensor, target: Tensor, pad_id: int, smoothing: float,
         uniform = (-probs.sum(dim=-1) - picked) / (vocab - 1)
     elif spread == "none":
         uniform = picked
+    elif spread == "dropped":
+        uniform = torch.zeros_like(picked)
     else:
         uniform = -probs.mean(dim=-1)
     per_token = (1 - smoothing) * picked + smoothing * uniform
@@ -183,8 +261,8 @@ def _loss_variant(logits: Tensor, target: Tensor, pad_id: int, smoothing: float,
     return total / (real.sum().clamp(min=1) if count == "real" else target.numel())
 
 
-def _diagnose_loss(logits: Tensor, target: Tensor, pad_id: int, smoothing: float, reduction: str,
-                   got: Tensor) -> str:
+def _diagnose_loss(fn: Callable[..., Any], logits: Tensor, target: Tensor, pad_id: int, smoothing: float,
+                   reduction: str, got: Tensor) -> str:
     if not bool(torch.isfinite(got)):
         return ("Your loss is not finite: take log-probabilities with torch.log_softmax (never log of a softmax, nor "
                 "exp then log), and count padded positions for nothing.")
@@ -202,6 +280,8 @@ def _diagnose_loss(logits: Tensor, target: Tensor, pad_id: int, smoothing: float
         "vocabulary.": dict(spread="others"),
         "Your loss ignores the smoothing: each position's loss is (1 - smoothing) · (-log p[target]) + smoothing · "
         "(the mean of -log p over the vocabulary).": dict(spread="none"),
+        "Your loss is (1 - smoothing) · (-log p[target]) alone: the smoothing term, smoothing · (the mean over the "
+        "vocabulary of -log p), is missing.": dict(spread="dropped"),
         "You used probabilities (softmax) where the loss needs log-probabilities: -log p[target], with "
         "torch.log_softmax.": dict(log=False),
     }
@@ -212,9 +292,91 @@ def _diagnose_loss(logits: Tensor, target: Tensor, pad_id: int, smoothing: float
     if close(got, _oracle_loss(logits, target, pad_id, smoothing, other).to(got.dtype), got.dtype):
         return (f"Your result for reduction={reduction!r} is what reduction={other!r} should give: 'sum' is the sum "
                 "over real tokens, 'mean' that sum divided by their number.")
+    term = _loss_term_hint(fn, logits, target, pad_id, smoothing, reduction, got)
+    if term:
+        return term
     return ("Each real position's loss is (1 - smoothing) · (-log p[target]) + smoothing · mean over the vocabulary "
             "of (-log p), with log p = log_softmax(logits); sum it over the positions whose target is not pad_id, "
             "and for 'mean' divide by their number.")
+
+
+def _loss_term_hint(fn: Callable[..., Any], logits: Tensor, target: Tensor, pad_id: int, smoothing: float,
+                    reduction: str, got: Tensor) -> str:
+    """A term of the loss that does not follow the logits as it must, found by calling ``fn`` on other logits."""
+    def loss(of: Tensor, at: float) -> Any:
+        try:
+            value = call(fn, of, target, pad_id, smoothing=at, reduction=reduction)
+        except CheckFailure:
+            return None
+        return value.to(got.dtype) if type(value) is Tensor and value.dim() == 0 else None
+
+    # The target's logit raised by 1 everywhere: -log p[target] falls, so the right loss moves.
+    lifted = logits + F.one_hot(target, logits.shape[-1]).to(logits.dtype)
+    moved = _oracle_loss(lifted, target, pad_id, smoothing, reduction).to(got.dtype)
+    again = loss(lifted, smoothing)
+    if again is not None and close(again, got, got.dtype) and not close(moved, got, got.dtype):
+        return (f"Raising every target's logit by 1 leaves your loss at {got.item():.6g}, where the right loss moves "
+                f"to {moved.item():.6g}: your loss does not read -log p[target], so its term (1 - smoothing) · "
+                "(-log p[target]) is missing.")
+    if smoothing == 0:
+        return ""
+    # Which part the smoothing adds, on these logits and on others: (loss - (1 - smoothing) · loss at 0) / smoothing.
+    other = (0.5 * logits).flip(-1)
+    parts = []
+    for of in (logits, other):
+        plain = loss(of, 0.0)
+        smoothed = got if of is logits else loss(of, smoothing)
+        right_plain = _oracle_loss(of, target, pad_id, 0.0, reduction).to(got.dtype)
+        if plain is None or smoothed is None or not close(plain, right_plain, got.dtype):
+            return ""
+        right = _oracle_loss(of, target, pad_id, smoothing, reduction).to(got.dtype)
+        parts.append(((smoothed - (1 - smoothing) * plain) / smoothing, (right - (1 - smoothing) * plain) / smoothing))
+    (mine, right), (mine_other, right_other) = parts
+    if close(mine, mine_other, got.dtype, tolerance=1e-4) and not close(right, right_other, got.dtype,
+                                                                        tolerance=1e-4):
+        return (f"The part that smoothing adds to your loss, (loss - (1 - smoothing) · loss at smoothing 0) / "
+                f"smoothing, is {mine.item():.4g} on these logits and on other ones alike, where the mean over the "
+                f"vocabulary of -log p gives {right.item():.4g} and {right_other.item():.4g}: your smoothing term does "
+                "not depend on the logits, so the mean of -log p over the vocabulary is missing from it.")
+    return ""
+
+
+_SQUARE = 6  # batch = tgt_len = vocab: a mixed-up axis runs there, and shows what it does
+
+
+def _loss_error_hint(fn: Callable[..., Any], dtype: torch.dtype) -> str:
+    """After ``fn`` raised: run it where batch, tgt_len and vocab are equal, and name the mixed-up axis it matches."""
+    n = _SQUARE
+    g = torch.Generator().manual_seed(n)
+    logits = 2 * torch.randn(n, n, n, generator=g, dtype=dtype)
+    target = torch.randint(1, n, (n, n), generator=g)
+    target[-1, n // 2:] = 0
+    try:
+        got = call(fn, logits, target, 0, smoothing=0.1, reduction="mean")
+    except CheckFailure as failure:
+        return _where(fn, logits, target, 0, smoothing=0.1, reduction="mean") if _raised(failure) else ""
+    if type(got) is not Tensor or got.dim() != 0:
+        return ""
+    log_probs = torch.log_softmax(logits, dim=-1)
+    nll = -log_probs.gather(-1, target[..., None])[..., 0]
+    uniform = -log_probs.mean(dim=-1)
+    real = target != 0
+    variants = {
+        "taking the target's log-probability along dim -2, the positions, instead of the vocabulary: pick it with "
+        "log_probs.gather(-1, target[..., None])": -log_probs.gather(-2, target[..., None])[..., 0],
+        "a mean over the vocabulary whose axes are swapped, (tgt_len, batch): reduce 'batch tgt_len vocab -> "
+        "batch tgt_len'": None,
+    }
+    shown = f" Where batch = tgt_len = vocab = {n} your function runs"
+    for hint, picked in variants.items():
+        per_token = 0.9 * nll + 0.1 * uniform.T if picked is None else 0.9 * picked + 0.1 * uniform
+        wrong = per_token.masked_fill(~real, 0.0).sum() / real.sum()
+        if close(got, wrong.to(got.dtype), got.dtype):
+            return f"{shown}, and gives exactly the loss of {hint}."
+    if close(got, _oracle_loss(logits, target, 0, 0.1, "mean").to(got.dtype), got.dtype):
+        return (f"{shown} and gives the right loss: somewhere an axis is taken in the wrong place, which only shows "
+                "when the sizes differ (look at each dim= and einops pattern).")
+    return ""
 
 
 def _expect_scalar(got: Any, what: str, dtype: torch.dtype) -> Tensor:
@@ -238,16 +400,21 @@ def check_label_smoothed_loss(fn: Callable[..., Any], seed: int = 0, dtype: torc
     for smoothing in (0.0, 0.1, 0.35):
         for reduction in ("mean", "sum"):
             what = f"smoothing={smoothing}, reduction={reduction!r}"
-            got = _expect_scalar(call(fn, logits, target, pad_id, smoothing=smoothing, reduction=reduction),
-                                 f"The loss with {what}", dtype)
+            try:
+                result = call(fn, logits, target, pad_id, smoothing=smoothing, reduction=reduction)
+            except CheckFailure as failure:
+                if not _raised(failure):
+                    raise
+                raise _then(failure, _loss_error_hint(fn, dtype)) from None
+            got = _expect_scalar(result, f"The loss with {what}", dtype)
             expected = _oracle_loss(logits, target, pad_id, smoothing, reduction)
             if not close(got, expected.to(got.dtype), got.dtype):
                 real = int((target != pad_id).sum())
                 raise CheckFailure(
                     f"With {what} (batch={batch}, tgt_len={tgt_len}, vocab={vocab}, pad_id={pad_id}, {real} real "
-                    f"tokens of {target.numel()}), your loss is {got.item():.6g}; F.cross_entropy(..., "
+                    f"tokens of {target.numel()}), you returned the loss {got.item():.6g}; F.cross_entropy(..., "
                     f"ignore_index=pad_id, label_smoothing={smoothing}, reduction={reduction!r}) gives "
-                    f"{expected.item():.6g}. {_diagnose_loss(logits, target, pad_id, smoothing, reduction, got)}"
+                    f"{expected.item():.6g}. {_diagnose_loss(fn, logits, target, pad_id, smoothing, reduction, got)}"
                 )
     passed(f"label_smoothed_loss equals F.cross_entropy(ignore_index=pad_id, label_smoothing=...) for smoothing 0, 0.1 "
            f"and 0.35, reductions 'mean' and 'sum' ({_dtype_name(dtype)})")
@@ -272,14 +439,18 @@ def check_label_smoothed_loss_edges(fn: Callable[..., Any], seed: int = 0) -> No
             f"{plain.item():.6g} to {shifted.item():.6g}. Compute log-probabilities with torch.log_softmax."
         )
     empty = torch.full_like(target, pad_id)
-    for reduction in ("mean", "sum"):
-        got = _expect_scalar(call(fn, logits, empty, pad_id, smoothing=0.1, reduction=reduction),
-                             f"The loss of an all-padding batch (reduction={reduction!r})", torch.float32)
+    losses = {reduction: _expect_scalar(call(fn, logits, empty, pad_id, smoothing=0.1, reduction=reduction),
+                                        f"The loss of an all-padding batch (reduction={reduction!r})", torch.float32)
+              for reduction in ("mean", "sum")}
+    for reduction, got in losses.items():
         if not bool(torch.isfinite(got)) or got.item() != 0.0:
+            # 'sum' right and 'mean' not a number: the mean divided that 0 by a count of 0.
+            hint = (" Your 'sum' of it is 0, and your 'mean' divides that 0 by the number of real tokens, 0: divide by "
+                    "the count clamped to at least 1, real.sum().clamp(min=1)."
+                    if reduction == "mean" and losses["sum"].item() == 0.0 and bool(torch.isnan(got)) else "")
             raise CheckFailure(
                 f"When every target is pad_id there is nothing to learn, so the loss (reduction={reduction!r}) must be "
-                f"0; yours is {got.item()}. With no real token, 'mean' divides 0 by 0: divide by the number of real "
-                "tokens clamped to at least 1."
+                f"0; yours is {got.item()}.{hint}"
             )
     for smoothing in (1.0, -0.1, 1.5):
         error = call(_error_of, fn, logits, target, pad_id, smoothing=smoothing)
@@ -340,6 +511,22 @@ def _diagnose_schedule(lr: dict[int, float], peak: float, warmup: int) -> str:
     return "The rate is peak_lr · min(step / warmup, sqrt(warmup / step)), steps counting from 1."
 
 
+def _guard_hint(fn: Callable[..., Any], step: int, peak: float, warmup: int) -> str:
+    """After ``fn`` raised a ValueError for a valid step and warmup: which guard, and which way it errs."""
+    def error(s: int, w: int) -> Any:
+        return call(_error_of, fn, s, peak, w)
+
+    if warmup == 1 and error(step, 2) is None:
+        return (" Your guard on warmup rejects warmup = 1, which is valid (the peak at step 1, then the decay): only "
+                "warmup < 1 is an error.")
+    if step == 1 and error(2, warmup) is None:
+        return " Your guard on step rejects step = 1, the first step: steps count from 1, so only step < 1 is an error."
+    if error(step + 1, warmup) == "ValueError" and error(0, warmup) != "ValueError":
+        return (f" Your guard on step is inverted: it raises a ValueError for steps {step} and {step + 1}, which are "
+                "valid, and none for step 0, which is not: raise when step < 1.")
+    return ""
+
+
 @check
 def check_inverse_sqrt_lr(fn: Callable[..., Any], seed: int = 0) -> None:
     """The paper's d_model^-0.5 · min(step^-0.5, step · warmup^-1.5) with peak_lr = (d_model · warmup)^-0.5."""
@@ -349,7 +536,12 @@ def check_inverse_sqrt_lr(fn: Callable[..., Any], seed: int = 0) -> None:
         steps = [1, warmup - 1, warmup, warmup + 1, 10 * warmup, int(torch.randint(2, 20 * warmup, (), generator=g))]
         lr = {}
         for step in steps:
-            got = call(fn, step, peak, warmup)
+            try:
+                got = call(fn, step, peak, warmup)
+            except CheckFailure as failure:
+                if _raised(failure) != "ValueError":
+                    raise
+                raise _then(failure, _guard_hint(fn, step, peak, warmup)) from None
             if type(got) is not float:
                 raise CheckFailure(f"inverse_sqrt_lr({step}, {peak:.4g}, {warmup}) should return a Python float (the "
                                    f"optimiser's lr), got {kind(got)}. Use math.sqrt on numbers, not tensors.")
@@ -362,6 +554,18 @@ def check_inverse_sqrt_lr(fn: Callable[..., Any], seed: int = 0) -> None:
                     f"d_model={d_model}), the rate at step {step} is d_model^-0.5 · min(step^-0.5, step · "
                     f"warmup^-1.5) = {expected:.6g}; yours is {lr[step]:.6g}. {_diagnose_schedule(lr, peak, warmup)}"
                 )
+    # warmup = 1 is the shortest warmup there is: the peak at step 1, then the decay.
+    for step in (1, 4):
+        expected = 1e-3 * min(step, step ** -0.5)
+        try:
+            got = call(fn, step, 1e-3, 1)
+        except CheckFailure as failure:
+            if _raised(failure) != "ValueError":
+                raise
+            raise _then(failure, _guard_hint(fn, step, 1e-3, 1)) from None
+        if type(got) is not float or not math.isclose(got, expected, rel_tol=1e-9):
+            raise CheckFailure(f"With warmup=1 (no rise: the peak at step 1, then the decay) the rate at step {step} "
+                               f"with peak_lr=0.001 is {expected:.6g}; yours is {got!r}.")
     for step, warmup, why in ((0, 10, "steps count from 1"), (-3, 10, "steps count from 1"),
                               (5, 0, "warmup is at least 1 step")):
         error = call(_error_of, fn, step, 1e-3, warmup)
@@ -412,6 +616,13 @@ def _step_model(seed: int, vocab: int) -> _Translator:
                   _specials(seed, vocab)[0], seed + 5, torch.float64)
 
 
+class _SGD(torch.optim.SGD):
+    """PyTorch's SGD, shown in one line in a failure's message."""
+
+    def __repr__(self) -> str:
+        return f"SGD(lr={self.param_groups[0]['lr']:g}, momentum=0.9, {len(self.param_groups)} parameter groups)"
+
+
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """SGD with momentum, not AdamW: Adam's first update is about lr · sign(gradient), the same whatever the
     gradients' scale, so clipping would barely show; and for a gradient near 0 it is lr · (rounding noise) / eps,
@@ -419,7 +630,7 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     # Two groups (biases and norms apart, as weight decay is usually set), so that an lr set on the first only shows.
     flat = [p for p in model.parameters() if p.dim() < 2]
     matrices = [p for p in model.parameters() if p.dim() >= 2]
-    return torch.optim.SGD([{"params": matrices}, {"params": flat}], lr=_FIRST_LR, momentum=0.9)
+    return _SGD([{"params": matrices}, {"params": flat}], lr=_FIRST_LR, momentum=0.9)
 
 
 def _gradient_norm(model: nn.Module, src: Tensor, tgt: Tensor, pad_id: int, smoothing: float) -> float:
@@ -524,9 +735,84 @@ def _diagnose_steps(seed: int, vocab: int, steps: list[tuple[Tensor, Tensor, flo
     return ""
 
 
+def _slice_of(part: Any, tgt: Tensor) -> str:
+    """Which columns of ``tgt`` a tensor is, written ``tgt[:, a:b]``, or what it is where it is none."""
+    if type(part) is not Tensor:
+        return kind(part)
+    n = tgt.shape[1]
+    if part.dim() == 2 and part.shape[0] == tgt.shape[0] and part.dtype == tgt.dtype:
+        for a in range(n + 1):
+            for b in range(a, n + 1):
+                if b - a == part.shape[1] and torch.equal(part, tgt[:, a:b]):
+                    end = "" if b == n else "0" if b == 0 else str(b - n)
+                    return f"tgt[:, {a or ''}:{end}]"
+    return f"a tensor of shape {tuple(part.shape)}"
+
+
+def _observe_step(fn: Callable[..., Any], seed: int, vocab: int,
+                  steps: list[tuple[Tensor, Tensor, float, float, float]]) -> dict[str, Any]:
+    """The student's train_step on a fresh twin: what the decoder read, what its loss compared with (as slices of
+    tgt), what it returned without its annotations' checks, the exception it raised; plain data."""
+    model = _step_model(seed, vocab)
+    optimizer = _optimizer(model)
+    pad_id = _specials(seed, vocab)[0]
+    read: list[Tensor] = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: read.append(args[1] if len(args) > 1 else kwargs.get("tgt")), with_kwargs=True)
+    seen: dict[str, list[tuple[tuple, dict]]] = {}
+    found: dict[str, Any] = {"decoder": [], "target": [], "returned": None, "error": None}
+    try:
+        with _spying(fn, ("label_smoothed_loss",), seen):
+            for src, tgt, lr, smoothing, clip_norm in steps:
+                read.clear()
+                seen.get("label_smoothed_loss", []).clear()
+                try:
+                    result = inspect.unwrap(fn)(model, optimizer, src, tgt, pad_id, lr, smoothing=smoothing,
+                                                clip_norm=clip_norm)
+                except Exception as error:  # what it raised is part of the answer
+                    found["error"] = type(error).__name__
+                finally:
+                    found["decoder"] = [_slice_of(t, tgt) for t in read]
+                    found["target"] = [_slice_of(args[1] if len(args) > 1 else kwargs.get("target"), tgt)
+                                       for args, kwargs in seen.get("label_smoothed_loss", [])]
+                if found["error"]:
+                    break
+                found["returned"] = kind(result)
+    finally:
+        hook.remove()
+    return found
+
+
+def _step_error_hint(fn: Callable[..., Any], seed: int, vocab: int,
+                     steps: list[tuple[Tensor, Tensor, float, float, float]]) -> str:
+    """After train_step raised: what its decoder read and its loss compared with, or what it returned."""
+    seen = call(_observe_step, fn, seed, vocab, steps)
+    if type(seen) is not dict:
+        return ""
+    decoder, target = seen.get("decoder") or [], seen.get("target") or []
+    if decoder and decoder[0] != "tgt[:, :-1]":
+        return (f" Your train_step fed the decoder {decoder[0]}: teacher forcing feeds it tgt[:, :-1], every token but "
+                "the last, and the loss compares with tgt[:, 1:], the next token at each position.")
+    if target and target[0] != "tgt[:, 1:]":
+        return (f" Your decoder read tgt[:, :-1], as it should, but your loss compared its logits with {target[0]}: "
+                "each position predicts the next token, tgt[:, 1:].")
+    if not seen.get("error") and seen.get("returned") == "Tensor":
+        return (" Called without its annotations' checks, your train_step returns a tensor where its signature says "
+                "float: return loss.item(), a Python float that holds no graph.")
+    src, tgt, lr, smoothing, clip_norm = steps[0]
+    model = _step_model(seed, vocab)
+    return _where(fn, model, _optimizer(model), src, tgt, _specials(seed, vocab)[0], lr, smoothing=smoothing,
+                  clip_norm=clip_norm)
+
+
 def _compare_steps(fn: Callable[..., Any], seed: int, vocab: int,
                    steps: list[tuple[Tensor, Tensor, float, float, float]], what: str) -> None:
-    losses, params = _run_steps(fn, seed, vocab, steps)
+    try:
+        losses, params = _run_steps(fn, seed, vocab, steps)
+    except CheckFailure as failure:
+        if not _raised(failure):
+            raise
+        raise _then(failure, _step_error_hint(fn, seed, vocab, steps)) from None
     expected_losses, expected_params = _step_twin(seed, vocab, steps)
     for loss in losses:
         if type(loss) is not float:
@@ -671,12 +957,103 @@ def _beam_cases(seed: int, dtype: torch.dtype) -> list[tuple[str, Tensor, Tensor
     ]
 
 
+def _accepted(fn: Callable[..., Any], scores: Tensor, log_probs: Tensor, top: int) -> list[int]:
+    """The k in 1, ..., top for which ``fn`` raises no ValueError."""
+    accepted = []
+    for k in range(1, top + 1):
+        try:
+            fn(scores, log_probs, k)
+        except ValueError:
+            continue
+        except Exception:  # noqa: BLE001 - only the guard on k is asked about
+            pass
+        accepted.append(k)
+    return accepted
+
+
+def _square_beams(dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Scores and log-probabilities where batch = beam = vocab, so that a mixed-up axis runs."""
+    n = 4
+    g = torch.Generator().manual_seed(n)
+    scores = -(3 * torch.rand(n, n, generator=g, dtype=dtype)).sort(dim=-1).values
+    return scores, torch.log_softmax(2 * torch.randn(n, n, n, generator=g, dtype=dtype), dim=-1)
+
+
+def _square_variants(scores: Tensor, log_probs: Tensor, k: int) -> dict[str, Tensor]:
+    """The winners' scores that the axis mix-ups give, where batch = beam = vocab."""
+    right = rearrange(scores, "batch beam -> batch beam 1") + log_probs
+    flat = rearrange(right, "batch beam vocab -> batch (beam vocab)")
+    return {
+        "its winners are those of each beam's score added along the vocab axis (scores broadcast as batch 1 beam): "
+        "a beam's score goes with every token of that beam, rearrange(scores, 'batch beam -> batch beam 1')":
+            rearrange(rearrange(scores, "batch beam -> batch 1 beam") + log_probs,
+                      "batch beam vocab -> batch (beam vocab)").topk(k, dim=-1).values,
+        "its winners are those of scores transposed, (beam, batch), before they are added: rearrange(scores, 'batch "
+        "beam -> batch beam 1')":
+            rearrange(rearrange(scores, "batch beam -> beam batch 1") + log_probs,
+                      "batch beam vocab -> batch (beam vocab)").topk(k, dim=-1).values,
+        "its winners are those of a topk along the batch axis (dim -2 of the flattened (batch, beam · vocab) "
+        "scores): take it along dim=-1": flat.topk(k, dim=-2).values,
+        "its winners are those of candidates flattened to ((beam vocab), batch), a topk along the batch axis: "
+        "flatten 'batch beam vocab -> batch (beam vocab)'":
+            rearrange(right, "batch beam vocab -> (beam vocab) batch").topk(k, dim=-1).values,
+    }
+
+
+def _beam_error_hint(fn: Callable[..., Any], scores: Tensor, log_probs: Tensor, k: int, error: str) -> str:
+    """After beam_step raised for a valid k: the k it accepts, or what it gives where the axis sizes coincide."""
+    beam, vocab = log_probs.shape[1:]
+    if error == "ValueError":
+        accepted = call(_accepted, fn, scores, log_probs, beam * vocab)
+        if accepted == list(range(1, vocab + 1)):
+            return (f" Your beam_step accepts k up to vocab = {vocab} and raises a ValueError above: your bound on k "
+                    f"is vocab, without the factor beam. All beam · vocab = {beam * vocab} candidates compete, so k "
+                    "may be anything from 1 to beam · vocab.")
+        if type(accepted) is list and k not in accepted:
+            return (f" k = {k} is valid (1 ≤ k ≤ beam · vocab = {beam * vocab}); your beam_step accepts k in "
+                    f"{accepted or 'none of them'}: look at your check of k.")
+    # One winner: a candidate set without the log-probabilities still runs, and shows it in its score.
+    try:
+        result = call(fn, scores, log_probs, 1)
+    except CheckFailure:
+        result = None
+    best = result[0] if type(result) is tuple and len(result) == 3 else None
+    if type(best) is Tensor and best.shape == (scores.shape[0], 1) and close(
+            best, scores.max(dim=-1, keepdim=True).values, scores.dtype) and not close(
+            best, _brute_force(scores, log_probs, 1)[0], scores.dtype):
+        return (" With k = 1 your beam_step runs, and its winners' scores are the beams' own scores: the log_probs "
+                "were not added, without them there are only beam candidates. A candidate's score is scores[beam] + "
+                "log_probs[beam, token].")
+    square, square_log_probs = _square_beams(scores.dtype)
+    n = square.shape[0]
+    try:
+        # Without the annotations' checks: a mixed-up axis may return the wrong shape, which shows which.
+        got = call(_unchecked, fn, square, square_log_probs, 2)
+    except CheckFailure as failure:
+        return _where(fn, square, square_log_probs, 2) if _raised(failure) else ""
+    if type(got) is not tuple or len(got) != 3 or type(got[0]) is not Tensor:
+        return ""
+    for hint, wrong in _square_variants(square, square_log_probs, 2).items():
+        if close(got[0], wrong, scores.dtype):
+            return f" Where batch = beam = vocab = {n} your beam_step runs, and {hint}."
+    if close(got[0], _brute_force(square, square_log_probs, 2)[0], scores.dtype):
+        return (f" Where batch = beam = vocab = {n} your beam_step runs and picks the right winners: somewhere an axis "
+                "is taken in the wrong place, which only shows when the sizes differ (look at each dim= and einops "
+                "pattern).")
+    return ""
+
+
 @check
 def check_beam_step(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """The k best of all beam · vocab candidates, best first, as sorting them all by hand gives; bad k raises."""
     batch, beam, vocab = _beam_sizes(seed)
     for what, scores, log_probs, k in _beam_cases(seed, dtype):
-        result = call(fn, scores, log_probs, k)
+        try:
+            result = call(fn, scores, log_probs, k)
+        except CheckFailure as failure:
+            if not (error := _raised(failure)):
+                raise
+            raise _then(failure, _beam_error_hint(fn, scores, log_probs, k, error)) from None
         if type(result) is not tuple or len(result) != 3 or any(type(r) is not Tensor for r in result):
             raise CheckFailure(f"beam_step should return a tuple of three tensors (scores, beams, tokens), got "
                                f"{kind(result)}.")
@@ -810,6 +1187,66 @@ def _check_memorise_arguments(memorise: Callable[..., Any], train_step: Callable
                        f"{[round(x, 4) for x in recipe]}: {hint}.")
 
 
+def _observe_memorise(memorise: Callable[..., Any], model: nn.Module, src: Tensor, tgt: Tensor, steps: int,
+                      peak_lr: float, warmup: int) -> dict[str, Any]:
+    """memorise run with its train_step and inverse_sqrt_lr watched: the steps it asked the rate of, how many
+    steps it took, the exception it raised; plain data."""
+    seen: dict[str, list[tuple[tuple, dict]]] = {}
+    error = None
+    with _spying(memorise, ("train_step", "inverse_sqrt_lr"), seen):
+        try:
+            memorise(model, src, tgt, _PAD, steps=steps, peak_lr=peak_lr, warmup=warmup)
+        except Exception as raised:  # what it raised is part of the answer
+            error = type(raised).__name__
+    asked = [args[0] if args else kwargs.get("step") for args, kwargs in seen.get("inverse_sqrt_lr", [])]
+    return {"asked": [a if type(a) is int else repr(a) for a in asked] if "inverse_sqrt_lr" in seen else None,
+            "steps": len(seen["train_step"]) if "train_step" in seen else None, "error": error}
+
+
+def _span(values: list[Any]) -> str:
+    """A list of steps, as ``1, 2, ..., 12`` where they follow each other."""
+    if len(values) > 3 and all(type(v) is int for v in values) and values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}, {values[1]}, ..., {values[-1]}"
+    return ", ".join(map(str, values))
+
+
+def _memorise_steps_hint(memorise: Callable[..., Any], seed: int, src: Tensor, tgt: Tensor, *,
+                         raised: bool = False) -> str:
+    """After memorise raised or returned too few or too many losses: the steps its loop went through, watched on a
+    short run (steps=12), or the line that raised."""
+    other = _OTHER_ARGUMENTS
+    n = other["steps"]
+    seen = call(_observe_memorise, memorise, _memorise_model(seed), src, tgt, n, other["peak_lr"], other["warmup"])
+    asked = seen.get("asked") if type(seen) is dict else None
+    where = (lambda: _where(memorise, _memorise_model(seed), src, tgt, _PAD, **other)) if raised else (lambda: "")
+    # A run that raised says something about its loop only where it asked for a step that cannot be: one that
+    # stopped early may have stopped at what raised.
+    if type(asked) is not list or not all(type(a) is int for a in asked) or asked == list(range(1, n + 1)) or (
+            raised and not (asked and asked[0] < 1)):
+        return where()
+    calls = seen.get("steps")
+    rates = f"the rate of step {asked[0]}" if len(asked) == 1 else f"the rates of steps {_span(asked)}" if asked \
+        else "no rate"
+    shown = (f" Watched with steps={n}, your memorise asked inverse_sqrt_lr for {rates}"
+             + (f" and called train_step {calls} times" if type(calls) is int else ""))
+    recipe = "step s goes 1, 2, ..., steps: for step in range(1, steps + 1)."
+    if not asked:
+        return f"{shown}: its loop never ran, {recipe}"
+    if asked[0] < 1:
+        return f"{shown}: it starts at step {asked[0]}, and steps count from 1: {recipe}"
+    if asked[0] > 1:
+        return f"{shown}: it starts at step {asked[0]}, so the first step, 1, is missing: {recipe}"
+    if asked[-1] < n:
+        missing = list(range(asked[-1] + 1, n + 1))
+        which = f"the last step, {n}, is" if len(missing) == 1 else f"the last steps, {_span(missing)}, are"
+        return f"{shown}: it stops at step {asked[-1]}, so {which} missing: {recipe}"
+    if asked[-1] > n:
+        extra = asked[-1] - n
+        many = "one step" if extra == 1 else f"{extra} steps"
+        return f"{shown}: it runs on to step {asked[-1]}, {many} too many: {recipe}"
+    return f"{shown}. {recipe}"
+
+
 def _words(ids: list[int], vocabulary: tuple[str, ...]) -> str:
     return " ".join(vocabulary[i] if 0 <= i < len(vocabulary) else f"<{i}>" for i in ids)
 
@@ -827,11 +1264,17 @@ def check_memorise(functions: tuple[Callable[..., Any], Callable[..., Any], Call
     steps, peak_lr, warmup = _MEMORISE["steps"], _MEMORISE["peak_lr"], _MEMORISE["warmup"]
     with one_thread():
         model = _memorise_model(seed)
-        losses = call(memorise, model, src, tgt, _PAD, steps=steps, peak_lr=peak_lr, warmup=warmup)
+        try:
+            losses = call(memorise, model, src, tgt, _PAD, steps=steps, peak_lr=peak_lr, warmup=warmup)
+        except CheckFailure as failure:
+            if not _raised(failure):
+                raise
+            raise _then(failure, _memorise_steps_hint(memorise, seed, src, tgt, raised=True)) from None
         if type(losses) is not list or len(losses) != steps or any(type(x) is not float for x in losses):
             shown = f"a list of {len(losses)}" if type(losses) is list else kind(losses)
+            hint = _memorise_steps_hint(memorise, seed, src, tgt) if type(losses) is list else ""
             raise CheckFailure(f"memorise(..., steps={steps}) should return the list of the {steps} losses that "
-                               f"train_step returned (Python floats), got {shown}.")
+                               f"train_step returned (Python floats), got {shown}.{hint}")
         params = call(_parameters_of, model)
         names = {name for name, _ in model.named_parameters()}
         if type(params) is not dict or set(params) != names:
