@@ -526,3 +526,38 @@ def test_translator_memorise_check_watches_no_loop_where_the_count_is_right():
     with pytest.raises(CheckFailure, match="constant learning rate of peak_lr") as failure:
         check_memorise((_memorising(schedule=False), recipe.train_step, recipe.inverse_sqrt_lr))
     assert "Watched" not in str(failure.value)
+
+
+def non_finite_loss(kind):
+    """A loss that is not finite: padded positions filled with -inf, or log of a softmax that underflows."""
+    def fn(logits, target, pad_id, smoothing=0.1, reduction="mean"):
+        log_probs = torch.log_softmax(logits, -1) if kind == "padding" else torch.softmax(logits, -1).log()
+        per_token = (1 - smoothing) * -log_probs.gather(-1, target[..., None])[..., 0] - smoothing * log_probs.mean(-1)
+        real = target != pad_id
+        per_token = per_token.masked_fill(~real, -math.inf if kind == "padding" else 0.0)
+        total = per_token.sum()
+        return total if reduction == "sum" else total / real.sum().clamp(min=1)
+    return fn
+
+
+@pytest.mark.parametrize(("kind", "message", "not_message"), [
+    ("padding", "every padded target replaced by a real token .*: the padded positions reach the sum", "overflows"),
+])
+def test_a_loss_that_is_not_finite_is_traced_to_the_padding_only_when_removing_it_helps(kind, message, not_message):
+    with pytest.raises(CheckFailure, match=message) as failure:
+        check_label_smoothed_loss(non_finite_loss(kind))
+    assert not_message not in str(failure.value)
+
+
+def test_a_loss_that_is_not_finite_without_padding_names_no_cause_it_did_not_see():
+    from stepformer.checks.translator import _non_finite_loss
+
+    logits = torch.tensor([[[1000.0, 0.0, -1000.0], [0.0, 1.0, 2.0]]])
+    target = torch.tensor([[2, 1]])  # no padding (pad_id 0 is not a target here)
+    got = non_finite_loss("underflow")(logits, target, 0)
+    assert not torch.isfinite(got)
+    message = _non_finite_loss(non_finite_loss("underflow"), logits, target, 0, 0.1, "mean", got)
+    assert "divided by 100" in message and "padded positions reach the sum" not in message
+    always = lambda *args, **kwargs: torch.tensor(math.nan)  # noqa: E731
+    message = _non_finite_loss(always, logits, target, 0, 0.1, "mean", torch.tensor(math.nan))
+    assert "not finite either" in message and "log_softmax" not in message

@@ -264,8 +264,7 @@ def _loss_variant(logits: Tensor, target: Tensor, pad_id: int, smoothing: float,
 def _diagnose_loss(fn: Callable[..., Any], logits: Tensor, target: Tensor, pad_id: int, smoothing: float,
                    reduction: str, got: Tensor) -> str:
     if not bool(torch.isfinite(got)):
-        return ("Your loss is not finite: take log-probabilities with torch.log_softmax (never log of a softmax, nor "
-                "exp then log), and count padded positions for nothing.")
+        return _non_finite_loss(fn, logits, target, pad_id, smoothing, reduction, got)
     other = "sum" if reduction == "mean" else "mean"
     variants = {
         "You averaged over padded positions too: divide the sum over real tokens by the number of real (non-padding) "
@@ -298,6 +297,37 @@ def _diagnose_loss(fn: Callable[..., Any], logits: Tensor, target: Tensor, pad_i
     return ("Each real position's loss is (1 - smoothing) · (-log p[target]) + smoothing · mean over the vocabulary "
             "of (-log p), with log p = log_softmax(logits); sum it over the positions whose target is not pad_id, "
             "and for 'mean' divide by their number.")
+
+
+def _non_finite_loss(fn: Callable[..., Any], logits: Tensor, target: Tensor, pad_id: int, smoothing: float,
+                     reduction: str, got: Tensor) -> str:
+    """A loss that is not finite: where it comes from, found by calling ``fn`` again with one thing changed
+    (no padded target, then smaller logits); where neither tells, what was seen and where to look."""
+    def finite(of: Tensor, at: Tensor) -> Tensor | None:
+        try:
+            value = call(fn, of, at, pad_id, smoothing=smoothing, reduction=reduction)
+        except CheckFailure:
+            return None
+        ok = type(value) is Tensor and value.dim() == 0 and bool(torch.isfinite(value))
+        return value if ok else None
+
+    seen = f"You returned the loss {got.item()} for these logits (largest |logit| {logits.abs().max().item():.3g})"
+    padded = target == pad_id
+    if bool(padded.any()):
+        real_id = (pad_id + 1) % logits.shape[-1]
+        unpadded = target.masked_fill(padded, real_id)
+        value = finite(logits, unpadded)
+        if value is not None:
+            return (f"{seen}, and {value.item():.6g} for the same logits with every padded target replaced by a real "
+                    f"token ({int(padded.sum())} positions): the padded positions reach the sum as -inf or NaN. Fill "
+                    "their per-position losses with 0, not -inf, before summing, so that they count for nothing.")
+    value = finite(logits / 100, target)
+    if value is not None:
+        return (f"{seen}, and {value.item():.6g} for the same logits divided by 100: something overflows or reaches "
+                "log(0) when logits are large. torch.log_softmax computes log-probabilities without either (log "
+                "of a softmax, or exp then log, does not).")
+    return (f"{seen}, and not finite either with no padded target or with logits divided by 100. Look for a log of "
+            "0 or a division by 0 in your loss.")
 
 
 def _loss_term_hint(fn: Callable[..., Any], logits: Tensor, target: Tensor, pad_id: int, smoothing: float,
