@@ -396,7 +396,7 @@ def merge(data: dict, files: list[Path]) -> None:
 
 
 def write_table(data: dict, path: Path) -> None:
-    from tests.fixtures.mutant_messages import classify
+    from tests.fixtures.mutant_messages import classify, states_the_cause
     from tests.fixtures.mutants import mutants
 
     contexts = {m.key: m.edit.context for m in mutants(ROOT, cap=None)}  # as the rules read them today
@@ -404,9 +404,11 @@ def write_table(data: dict, path: Path) -> None:
         row["context"] = contexts.get(row["key"], row.get("context", ""))
         if row.get("caught") and row.get("first_failure"):
             row["class"], row["class_why"] = classify(row)
+            row["states_cause"] = states_the_cause(row)
         else:
             row.pop("class", None)
             row.pop("class_why", None)
+            row.pop("states_cause", None)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(data))
 
@@ -444,27 +446,32 @@ def render(data: dict) -> str:
     out += ["Caught: the mutant loses points. Equivalent: no input tells it from the solution (the checks' inputs, "
             "more seeds, the library's property tests). The classes of the first failing message, of the caught "
             "mutants: *named* (names the mutated construct), *generic* (reports observations only), *else* (names "
-            "another cause: listed in full below).", "",
-            "| chapter | mutants | equivalent | non-equivalent | caught | caught % | named % | generic % | else |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    totals = [0] * 7
+            "another cause: listed in full below). *Cause %* reads *named* strictly: a sentence that says what the "
+            "student did mentions the construct, or the error the code raised does; a recipe or a where-to-look "
+            "sentence that mentions it counts for *named*, not for *cause*.", "",
+            "| chapter | mutants | equivalent | non-equivalent | caught | caught % | named % | cause % | generic % | "
+            "else |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    totals = [0] * 8
     for chapter in chapters_:
         of = [r for r in rows if r["chapter"] == chapter]
         eq = sum(r["equivalent"] for r in of)
         non = len(of) - eq
         caught = [r for r in of if r["caught"]]
         named = sum(r.get("class") == "names-mutated" for r in caught)
+        cause = sum(r.get("class") == "names-mutated" and r.get("states_cause", False) for r in caught)
         generic = sum(r.get("class") == "generic" for r in caught)
         other = sum(r.get("class") == "names-something-else" for r in caught)
         meta = data.get("chapters", {}).get(chapter, {})
         note = " (incomplete: see the results file)" if meta.get("error") else ""
         out.append(f"| {chapter}{note} | {len(of)} | {eq} | {non} | {len(caught)} | {_pct(len(caught), non)} | "
-                   f"{_pct(named, len(caught))} | {_pct(generic, len(caught))} | {other} |")
-        for i, v in enumerate((len(of), eq, non, len(caught), named, generic, other)):
+                   f"{_pct(named, len(caught))} | {_pct(cause, len(caught))} | {_pct(generic, len(caught))} | "
+                   f"{other} |")
+        for i, v in enumerate((len(of), eq, non, len(caught), named, cause, generic, other)):
             totals[i] += v
-    n, eq, non, caught, named, generic, other = totals
+    n, eq, non, caught, named, cause, generic, other = totals
     out.append(f"| **all** | {n} | {eq} | {non} | {caught} | {_pct(caught, non)} | {_pct(named, caught)} | "
-               f"{_pct(generic, caught)} | {other} |")
+               f"{_pct(cause, caught)} | {_pct(generic, caught)} | {other} |")
     ops = sorted({r["operator"] for r in rows})
     out += ["", "Per operator:", "", "| operator | mutants | equivalent | caught % | named % | generic % | else |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]

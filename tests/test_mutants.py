@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from tests.fixtures.mutant_messages import classify, sentences
+from tests.fixtures.mutant_messages import classify, sentences, states_the_cause
 from tests.fixtures.mutant_runs import Options, fork_call, ignore_pattern, sample_run
 from tests.fixtures.mutants import (
     OPERATORS,
@@ -142,7 +142,10 @@ def test_messages_are_classified_by_the_written_rules():
     named = {**row, "first_failure": {"ename": "CheckFailure", "message":
              "With random scores, your output differs from PyTorch's: You divided the scores by d_k: divide by "
              "sqrt(d_k). (Your output: largest difference 1.18 at index [1, 0] on sizes q_len=5, k_len=7.)"}}
-    assert classify(named)[0] == "names-mutated"
+    assert classify(named)[0] == "names-mutated" and states_the_cause(named)
+    recipe = {**row, "first_failure": {"ename": "CheckFailure", "message":
+              "Your output differs from PyTorch's. The scores are q · k / math.sqrt(d_k), then a softmax over k_len."}}
+    assert classify(recipe)[0] == "names-mutated" and not states_the_cause(recipe)  # mentions it, says nothing done
     generic = {**row, "first_failure": {"ename": "CheckFailure", "message":
                "Your output differs from the oracle's (largest difference 0.21), and matches none of the common "
                "mistakes. Compare your scores with q @ k.transpose(-2, -1) / sqrt(d_k) on a small example."}}
@@ -244,8 +247,9 @@ def test_the_table_counts_caught_equivalent_and_message_classes():
     for row in rows:
         if row["caught"]:
             row["class"], row["class_why"] = classify(row)
+            row["states_cause"] = states_the_cause(row)
     table = command.render(data)
-    assert "| 01_attention | 4 | 1 | 3 | 2 | 66.7% | 50.0% | 0.0% | 1 |" in table
+    assert "| 01_attention | 4 | 1 | 3 | 2 | 66.7% | 50.0% | 50.0% | 0.0% | 1 |" in table
     assert "## Survivors (1)" in table and "more seeds tell it apart" in table
     assert "## Messages that name something else (1)" in table and "Your mask is inverted" in table
 
