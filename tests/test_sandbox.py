@@ -293,9 +293,10 @@ def test_environment_is_clean(kernel):
 
 def test_torch_and_stepformer_import(kernel):
     result = kernel("""
-import torch, stepformer
+import torch
+from stepformer.attention import scaled_dot_product_attention
 a = torch.ones(256, 256)
-print(float((a @ a)[0, 0]), stepformer.scaled_dot_product_attention.__name__)
+print(float((a @ a)[0, 0]), scaled_dot_product_attention.__name__)
 """)
     assert result["status"] == "ok", result
     assert result["stdout"] == "256.0 scaled_dot_product_attention\n"
