@@ -32,6 +32,7 @@ from stepformer.models import (  # noqa: E402
 from stepformer.parts import ComplexRotaryEmbedding, ModelConfig  # noqa: E402
 from stepformer.positional import RotaryEmbedding  # noqa: E402
 from stepformer.transformer import Transformer, decoder_layer  # noqa: E402
+from tests.fixtures.student import failure_of  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 
@@ -483,30 +484,10 @@ def test_the_2017_transformer_is_built_from_its_configuration() -> None:
 
 def edited(name: str, *edits: tuple[str, str]):
     """The library's ``name`` with its source edited, defined as a student would define it (not the library's)."""
-    import inspect
-    import textwrap
-
     import stepformer.models
-    from tests.fixtures.student import student_copy
+    from tests.fixtures.student import edited as edited_in
 
-    module = student_copy(stepformer.models)
-    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
-    for old, new in edits:
-        assert old in source, old
-        source = source.replace(old, new)
-    namespace = dict(vars(module))
-    exec(compile(source, f"<{name}>", "exec"), namespace)  # noqa: S102 - a test's own edited copy
-    return namespace[name]
-
-
-def failure_of(check, student, **options) -> str:
-    from stepformer.checks import CheckFailure
-
-    try:
-        check(student, **options)
-    except CheckFailure as failure:
-        return str(failure)
-    return "passed"
+    return edited_in(stepformer.models, name, *edits)
 
 
 def test_the_block_check_names_the_norm_that_keeps_rmsnorms_default_eps() -> None:

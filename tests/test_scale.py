@@ -26,6 +26,7 @@ from stepformer.scale import (
     tiled_attention,
     window_cache_bytes,
 )
+from tests.fixtures.student import failure_of
 
 
 def sizes(seed: int) -> tuple[torch.Generator, int, int, int, int, int, int]:
@@ -312,29 +313,9 @@ def test_a_new_query_under_a_window_reads_only_the_kept_positions_so_the_cache_c
 
 def edited(name: str, *edits: tuple[str, str]):
     """The library's ``name`` with its source edited, defined as a student would define it (not the library's)."""
-    import inspect
-    import textwrap
+    from tests.fixtures.student import edited as edited_in
 
-    from tests.fixtures.student import student_copy
-
-    module = student_copy(scale)
-    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
-    for old, new in edits:
-        assert old in source, old
-        source = source.replace(old, new)
-    namespace = dict(vars(module))
-    exec(compile(source, f"<{name}>", "exec"), namespace)  # noqa: S102 - a test's own edited copy
-    return namespace[name]
-
-
-def failure_of(check, student, **options) -> str:
-    from stepformer.checks import CheckFailure
-
-    try:
-        check(student, **options)
-    except CheckFailure as failure:
-        return str(failure)
-    return "passed"
+    return edited_in(scale, name, *edits)
 
 
 def test_the_softmax_check_tells_which_blocks_an_online_softmax_fails_on() -> None:
