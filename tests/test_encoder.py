@@ -709,3 +709,39 @@ def test_embedding_check_points_at_the_axis_of_a_shape_read_past_its_end():
     with pytest.raises(CheckFailure, match=r"raised IndexError: tuple index out of range An index ran past the end "
                                            r"of a tuple: if it is a shape, tokens has two axes"):
         check_embedding_sinusoidal(ThirdAxis)
+
+
+def _with_sinusoids(how):
+    """The library's embedding with its positional table kept another way: ``how(module, table)``."""
+    class Kept(student.Embedding):
+        def __init__(self, vocab, d_model, positional="sinusoidal", max_len=512, dropout=0.0):
+            super().__init__(vocab, d_model, positional, max_len, dropout)
+            table = self.sinusoids
+            del self.sinusoids
+            how(self, table)
+    return Kept
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        (lambda m, t: m.register_buffer("sinusoids", t), r"state_dict\(\) holds 'sinusoids', so the buffer was "
+                                                          r"registered as persistent.*persistent=False"),
+        (lambda m, t: m.register_buffer("sinusoids", t, persistent=True), "registered as persistent"),
+        (lambda m, t: setattr(m, "sinusoids", t), "self.sinusoids is a plain attribute \\(a Tensor\\), not a buffer"),
+        (lambda m, t: m.register_buffer("code", t, persistent=False), "has no buffer sinusoids"),
+        (lambda m, t: m.register_buffer("sinusoids", t[:-1], persistent=False), "the buffer sinusoids has shape"),
+    ],
+)
+def test_embedding_check_wants_the_code_in_a_buffer_left_out_of_the_state_dict(how, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_embedding_sinusoidal(_with_sinusoids(how))
+
+
+def test_embedding_check_takes_a_non_persistent_buffer_and_withholds_the_persistence_name():
+    check_embedding_sinusoidal(_with_sinusoids(lambda m, t: m.register_buffer("sinusoids", t, persistent=False)))
+    # Another persistent buffer is reported as what it is, not as the table's persistence.
+    with pytest.raises(CheckFailure, match=r"holds \['steps'\] besides the parameters") as failure:
+        check_embedding_sinusoidal(_with_sinusoids(lambda m, t: (m.register_buffer("sinusoids", t, persistent=False),
+                                                                 m.register_buffer("steps", torch.zeros(())))))
+    assert "persistent=False" not in str(failure.value)

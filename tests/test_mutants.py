@@ -163,6 +163,14 @@ def test_messages_are_classified_by_the_written_rules():
     assert classify(unit)[0] == "names-mutated"  # a "- 1" dropped is an off-by-one
     term = {**unit, "original": "n - k", "mutated": "n", "context": "n - k"}
     assert classify(term)[0] == "names-something-else"  # any other dropped term is not
+    flag = {"operator": "constant", "original": "False", "mutated": "True", "context": "False",
+            "first_failure": {"ename": "CheckFailure", "message":
+                              "Your nucleus differs. You drop the most likely token: that token always stays."}}
+    assert classify(flag)[0] == "names-mutated"  # a flag flipped: a decision made the other way
+    index = {"operator": "constant", "original": "1", "mutated": "0", "context": "-1",
+             "first_failure": {"ename": "CheckFailure", "message": "Your nucleus differs. You keep position 0."}}
+    assert classify(index)[0] == "names-mutated"  # a small integer: an index
+    assert classify({**index, "original": "512", "mutated": "513", "context": "512"})[0] == "names-something-else"
 
 
 # The CI sample: a few seeded mutants per chapter through the fast runner.

@@ -403,6 +403,46 @@ def _check_embedding_output(module: Any, table: Tensor, positions: Tensor, s: di
                            f"({difference(got, variants[''], sizes)}). {hint}")
 
 
+def _buffers(module: nn.Module) -> dict[str, Any]:
+    """What the module keeps besides its parameters: its buffers, its state_dict's keys, and a ``sinusoids``
+    attribute that is not a buffer (``None`` where there is none)."""
+    buffers = dict(module.named_buffers())
+    attribute = getattr(module, "sinusoids", None)
+    return {"buffers": {name: b.detach().clone() for name, b in buffers.items()},
+            "state": sorted(module.state_dict()),
+            "plain": None if "sinusoids" in buffers or attribute is None else type(attribute).__name__}
+
+
+def _check_sinusoids_buffer(module: Any, parameters: list[str], d_model: int, max_len: int) -> None:
+    """``self.sinusoids``: the code of the first max_len positions, a buffer, and not in ``state_dict()``."""
+    kept = call(_buffers, module)
+    how = ('register it with self.register_buffer("sinusoids", sinusoidal_encoding(max_len, d_model), '
+           "persistent=False)")
+    what = "Embedding(positional='sinusoidal')"
+    if kept["plain"] is not None:
+        raise CheckFailure(f"{what}: self.sinusoids is a plain attribute (a {kept['plain']}), not a buffer, so "
+                           f"model.to(device) leaves it behind: {how}.")
+    if "sinusoids" not in kept["buffers"]:
+        raise CheckFailure(f"{what} has no buffer sinusoids: {how}.")
+    table = kept["buffers"]["sinusoids"]
+    if list(table.shape) != [max_len, d_model]:
+        raise CheckFailure(f"{what}: the buffer sinusoids has shape {tuple(table.shape)}; it holds the code of the "
+                           f"first max_len positions, ({max_len}, {d_model}) here (max_len={max_len}, "
+                           f"d_model={d_model}).")
+    expected = _sinusoidal(max_len, d_model)
+    if not close(table.float(), expected, torch.float32):
+        raise CheckFailure(f"{what}: the buffer sinusoids differs from sinusoidal_encoding(max_len, d_model) "
+                           f"({difference(table.float(), expected, {'max_len': max_len, 'd_model': d_model})}).")
+    extra = sorted(set(kept["state"]) - set(parameters))
+    if "sinusoids" in extra:  # only a persistent buffer is in state_dict()
+        raise CheckFailure(f"{what}: state_dict() holds 'sinusoids', so the buffer was registered as persistent (the "
+                           "default) and every checkpoint would save a table that is a function of the shape: pass "
+                           "persistent=False to register_buffer.")
+    if extra:
+        raise CheckFailure(f"{what}: state_dict() holds {extra} besides the parameters; the sinusoidal code is "
+                           "the only buffer, and it is not saved.")
+
+
 def _embedding_module(cls: Any, s: dict[str, int], dtype: torch.dtype, seed: int, positional: str,
                       max_len: int) -> tuple[Any, Tensor, Tensor | None]:
     d_model, vocab = s["d_model"], s["vocab"]
@@ -414,6 +454,8 @@ def _embedding_module(cls: Any, s: dict[str, int], dtype: torch.dtype, seed: int
             "the given LearnedPositionalEmbedding(max_len, d_model) as self.positions; the sinusoidal code is fixed, "
             "so it has no parameters.")
     _expect_parameters(module, expected, f"Embedding(positional={positional!r})", hint)
+    if positional == "sinusoidal":
+        _check_sinusoids_buffer(module, list(expected), s["d_model"], max_len)
     g = torch.Generator().manual_seed(seed + 7)
     # Small token vectors, as the full model's Glorot initialisation gives them.
     table = torch.randn(vocab, d_model, generator=g, dtype=dtype) / math.sqrt(d_model)
