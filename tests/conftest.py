@@ -55,7 +55,6 @@ WEIGHTS = {
     "lab": 60,
 }
 CHAPTER_GRADING = 80  # each chapter's mistake fixtures: nbgrader's release plus ~6 notebooks
-NOTEBOOK_RUN = 30  # one solution notebook executed top to bottom
 # Single tests that train the translator in subprocesses.
 HEAVY_TESTS = {
     "test_a_killed_run_resumes_to_the_same_weights": 80,
@@ -94,8 +93,6 @@ def _group(item: pytest.Item) -> str | None:
 
 def _weight(item: pytest.Item, group: str | None) -> float:
     if group is None:
-        if item.name.startswith("test_solution_notebook_runs"):
-            return NOTEBOOK_RUN
         return HEAVY_TESTS.get(getattr(item, "originalname", item.name), 0)  # a parametrized test's every case
     return CHAPTER_GRADING if group.startswith("mistakes-") else WEIGHTS[group]
 

@@ -1,10 +1,12 @@
-"""Solution notebooks run and pass; exercises are a fresh nbgrader release with nothing leaked."""
+"""Solution notebooks are the library's code; exercises are a fresh nbgrader release with nothing leaked.
+
+That each solution notebook runs and earns every point is tested where it is graded as a student's
+(tests/test_chapter_mistakes.py, tests/test_corpus.py for chapter 01); how long each takes is measured by
+benchmarks/notebooks.py."""
 
 import json
-import time
 from pathlib import Path
 
-import nbclient
 import nbformat
 import pytest
 
@@ -19,24 +21,6 @@ pytestmark = pytest.mark.slow
 
 def _notebooks(folder: str) -> list[Path]:
     return sorted((ROOT / folder).glob("*/*.ipynb"))
-
-
-@pytest.mark.parametrize("path", _notebooks("solutions"), ids=lambda p: p.parent.name)
-def test_solution_notebook_runs_and_passes_every_check_in_a_minute(path):
-    nb = nbformat.read(path, as_version=4)
-    started = time.perf_counter()
-    client = nbclient.NotebookClient(nb, timeout=60, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
-    client.execute()  # raises CellExecutionError on the first failing cell
-    elapsed = time.perf_counter() - started
-    assert elapsed < 60, f"{path.name} took {elapsed:.0f} s"
-    graded = [c for c in nb.cells if c.cell_type == "code" and c.get("metadata", {}).get("nbgrader", {}).get("grade")]
-    assert graded, "a graded notebook needs graded cells"
-    for cell in graded:
-        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
-        assert "✔" in text, f"{cell.metadata.nbgrader.grade_id} printed no pass line"
-        assert not [o for o in cell.outputs if o.output_type == "stream" and o.name == "stderr"], \
-            f"{cell.metadata.nbgrader.grade_id} wrote to stderr, which nbgrader scores as a failure"
 
 
 def test_solution_cells_are_the_library_code():
