@@ -745,3 +745,15 @@ def test_embedding_check_takes_a_non_persistent_buffer_and_withholds_the_persist
         check_embedding_sinusoidal(_with_sinusoids(lambda m, t: (m.register_buffer("sinusoids", t, persistent=False),
                                                                  m.register_buffer("steps", torch.zeros(())))))
     assert "persistent=False" not in str(failure.value)
+
+
+def test_embedding_check_builds_a_second_width_for_the_buffer():
+    """A table kept only for some widths (here d_model a multiple of 3, as the graded sizes' 12 is) is caught at the
+    second width, where the table is missing."""
+    class SomeWidths(student.Embedding):
+        def __init__(self, vocab, d_model, positional="sinusoidal", max_len=512, dropout=0.0):
+            super().__init__(vocab, d_model, positional, max_len, dropout)
+            if d_model % 3:
+                self.sinusoids = None
+    with pytest.raises(CheckFailure, match=r"d_model=\d+, max_len=\d+\) has no buffer sinusoids"):
+        check_embedding_sinusoidal(SomeWidths)

@@ -413,12 +413,20 @@ def _buffers(module: nn.Module) -> dict[str, Any]:
             "plain": None if "sinusoids" in buffers or attribute is None else type(attribute).__name__}
 
 
+def _check_sinusoids_buffers(cls: Any, module: Any, parameters: list[str], s: dict[str, int], max_len: int) -> None:
+    """The buffer of ``module``, and of one built two rows longer and two features wider: its shape follows both."""
+    _check_sinusoids_buffer(module, parameters, s["d_model"], max_len)
+    wider = call(cls, s["vocab"], s["d_model"] + 2, "sinusoidal", max_len + 2)
+    _check_sinusoids_buffer(wider, [], s["d_model"] + 2, max_len + 2)
+
+
 def _check_sinusoids_buffer(module: Any, parameters: list[str], d_model: int, max_len: int) -> None:
-    """``self.sinusoids``: the code of the first max_len positions, a buffer, and not in ``state_dict()``."""
+    """``self.sinusoids``: the code of the first max_len positions, a buffer, and not in ``state_dict()``
+    (``parameters``: the state_dict's other keys; empty to skip that part)."""
     kept = call(_buffers, module)
     how = ('register it with self.register_buffer("sinusoids", sinusoidal_encoding(max_len, d_model), '
            "persistent=False)")
-    what = "Embedding(positional='sinusoidal')"
+    what = f"Embedding(positional='sinusoidal', d_model={d_model}, max_len={max_len})"
     if kept["plain"] is not None:
         raise CheckFailure(f"{what}: self.sinusoids is a plain attribute (a {kept['plain']}), not a buffer, so "
                            f"model.to(device) leaves it behind: {how}.")
@@ -433,7 +441,7 @@ def _check_sinusoids_buffer(module: Any, parameters: list[str], d_model: int, ma
     if not close(table.float(), expected, torch.float32):
         raise CheckFailure(f"{what}: the buffer sinusoids differs from sinusoidal_encoding(max_len, d_model) "
                            f"({difference(table.float(), expected, {'max_len': max_len, 'd_model': d_model})}).")
-    extra = sorted(set(kept["state"]) - set(parameters))
+    extra = sorted(set(kept["state"]) - set(parameters)) if parameters else []
     if "sinusoids" in extra:  # only a persistent buffer is in state_dict()
         raise CheckFailure(f"{what}: state_dict() holds 'sinusoids', so the buffer was registered as persistent (the "
                            "default) and every checkpoint would save a table that is a function of the shape: pass "
@@ -455,7 +463,7 @@ def _embedding_module(cls: Any, s: dict[str, int], dtype: torch.dtype, seed: int
             "so it has no parameters.")
     _expect_parameters(module, expected, f"Embedding(positional={positional!r})", hint)
     if positional == "sinusoidal":
-        _check_sinusoids_buffer(module, list(expected), s["d_model"], max_len)
+        _check_sinusoids_buffers(cls, module, list(expected), s, max_len)
     g = torch.Generator().manual_seed(seed + 7)
     # Small token vectors, as the full model's Glorot initialisation gives them.
     table = torch.randn(vocab, d_model, generator=g, dtype=dtype) / math.sqrt(d_model)
