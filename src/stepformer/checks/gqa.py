@@ -872,13 +872,17 @@ def check_gqa_init(cls: Callable[..., Any], seed: int = 0) -> None:
     for args, why in (((d_model, heads, heads - 1), f"{heads - 1} key/value heads cannot be shared equally by "
                        f"{heads} query heads (check heads % kv_heads)"),
                       ((d_model + 1, heads, kv), f"{heads} heads cannot share {d_model + 1} features equally "
-                       "(check d_model % heads)")):
+                       "(check d_model % heads)"),
+                      ((d_model, 0), "a layer needs at least one head (check heads >= 1 before d_model % heads, "
+                       "which would divide by zero)"),
+                      ((d_model, heads, 0), "queries need at least one key/value head to read (check kv_heads >= 1 "
+                       "before heads % kv_heads)")):
         error = call(_error_of, cls, *args)
         if error != "ValueError":
             got = "no error" if error is None else f"a {error}"
             raise CheckFailure(f"GroupedQueryAttention{args} should raise a ValueError, since {why}; it raised {got}.")
     passed("w_q, w_o are (d_model, d_model), w_k, w_v are (kv_heads * d_head, d_model); kv_heads=None means heads; "
-           "ValueError for sizes that do not divide")
+           "ValueError for sizes that do not divide and for no heads")
 
 
 @check
