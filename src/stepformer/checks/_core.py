@@ -566,8 +566,13 @@ def _digest(args: tuple, kwargs: dict) -> str:
 def describe(x: Any) -> str:
     """A short description of an argument: shape and dtype for a tensor, repr otherwise."""
     if isinstance(x, Tensor):
-        return f"Tensor{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+        return f"Tensor{tuple(x.shape)} {dtype_name(x.dtype)}"
     return repr(x)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: a dtype as the messages name it."""
+    return str(dtype).removeprefix("torch.")
 
 
 def expect_tensor(x: Any, what: str, shape: tuple[int, ...], axes: str, dtype: torch.dtype) -> Tensor:

@@ -11,7 +11,18 @@ from einops import einsum
 from jaxtyping import Bool, Float, jaxtyped
 from torch import Tensor
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed, show
+from stepformer.checks._core import (
+    CheckFailure,
+    call,
+    check,
+    close,
+    difference,
+    dtype_name,
+    expect_tensor,
+    kind,
+    passed,
+    show,
+)
 from stepformer.checks._noise import SPREAD_CALLS, SPREAD_THRESHOLD
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_k", "d_v")
@@ -333,7 +344,7 @@ def check_attention_values(fn: Callable[..., Any], seed: int = 0, dtype: torch.d
         raise CheckFailure(f"With one query (q_len=1), your output differs from PyTorch's: "
                            f"{_diagnose(q[..., :1, :], k, v, None, output, weights)}")
     passed(f"equal to torch.nn.functional.scaled_dot_product_attention, weights included, with any leading axes, "
-           f"one key and one query ({str(dtype).removeprefix('torch.')})")
+           f"one key and one query ({dtype_name(dtype)})")
 
 
 @jaxtyped(typechecker=beartype)
@@ -470,9 +481,9 @@ def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
             found = difference(got, expected, sizes)
             hint = _entropy_mistake(fn, weights, got)
             if hint is not None:
-                raise CheckFailure(f"{hint.removesuffix('.')} ({found}; {str(dtype).removeprefix('torch.')}).")
+                raise CheckFailure(f"{hint.removesuffix('.')} ({found}; {dtype_name(dtype)}).")
             raise CheckFailure(f"Your entropy differs from -Σ_k p log p summed over the k_len axis ({found}; "
-                               f"{str(dtype).removeprefix('torch.')}).")
+                               f"{dtype_name(dtype)}).")
     weights = torch.softmax(logits, dim=-1)
     one_hot = torch.zeros_like(weights)
     one_hot[..., 0] = 1.0

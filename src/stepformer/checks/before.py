@@ -27,6 +27,7 @@ from stepformer.checks._core import (
     close,
     describe,
     difference,
+    dtype_name,
     expect_tensor,
     kind,
     one_thread,
@@ -45,10 +46,6 @@ ATTENTION_AXES = ("batch", "q_len", "k_len", "d_q", "d_k", "d_v", "d_attn")
 
 def _named(sizes: dict[str, Any]) -> str:
     return ", ".join(f"{a}={n}" for a, n in sizes.items())
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _sentence(text: str) -> str:
@@ -157,8 +154,8 @@ def check_one_hot_embed(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtyp
         _, tokens, weight = _embedding_inputs(seed, dt)
         tokens[..., 0] = weight.shape[0] - 1  # every batch holds the largest id; see check_one_hot_vocab
         for what, toks in _leading_cases(tokens):
-            got = _embed(fn, toks, weight, f"{what}, {_dtype_name(dt)}")
-            _compare_embedding(got, toks, weight, f"{what}, {_dtype_name(dt)}")
+            got = _embed(fn, toks, weight, f"{what}, {dtype_name(dt)}")
+            _compare_embedding(got, toks, weight, f"{what}, {dtype_name(dt)}")
     passed("equal to nn.Embedding (and to one_hot @ weight) in float32 and float64, with (batch, seq), batch=1 "
            "and (seq,) tokens")
 
@@ -172,8 +169,8 @@ def check_one_hot_vocab(fn: Callable[..., Any], seed: int = 0) -> None:
         cases = [("On a batch that uses only the first ids of the vocabulary", rare),
                  ("On a batch of one sentence, one word repeated", torch.full((1, s["seq"]), 1))]
         for what, toks in cases:
-            got = _embed(fn, toks, weight, f"{what}, {_dtype_name(dtype)}")
-            _compare_embedding(got, toks, weight, f"{what}, {_dtype_name(dtype)}")
+            got = _embed(fn, toks, weight, f"{what}, {dtype_name(dtype)}")
+            _compare_embedding(got, toks, weight, f"{what}, {dtype_name(dtype)}")
     passed("right on batches that leave most of the vocabulary out (one-hot vectors of width vocab)")
 
 
@@ -767,7 +764,7 @@ def check_additive_attention_shapes(fn: Callable[..., Any], seed: int = 0) -> No
     for dtype in (torch.float32, torch.float64):
         _, inputs = _attention_inputs(seed, dtype)
         for where, case in _leading(inputs):
-            _attend(fn, case, None, f"{where}, {_dtype_name(dtype)}")
+            _attend(fn, case, None, f"{where}, {dtype_name(dtype)}")
     passed("shapes and dtypes are right, with a batch axis, batch=1 and no batch axis")
 
 
@@ -781,9 +778,9 @@ def check_additive_attention_values(fn: Callable[..., Any], seed: int = 0, dtype
         output, weights = _attend(fn, case, None, where)
         expected_out, expected_w = _additive_oracle(*case)
         if not close(output, expected_out.to(dtype), dtype):
-            raise CheckFailure(f"{where}, {_dtype_name(dtype)}: {_diagnose_attention(case, None, output, weights)}")
+            raise CheckFailure(f"{where}, {dtype_name(dtype)}: {_diagnose_attention(case, None, output, weights)}")
         if not close(weights, expected_w.to(dtype), dtype):
-            raise CheckFailure(f"{where}, {_dtype_name(dtype)}: your output is right but the weights you return are "
+            raise CheckFailure(f"{where}, {dtype_name(dtype)}: your output is right but the weights you return are "
                                f"not the softmax of the scores ({difference(weights, expected_w.to(dtype), sizes)}): "
                                "return the weights that you multiplied v by.")
     # An exact answer: with one key every query gives it weight 1 and reads its value, whatever the scores.
@@ -798,7 +795,7 @@ def check_additive_attention_values(fn: Callable[..., Any], seed: int = 0, dtype
                            "your softmax (it must be k_len, dim=-1) and at anything that drops the k_len axis when "
                            "it is 1 (a squeeze).")
     passed(f"equal to softmax(v_aᵀ tanh(W_q q + W_k k)) written out key by key, and its weighted sum of v; weight 1 "
-           f"on a single key ({_dtype_name(dtype)})")
+           f"on a single key ({dtype_name(dtype)})")
 
 
 @check
@@ -822,7 +819,7 @@ def check_additive_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: 
         output, weights = _attend(fn, case, mask, f"With {what}")
         expected_out, expected_w = _additive_oracle(*case, mask)
         if not close(output, expected_out.to(dtype), dtype):
-            raise CheckFailure(f"With {what}, {_dtype_name(dtype)}: {_diagnose_attention(case, mask, output, weights)}")
+            raise CheckFailure(f"With {what}, {dtype_name(dtype)}: {_diagnose_attention(case, mask, output, weights)}")
         leaked = weights.masked_select(~mask.expand_as(weights))
         if leaked.numel() and leaked.abs().max() != 0:
             raise CheckFailure(f"With {what}, masked keys got weight up to {leaked.abs().max().item():.3g} (sizes "
@@ -855,7 +852,7 @@ def check_additive_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: 
         raise CheckFailure(f"With a fully masked query 1, the other queries' outputs changed "
                            f"({difference(others, expected_others, s)}): only that row should be zeroed.")
     passed(f"masks: masked keys get 0 and the others sum to 1, masks broadcast (batch=1 and 2-D too), a fully masked "
-           f"row gives zeros ({_dtype_name(dtype)})")
+           f"row gives zeros ({dtype_name(dtype)})")
 
 
 # -- exercise 5: the measurement ----------------------------------------------------------------

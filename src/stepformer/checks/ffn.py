@@ -10,7 +10,7 @@ from einops import rearrange
 from jaxtyping import Float, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, passed
+from stepformer.checks._core import CheckFailure, call, check, close, difference, dtype_name, kind, passed
 from stepformer.checks._noise import binomial_bounds, dropped_count_problem
 from stepformer.checks.attention import _expect_kept
 
@@ -198,7 +198,7 @@ def check_feedforward_values(cls: Callable[..., Any], seed: int = 0, dtype: torc
                     f"(same weights; {found}): {_ffn_diagnose(layer, activation, sample, got, alone)}"
                 )
     passed(f"equal to nn.TransformerEncoderLayer's feed-forward, ReLU and GELU, batch=1 too "
-           f"({str(dtype).removeprefix('torch.')})")
+           f"({dtype_name(dtype)})")
 
 
 @jaxtyped(typechecker=beartype)
@@ -415,7 +415,7 @@ def check_swiglu_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dty
             f"Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)) ({found}) and matches none of the common "
             "mistakes. Multiply the gate and w_up(x) elementwise (over d_ff), then apply w_down."
         )
-    passed(f"equal to w_down(silu(w_gate(x)) ⊙ w_up(x)) computed in float64 ({str(dtype).removeprefix('torch.')})")
+    passed(f"equal to w_down(silu(w_gate(x)) ⊙ w_up(x)) computed in float64 ({dtype_name(dtype)})")
 
 
 # -- matching the parameter count --------------------------------------------------------------

@@ -22,7 +22,17 @@ from einops import einsum, rearrange, reduce, repeat
 from jaxtyping import Float, Int, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    call,
+    check,
+    close,
+    difference,
+    dtype_name,
+    expect_tensor,
+    kind,
+    passed,
+)
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import load_state as _load
 from stepformer.checks._modules import parameter_shapes as _parameter_shapes
@@ -62,10 +72,6 @@ def _even(s: dict[str, int]) -> dict[str, int]:
     """The same sizes with an even d_head, which RoPE needs (it turns channels in pairs)."""
     d_head = s["d_head"] + s["d_head"] % 2
     return {**s, "d_head": d_head, "d_model": s["heads"] * d_head}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _inputs(s: dict[str, int], dtype: torch.dtype, seed: int, *lengths: int) -> list[Tensor]:
@@ -204,7 +210,7 @@ def check_repeat_kv(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = 
             f"cannot be shared equally by {kv * group + 1} query heads; it raised {got}. Check heads % kv_heads."
         )
     passed(f"repeat_kv: (batch, kv_heads, seq, d_head) -> (batch, heads, seq, d_head) in the (kv_heads group) order, "
-           f"batch=1 too, ValueError when kv_heads does not divide heads ({_dtype_name(dtype)})")
+           f"batch=1 too, ValueError when kv_heads does not divide heads ({dtype_name(dtype)})")
 
 
 # -- exercise 2: grouped attention -----------------------------------------------------------
@@ -464,7 +470,7 @@ def check_grouped_attention(fn: Callable[..., Any], seed: int = 0, dtype: torch.
         )
     passed(f"grouped_attention equal to F.scaled_dot_product_attention(enable_gqa=True) for GQA, MQA and MHA, "
            f"with causal and padding masks, zeros for fully masked rows, batch=1; dropout on the weights "
-           f"({_dtype_name(dtype)})")
+           f"({dtype_name(dtype)})")
 
 
 # -- exercise 3: the module ------------------------------------------------------------------
@@ -937,7 +943,7 @@ def check_gqa_self_attention(cls: Callable[..., Any], seed: int = 0, dtype: torc
            f"and causal masks, batch=1, bias=False, fast=True; equal to torch.nn.MultiheadAttention when kv_heads == "
            f"heads; dropout on the weights, only in training; "
            f"{'rope=True turns q and k at their positions' if rope else 'rope=True is ignored (optional here)'} "
-           f"({_dtype_name(dtype)})")
+           f"({dtype_name(dtype)})")
 
 
 @check
@@ -960,7 +966,7 @@ def check_gqa_cross_attention(cls: Callable[..., Any], seed: int = 0, dtype: tor
              "sentence is all padding", query, key, value, _padding_mask(s, s["k_len"], seed, empty=True), cls=cls)
     passed(f"cross-attention (q_len={s['q_len']}, k_len={s['k_len']}) equal to "
            f"F.scaled_dot_product_attention(enable_gqa=True) for GQA and MQA, batch=1, one key, fast=True "
-           f"({_dtype_name(dtype)})")
+           f"({dtype_name(dtype)})")
 
 
 def _decode_with_cache(module: nn.Module, cache: Any, x: Tensor) -> Tensor:
@@ -1147,7 +1153,7 @@ def check_gqa_cache(classes: tuple[Callable[..., Any], Callable[..., Any]], seed
              "a fixed cache is not taken (optional here)",
              "RoPE positions continue from len(cache)" if rope else "rope=True is ignored (optional here)"]
     passed(f"decoding with a KVCache equals the causal full pass, one position at a time and in chunks (MQA too); "
-           f"the cache holds (batch, kv_heads={kv}, length, d_head); {'; '.join(notes)} ({_dtype_name(dtype)})")
+           f"the cache holds (batch, kv_heads={kv}, length, d_head); {'; '.join(notes)} ({dtype_name(dtype)})")
 
 
 def _check_rope_cache(cls: Callable[..., Any], cache_cls: Callable[..., Any], s: dict[str, int], dtype: torch.dtype,
@@ -1371,7 +1377,7 @@ def check_from_multihead(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
                            f"({difference(same, expected, _module_sizes(s, heads, x, x))}).")
     passed(f"from_multihead mean-pools each group of consecutive key/value heads (from multi-head and grouped "
            f"sources, with and without biases), keeps w_q, w_o and the settings, refuses groups that do not divide, "
-           f"and gives the same outputs for kv_heads == heads ({_dtype_name(dtype)})")
+           f"and gives the same outputs for kv_heads == heads ({dtype_name(dtype)})")
 
 
 # -- exercise 5: predict, then measure -----------------------------------------------------

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, passed
+from stepformer.checks._core import CheckFailure, call, check, close, difference, dtype_name, kind, passed
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_k")
 # What exercise 2 asks students to write themselves.
@@ -464,7 +464,7 @@ def _measure(fn: Callable[..., Any], x: Tensor, mask: Tensor | None, seq: int, d
     if type(got) is not Tensor or got.dtype != torch.bool or tuple(got.shape) != (seq, seq):
         if type(got) is Tensor and got.dtype == torch.bool:
             raise CheckFailure(_shape_problem(tuple(got.shape), seq, d_model))
-        what = f"a {str(got.dtype).removeprefix('torch.')} tensor of shape {tuple(got.shape)}" \
+        what = f"a {dtype_name(got.dtype)} tensor of shape {tuple(got.shape)}" \
             if type(got) is Tensor else kind(got)
         raise CheckFailure(
             f"which_outputs_change should return a boolean tensor of shape (seq={seq}, seq={seq}), got {what}."

@@ -15,7 +15,7 @@ from beartype import beartype
 from jaxtyping import Float, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, difference, expect_tensor, kind, passed, show
+from stepformer.checks._core import CheckFailure, call, check, difference, dtype_name, expect_tensor, kind, passed, show
 from stepformer.checks._modules import parameters_of as _parameters
 from stepformer.checks._modules import set_training as _set_training
 from stepformer.checks._noise import binomial_bounds, dropped_count_problem
@@ -480,7 +480,7 @@ def check_layer_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.
                   F.layer_norm(x, (d_model,), weight, bias, eps=eps), _layer_norm_variants(x, weight, bias, eps),
                   _tolerance(dtype), fallback, x)
     passed(f"equal to torch.nn.functional.layer_norm, offset and large inputs, any leading axes and another eps "
-           f"included ({str(dtype).removeprefix('torch.')})")
+           f"included ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_NORMS)
@@ -552,7 +552,7 @@ def check_rms_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.fl
                   F.rms_norm(x, (d_model,), weight, eps=eps), _rms_norm_variants(x, weight, eps), _tolerance(dtype),
                   fallback, x)
     passed(f"equal to torch.nn.functional.rms_norm with a `weight` only, any leading axes and another eps included "
-           f"({str(dtype).removeprefix('torch.')})")
+           f"({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_NORMS)

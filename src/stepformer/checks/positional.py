@@ -16,6 +16,7 @@ from stepformer.checks._core import (
     check,
     describe,
     difference,
+    dtype_name,
     expect_tensor,
     kind,
     passed,
@@ -383,7 +384,7 @@ def check_rope_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype
                 f"{_diagnose_rope(sample, positions, base, got)}"
             )
     passed(f"equal to RoPE as complex multiplication, batch=1 and no leading axes too "
-           f"({str(dtype).removeprefix('torch.')})")
+           f"({dtype_name(dtype)})")
 
 
 def _parameter_count(module: Any) -> int:

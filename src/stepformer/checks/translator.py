@@ -26,7 +26,7 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, one_thread, passed
+from stepformer.checks._core import CheckFailure, call, check, close, difference, dtype_name, kind, one_thread, passed
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import parameters_of as _parameters_of
 
@@ -38,10 +38,6 @@ BUILT_IN_LOSS = {
     "torch.nn.CrossEntropyLoss": "PyTorch's cross-entropy module",
     "torch.nn.NLLLoss": "PyTorch's negative log-likelihood module",
 }
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _distinct(g: torch.Generator, ranges: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
@@ -447,7 +443,7 @@ def check_label_smoothed_loss(fn: Callable[..., Any], seed: int = 0, dtype: torc
                     f"{expected.item():.6g}. {_diagnose_loss(fn, logits, target, pad_id, smoothing, reduction, got)}"
                 )
     passed(f"label_smoothed_loss equals F.cross_entropy(ignore_index=pad_id, label_smoothing=...) for smoothing 0, 0.1 "
-           f"and 0.35, reductions 'mean' and 'sum' ({_dtype_name(dtype)})")
+           f"and 0.35, reductions 'mean' and 'sum' ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_LOSS)
@@ -1129,7 +1125,7 @@ def check_beam_step(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = 
             raise CheckFailure(f"beam_step with k={k} should raise a ValueError: k is between 1 and beam · vocab = "
                                f"{beam * vocab}; it raised {raised}.")
     passed(f"beam_step keeps the k best of all beam · vocab candidates, best first; -inf beams never win; ValueError "
-           f"for k outside [1, beam · vocab] ({_dtype_name(dtype)})")
+           f"for k outside [1, beam · vocab] ({dtype_name(dtype)})")
 
 
 # -- exercise 5: memorise a batch, then decode it back ------------------------------------------
