@@ -32,7 +32,7 @@ import io
 import os
 import types
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -573,6 +573,32 @@ def describe(x: Any) -> str:
 def dtype_name(dtype: torch.dtype) -> str:
     """``float32`` for ``torch.float32``: a dtype as the messages name it."""
     return str(dtype).removeprefix("torch.")
+
+
+def draw_sizes(g: torch.Generator, axes: Sequence[str], span: int, first: int = 2) -> dict[str, int]:
+    """One size per axis, pairwise distinct: ``len(axes)`` of first, ..., first + span - 1, in the order drawn."""
+    return dict(zip(axes, (torch.randperm(span, generator=g)[: len(axes)] + first).tolist(), strict=True))
+
+
+def distinct_sizes(seed: int, axes: Sequence[str], *, span: int, first: int = 2, fixed: Sequence[int] | None = None,
+                   accept: Callable[[dict[str, int]], bool] | None = None,
+                   products: dict[str, tuple[str, str]] | None = None) -> dict[str, int]:
+    """A fixture's sizes, pairwise distinct so that a swapped axis changes a shape and cannot pass.
+
+    Seed 0 gives ``fixed``, where there is one (the sizes the book's examples show). Another seed seeds a generator
+    and draws :func:`draw_sizes` from it until ``accept(sizes)`` holds and the ``products`` (``{"d_model": ("heads",
+    "d_head")}``: computed, never drawn) differ from the drawn sizes and from each other; the products come last.
+    """
+    def with_products(sizes: dict[str, int]) -> dict[str, int]:
+        return {**sizes, **{name: sizes[a] * sizes[b] for name, (a, b) in (products or {}).items()}}
+
+    if seed == 0 and fixed is not None:
+        return with_products(dict(zip(axes, fixed, strict=True)))
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        sizes = with_products(draw_sizes(g, axes, span, first))
+        if len(set(sizes.values())) == len(sizes) and (accept is None or accept(sizes)):
+            return sizes
 
 
 def expect_tensor(x: Any, what: str, shape: tuple[int, ...], axes: str, dtype: torch.dtype) -> Tensor:

@@ -17,6 +17,7 @@ from stepformer.checks._core import (
     check,
     close,
     difference,
+    distinct_sizes,
     dtype_name,
     expect_tensor,
     kind,
@@ -36,10 +37,7 @@ BUILT_IN_ATTENTION = {
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, so that a swapped axis changes a shape and cannot pass."""
-    if seed == 0:
-        return dict(zip(AXES, (2, 3, 5, 7, 4, 6), strict=True))
-    picks = torch.randperm(8, generator=torch.Generator().manual_seed(seed))[: len(AXES)] + 2
-    return dict(zip(AXES, picks.tolist(), strict=True))
+    return distinct_sizes(seed, AXES, span=8, fixed=(2, 3, 5, 7, 4, 6))
 
 
 def _qkv(seed: int, dtype: torch.dtype, scale: float = 1.0) -> tuple[dict[str, int], Tensor, Tensor, Tensor]:

@@ -27,6 +27,7 @@ from stepformer.checks._core import (
     close,
     describe,
     difference,
+    distinct_sizes,
     dtype_name,
     expect_tensor,
     kind,
@@ -484,10 +485,7 @@ def check_ngram_probability(fn: Callable[..., Any], seed: int = 0) -> None:
 
 def _attention_sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, so that a swapped axis or weight changes a shape and cannot pass."""
-    if seed == 0:
-        return dict(zip(ATTENTION_AXES, (2, 3, 5, 4, 6, 7, 8), strict=True))
-    picks = torch.randperm(9, generator=torch.Generator().manual_seed(seed))[: len(ATTENTION_AXES)] + 2
-    return dict(zip(ATTENTION_AXES, picks.tolist(), strict=True))
+    return distinct_sizes(seed, ATTENTION_AXES, span=9, fixed=(2, 3, 5, 4, 6, 7, 8))
 
 
 def _attention_inputs(seed: int, dtype: torch.dtype) -> tuple[dict[str, int], tuple[Tensor, ...]]:

@@ -32,6 +32,7 @@ from stepformer.checks._core import (
     check,
     close,
     difference,
+    distinct_sizes,
     dtype_name,
     expect_tensor,
     kind,
@@ -58,17 +59,8 @@ BUILT_IN_DECODER = {
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, d_model = heads * d_head included."""
-    if seed == 0:
-        sizes = dict(zip(AXES, (3, 5, 7, 2, 4, 11), strict=True))
-    else:
-        g = torch.Generator().manual_seed(seed)
-        while True:
-            picks = (torch.randperm(12, generator=g)[: len(AXES)] + 2).tolist()
-            sizes = dict(zip(AXES, picks, strict=True))
-            d_model = sizes["heads"] * sizes["d_head"]
-            if d_model not in picks and sizes["heads"] <= 5 and sizes["batch"] <= 5:
-                break
-    return {**sizes, "d_model": sizes["heads"] * sizes["d_head"]}
+    return distinct_sizes(seed, AXES, span=12, fixed=(3, 5, 7, 2, 4, 11), products={"d_model": ("heads", "d_head")},
+                          accept=lambda s: s["heads"] <= 5 and s["batch"] <= 5)
 
 
 def _lengths(batch: int, length: int, g: torch.Generator) -> Tensor:

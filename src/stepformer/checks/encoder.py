@@ -26,6 +26,7 @@ from stepformer.checks._core import (
     check,
     close,
     difference,
+    distinct_sizes,
     dtype_name,
     expect_tensor,
     kind,
@@ -49,17 +50,8 @@ BUILT_IN_ENCODER = {
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, d_model = heads * d_head included (d_head even: the sinusoidal code pairs channels)."""
-    if seed == 0:
-        sizes = dict(zip(AXES, (2, 5, 3, 4, 9, 13, 6), strict=True))
-    else:
-        g = torch.Generator().manual_seed(seed)
-        while True:
-            picks = (torch.randperm(12, generator=g)[: len(AXES)] + 2).tolist()
-            sizes = dict(zip(AXES, picks, strict=True))
-            d_model = sizes["heads"] * sizes["d_head"]
-            if sizes["d_head"] % 2 == 0 and d_model not in picks and sizes["heads"] <= 5 and sizes["batch"] <= 5:
-                break
-    return {**sizes, "d_model": sizes["heads"] * sizes["d_head"]}
+    return distinct_sizes(seed, AXES, span=12, fixed=(2, 5, 3, 4, 9, 13, 6), products={"d_model": ("heads", "d_head")},
+                          accept=lambda s: s["d_head"] % 2 == 0 and s["heads"] <= 5 and s["batch"] <= 5)
 
 
 def _quiet(fn: Callable[..., Tensor], *args: Any, **kwargs: Any) -> Tensor:

@@ -10,7 +10,17 @@ from einops import rearrange
 from jaxtyping import Float, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, dtype_name, kind, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    call,
+    check,
+    close,
+    difference,
+    distinct_sizes,
+    dtype_name,
+    kind,
+    passed,
+)
 from stepformer.checks._noise import binomial_bounds, dropped_count_problem
 from stepformer.checks.attention import _expect_kept
 
@@ -25,11 +35,9 @@ FFN_AXES = "batch seq d_model"
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, so that a swapped axis changes a shape; d_ff is the larger width."""
-    if seed == 0:
-        return dict(zip(AXES, (2, 3, 5, 7), strict=True))
-    picks = (torch.randperm(10, generator=torch.Generator().manual_seed(seed))[:4] + 2).tolist()
-    batch, seq, *widths = picks
-    return {"batch": batch, "seq": seq, "d_model": min(widths), "d_ff": max(widths)}
+    s = distinct_sizes(seed, AXES, span=10, fixed=(2, 3, 5, 7))
+    s["d_model"], s["d_ff"] = sorted((s["d_model"], s["d_ff"]))
+    return s
 
 
 def _input(s: dict[str, int], seed: int, dtype: torch.dtype) -> Tensor:

@@ -28,6 +28,7 @@ from stepformer.checks._core import (
     check,
     close,
     difference,
+    draw_sizes,
     dtype_name,
     expect_tensor,
     kind,
@@ -56,12 +57,13 @@ def _sizes(seed: int) -> dict[str, int]:
     if seed == 0:
         sizes = dict(zip(AXES, (3, 2, 4, 5, 7, 6), strict=True))
     else:
+        # Two draws, so that heads = kv_heads * group stays small: kv_heads and group from 2 to 4, the rest from 2 to 9.
         g = torch.Generator().manual_seed(seed)
         while True:
-            kv_heads, group = (torch.randperm(3, generator=g)[:2] + 2).tolist()
-            rest = (torch.randperm(8, generator=g)[:4] + 2).tolist()
-            sizes = dict(zip(AXES, (rest[0], kv_heads, group, rest[1], rest[2], rest[3]), strict=True))
-            values = [*sizes.values(), kv_heads * group]
+            drawn = draw_sizes(g, ("kv_heads", "group"), span=3)
+            drawn |= draw_sizes(g, ("batch", "q_len", "k_len", "d_head"), span=8)
+            sizes = {axis: drawn[axis] for axis in AXES}
+            values = [*sizes.values(), sizes["kv_heads"] * sizes["group"]]
             if len(set(values)) == len(values):
                 break
     heads = sizes["kv_heads"] * sizes["group"]

@@ -24,6 +24,7 @@ from stepformer.checks._core import (
     check,
     close,
     difference,
+    distinct_sizes,
     dtype_name,
     expect_tensor,
     kind,
@@ -37,11 +38,7 @@ AXES = ("batch", "kv_heads", "d_head", "prefill", "steps")
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, so that an append along the wrong axis cannot pass."""
-    if seed == 0:
-        return dict(zip(AXES, (2, 3, 4, 5, 6), strict=True))
-    g = torch.Generator().manual_seed(seed)
-    picks = (torch.randperm(7, generator=g)[: len(AXES)] + 2).tolist()
-    return dict(zip(AXES, picks, strict=True))
+    return distinct_sizes(seed, AXES, span=7, fixed=(2, 3, 4, 5, 6))
 
 
 # -- helpers that touch the student's cache (each through `call`) --------------------------

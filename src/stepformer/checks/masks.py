@@ -9,7 +9,17 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, dtype_name, kind, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    call,
+    check,
+    close,
+    difference,
+    distinct_sizes,
+    dtype_name,
+    kind,
+    passed,
+)
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_k")
 # What exercise 2 asks students to write themselves.
@@ -33,10 +43,7 @@ SHAPE_HINT = (
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, so that a swapped axis changes a shape and cannot pass."""
-    if seed == 0:
-        return dict(zip(AXES, (2, 3, 4, 7, 5), strict=True))
-    picks = torch.randperm(8, generator=torch.Generator().manual_seed(seed))[: len(AXES)] + 2
-    s = dict(zip(AXES, picks.tolist(), strict=True))
+    s = distinct_sizes(seed, AXES, span=8, fixed=(2, 3, 4, 7, 5))
     # Queries are the last q_len of k_len positions (cross-attention and caching both need k_len > q_len).
     s["q_len"], s["k_len"] = sorted((s["q_len"], s["k_len"]))
     return s

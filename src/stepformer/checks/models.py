@@ -26,6 +26,7 @@ from stepformer.checks._core import (
     check,
     close,
     difference,
+    draw_sizes,
     dtype_name,
     expect_tensor,
     kind,
@@ -65,6 +66,7 @@ def _block_sizes(seed: int) -> dict[str, int]:
         sizes = dict(zip(BLOCK_AXES, (3, 5, 2, 4, 6, 7), strict=True))
     else:
         g = torch.Generator().manual_seed(seed)
+        # By hand, not with draw_sizes: d_head is drawn (even, by randint) between the two permutations.
         while True:
             kv_heads, group = (torch.randperm(3, generator=g)[:2] + 2).tolist()
             d_head = 2 * int(torch.randint(1, 5, (1,), generator=g))
@@ -410,8 +412,7 @@ def _vocab_sizes(seed: int) -> dict[str, int]:
     if seed == 0:
         return {"batch": 3, "seq": 2, "vocab": 11}
     g = torch.Generator().manual_seed(seed + 31)
-    batch, seq = (torch.randperm(4, generator=g)[:2] + 2).tolist()
-    return {"batch": batch, "seq": seq, "vocab": int(torch.randint(9, 16, (1,), generator=g))}
+    return {**draw_sizes(g, ("batch", "seq"), span=4), "vocab": int(torch.randint(9, 16, (1,), generator=g))}
 
 
 def _logit_cases(seed: int, dtype: torch.dtype, ties: bool = False) -> list[tuple[str, Tensor]]:
@@ -774,9 +775,8 @@ def _lora_sizes(seed: int) -> dict[str, int]:
     if seed == 0:
         return dict(zip(LORA_AXES, (2, 3, 7, 5, 4), strict=True))
     g = torch.Generator().manual_seed(seed + 53)
-    batch, seq, r = (torch.randperm(4, generator=g)[:3] + 2).tolist()
-    d_in, d_out = (torch.randperm(6, generator=g)[:2] + 6).tolist()
-    return dict(zip(LORA_AXES, (batch, seq, d_in, d_out, r), strict=True))
+    drawn = draw_sizes(g, ("batch", "seq", "r"), span=4) | draw_sizes(g, ("d_in", "d_out"), span=6, first=6)
+    return {axis: drawn[axis] for axis in LORA_AXES}
 
 
 class _Weights(NamedTuple):

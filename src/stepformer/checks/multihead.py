@@ -18,7 +18,17 @@ from einops import einsum, rearrange
 from jaxtyping import Bool, Float, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, dtype_name, kind, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    call,
+    check,
+    close,
+    difference,
+    distinct_sizes,
+    dtype_name,
+    kind,
+    passed,
+)
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import load_state as _load
 from stepformer.checks._modules import parameter_shapes as _parameter_shapes
@@ -37,16 +47,7 @@ BUILT_IN_MHA = {
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, d_model = heads * d_head included, so a swapped axis cannot pass."""
-    if seed == 0:
-        sizes = dict(zip(AXES, (2, 3, 5, 7, 4), strict=True))
-    else:
-        g = torch.Generator().manual_seed(seed)
-        while True:
-            picks = (torch.randperm(8, generator=g)[: len(AXES)] + 2).tolist()
-            if picks[1] * picks[4] not in picks:
-                break
-        sizes = dict(zip(AXES, picks, strict=True))
-    return {**sizes, "d_model": sizes["heads"] * sizes["d_head"]}
+    return distinct_sizes(seed, AXES, span=8, fixed=(2, 3, 5, 7, 4), products={"d_model": ("heads", "d_head")})
 
 
 # -- exercises 1 and 2: split and merge ----------------------------------------------------

@@ -15,7 +15,18 @@ from beartype import beartype
 from jaxtyping import Float, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, difference, dtype_name, expect_tensor, kind, passed, show
+from stepformer.checks._core import (
+    CheckFailure,
+    call,
+    check,
+    difference,
+    draw_sizes,
+    dtype_name,
+    expect_tensor,
+    kind,
+    passed,
+    show,
+)
 from stepformer.checks._modules import parameters_of as _parameters
 from stepformer.checks._modules import set_training as _set_training
 from stepformer.checks._noise import binomial_bounds, dropped_count_problem
@@ -46,9 +57,8 @@ def _sizes(seed: int) -> dict[str, int]:
     if seed == 0:
         return {"batch": 2, "seq": 5, "d_model": 12}
     g = torch.Generator().manual_seed(seed)
-    batch, seq = (torch.randperm(6, generator=g)[:2] + 2).tolist()
-    d_model = int(torch.randint(8, 17, (1,), generator=g))
-    return {"batch": batch, "seq": seq, "d_model": d_model}
+    # d_model from its own range, 8 to 16, above batch and seq (at most 7): distinct from both without a permutation.
+    return {**draw_sizes(g, ("batch", "seq"), span=6), "d_model": int(torch.randint(8, 17, (1,), generator=g))}
 
 
 def _tolerance(dtype: torch.dtype, offset: float = 0.0) -> float:

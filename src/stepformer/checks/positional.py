@@ -16,6 +16,7 @@ from stepformer.checks._core import (
     check,
     describe,
     difference,
+    draw_sizes,
     dtype_name,
     expect_tensor,
     kind,
@@ -41,7 +42,7 @@ def _sizes(seed: int) -> dict[str, int]:
     if seed == 0:
         return dict(batch=2, heads=3, seq=5, d_head=8)
     g = torch.Generator().manual_seed(seed)
-    sizes = dict(zip(AXES, (torch.randperm(7, generator=g)[: len(AXES)] + 2).tolist(), strict=True))
+    sizes = draw_sizes(g, AXES, span=7)
     d_heads = [d for d in range(4, 17, 2) if d not in sizes.values()]
     sizes["d_head"] = d_heads[int(torch.randint(len(d_heads), (1,), generator=g))]
     return sizes

@@ -29,6 +29,7 @@ from stepformer.checks._core import (
     check,
     close,
     difference,
+    distinct_sizes,
     dtype_name,
     expect_tensor,
     kind,
@@ -361,8 +362,7 @@ TILE_AXES = ("batch", "heads", "q_block", "k_block", "d_k", "d_v")
 
 def _tile_sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes (2 to 9), so that a swapped axis changes a shape and d_v differs from d_k."""
-    picks = torch.randperm(8, generator=torch.Generator().manual_seed(seed + 53))[:len(TILE_AXES)] + 2
-    return dict(zip(TILE_AXES, picks.tolist(), strict=True))
+    return distinct_sizes(seed + 53, TILE_AXES, span=8)
 
 
 @jaxtyped(typechecker=beartype)
