@@ -1,11 +1,128 @@
-"""What the checks share (``stepformer.checks._core``): the pairwise-distinct sizes of the fixtures."""
+"""What the checks share (``stepformer.checks._core``): the failure that says the student's code raised, kept
+through record and replay, and the pairwise-distinct sizes of the fixtures."""
 
+import copy
 import importlib
 
 import pytest
 import torch
 
-from stepformer.checks._core import distinct_sizes, draw_sizes
+import stepformer.masks
+from stepformer.checks._core import (
+    RECORD_ENV,
+    CheckFailure,
+    CodeRaised,
+    _key_file,
+    call,
+    check,
+    distinct_sizes,
+    draw_sizes,
+    replaying,
+)
+from stepformer.checks.masks import check_causal_mask_arguments
+from tests.fixtures.student import student_copy
+
+# -- CodeRaised -------------------------------------------------------------------------------
+
+caught: list[CheckFailure] = []
+
+
+@check
+def _check_calls(fn, seed: int = 0) -> None:
+    """A check that calls the student's ``fn`` once and keeps a copy of its failure, as the checks' hints see it
+    (what leaves the check is the same object, made a plain CheckFailure)."""
+    try:
+        call(fn, torch.ones(2, 3), seed)
+    except CheckFailure as failure:
+        caught.append(copy.copy(failure))
+        raise
+
+
+def _refuses(x, seed):
+    raise ValueError(f"seed {seed} is not welcome")
+
+
+def _stub(x, seed):
+    raise NotImplementedError
+
+
+def _failure_of(fn, seed: int = 0) -> tuple[CheckFailure, CheckFailure]:
+    """(what the check saw inside, what left it)."""
+    caught.clear()
+    with pytest.raises(CheckFailure) as left:
+        _check_calls(fn, seed)
+    return caught[-1], left.value
+
+
+def test_code_raised_names_the_error_and_its_text():
+    inside, left = _failure_of(_refuses, 3)
+    assert isinstance(inside, CodeRaised)
+    assert (inside.error, inside.text, inside.raised) == ("ValueError", "seed 3 is not welcome",
+                                                          "ValueError: seed 3 is not welcome")
+    assert str(inside) == "_refuses(Tensor(2, 3) float32, 3) raised ValueError: seed 3 is not welcome"
+    # It leaves the check as the CheckFailure that notebooks and feedback have always named, same message.
+    assert type(left) is CheckFailure and str(left) == str(inside)
+
+
+def test_a_stub_is_not_code_raised():
+    inside, _ = _failure_of(_stub)
+    assert type(inside) is CheckFailure
+    assert str(inside) == "_stub is not implemented yet (it raised NotImplementedError)."
+
+
+def test_a_reworded_failure_keeps_its_class_and_what_was_raised():
+    raised = CodeRaised("f(1) raised KeyError: 'a'", "KeyError", "'a'")
+    again = raised.reworded(f"For one sentence: {raised} Look at the keys.")
+    assert isinstance(again, CodeRaised) and (again.error, again.text) == ("KeyError", "'a'")
+    assert str(again) == "For one sentence: f(1) raised KeyError: 'a' Look at the keys."
+    plain = CheckFailure("differs").reworded("differs: a hint")
+    assert type(plain) is CheckFailure and str(plain) == "differs: a hint"
+
+
+def _record(monkeypatch, folder, fn, seed: int = 0) -> None:
+    monkeypatch.setenv(RECORD_ENV, str(folder))
+    _failure_of(fn, seed)
+    monkeypatch.delenv(RECORD_ENV)
+
+
+def test_a_recorded_code_raised_replays_as_one(monkeypatch, tmp_path):
+    _record(monkeypatch, tmp_path, _refuses, 3)
+    recorded = caught[-1]
+    with replaying(tmp_path):
+        replayed, left = _failure_of(object(), 3)  # the object is never called
+    assert type(replayed) is CodeRaised
+    assert (replayed.error, replayed.text, str(replayed)) == (recorded.error, recorded.text, str(recorded))
+    assert type(left) is CheckFailure and str(left) == str(recorded)
+
+
+def test_other_failures_and_older_records_replay_as_plain_failures(monkeypatch, tmp_path):
+    _record(monkeypatch, tmp_path / "stub", _stub)
+    with replaying(tmp_path / "stub"):
+        replayed, _ = _failure_of(object())
+    assert type(replayed) is CheckFailure
+    assert str(replayed) == "_stub is not implemented yet (it raised NotImplementedError)."
+    # A record written before the error's class and text were kept holds the message alone.
+    _record(monkeypatch, tmp_path / "old", _refuses, 3)
+    path = tmp_path / "old" / f"{_key_file('_check_calls(3)')}-0.pt"
+    entries = torch.load(path, weights_only=True)
+    assert entries[0].pop("raised") == ["ValueError", "seed 3 is not welcome"]
+    torch.save(entries, path)
+    with replaying(tmp_path / "old"):
+        replayed, _ = _failure_of(object(), 3)
+    assert type(replayed) is CheckFailure
+    assert str(replayed) == "_refuses(Tensor(2, 3) float32, 3) raised ValueError: seed 3 is not welcome"
+
+
+def test_a_check_that_expects_a_value_error_passes_on_replay(monkeypatch, tmp_path):
+    # check_causal_mask_arguments passes because the solution raises ValueError: under replay it learns that from
+    # the recorded class, where no code runs.
+    solution = student_copy(stepformer.masks).causal_mask
+    monkeypatch.setenv(RECORD_ENV, str(tmp_path))
+    check_causal_mask_arguments(solution, seed=2)
+    monkeypatch.delenv(RECORD_ENV)
+    with replaying(tmp_path):
+        check_causal_mask_arguments(object(), seed=2)
+
 
 # -- sizes ------------------------------------------------------------------------------------
 

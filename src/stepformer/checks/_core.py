@@ -46,6 +46,33 @@ RECORD_ENV = "STEPFORMER_RECORD"
 class CheckFailure(AssertionError):
     """A check found a mistake; the message says which and where to look."""
 
+    def reworded(self, message: str) -> "CheckFailure":
+        """This failure told by ``message`` instead (its text with a hint after it, say), of the same class."""
+        return CheckFailure(message)
+
+
+class CodeRaised(CheckFailure):
+    """The student's code raised an exception: ``error`` is its class's name, ``text`` its message.
+
+    The stub's NotImplementedError is not one (that failure says "not implemented yet"). Checks branch on this class
+    and its attributes, never on the message's words; it leaves a check as a plain CheckFailure (see :func:`check`).
+    """
+
+    def __init__(self, message: str, error: str, text: str) -> None:
+        super().__init__(message)
+        self.error, self.text = error, text
+
+    @property
+    def raised(self) -> str:
+        """``"ValueError: heads must divide d_model"``: what the code raised, as the message shows it."""
+        return f"{self.error}: {self.text}"
+
+    def reworded(self, message: str) -> "CodeRaised":
+        return CodeRaised(message, self.error, self.text)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return CodeRaised, (str(self), self.error, self.text)
+
 
 def check(fn: Callable[..., None] | None = None, *, forbid: dict[str, str] | None = None):
     """Mark a check: its calls of student code are recorded or replayed under one key.
@@ -60,8 +87,15 @@ def check(fn: Callable[..., None] | None = None, *, forbid: dict[str, str] | Non
     @functools.wraps(fn)
     def wrapper(student: Any, *args: Any, **kwargs: Any) -> None:
         key = fn.__name__ + "(" + ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]) + ")"
-        with _session(key, forbid or {}):
-            fn(student, *args, **kwargs)
+        try:
+            with _session(key, forbid or {}):
+                fn(student, *args, **kwargs)
+        except CodeRaised as failure:
+            # The notebook and the grader's feedback name the class of what a check raises: "CheckFailure: ...",
+            # as ever. CodeRaised is for the checks' own use, so it leaves as the class it extends, the same
+            # object (message, traceback and cause unchanged).
+            failure.__class__ = CheckFailure
+            raise
 
     wrapper.forbid = dict(forbid or {})
     return wrapper
@@ -114,7 +148,7 @@ def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         result = _call_own_work(fn, args, kwargs, forbid)
     except CheckFailure as failure:
         if isinstance(session, _Record):
-            session.add(_digest(args, kwargs), {"failure": str(failure)})
+            session.add(_digest(args, kwargs), _failure_entry(failure))
         raise
     if isinstance(session, _Record):
         session.add(_digest(args, kwargs), {"result": result} if _plain(result) else {"opaque": kind(result)})
@@ -162,7 +196,8 @@ def _call_own_work(fn: Callable[..., Any], args: tuple, kwargs: dict, forbid: di
         raise CheckFailure(f"{_name(fn)} is not implemented yet (it raised NotImplementedError).") from error
     except Exception as error:
         shown = ", ".join(describe(a) for a in (*args, *kwargs.values()))
-        raise CheckFailure(f"{_name(fn)}({shown}) raised {type(error).__name__}: {error}") from error
+        name, text = type(error).__name__, str(error)
+        raise CodeRaised(f"{_name(fn)}({shown}) raised {name}: {text}", name, text) from error
     if tripped:
         raise CheckFailure(_own_work_message(fn, tripped[0]))
     return result
@@ -488,10 +523,26 @@ class _Replay:
             raise CheckFailure("the graded run of your notebook recorded fewer calls than this check makes")
         entry = self.entries.pop(0)
         if "failure" in entry:
-            raise CheckFailure(entry["failure"])
+            raise _recorded_failure(entry)
         if entry["digest"] != digest:
             raise CheckFailure("the recorded call does not match this check's inputs (was the check changed?)")
         return Opaque(entry["opaque"]) if "opaque" in entry else entry["result"]
+
+
+def _failure_entry(failure: CheckFailure) -> dict[str, Any]:
+    """A failure as a record keeps it: its message, and for an error from the code what it raised."""
+    if isinstance(failure, CodeRaised):
+        return {"failure": str(failure), "raised": [failure.error, failure.text]}
+    return {"failure": str(failure)}
+
+
+def _recorded_failure(entry: dict[str, Any]) -> CheckFailure:
+    """The failure that ``entry`` records, of its class: a record without "raised" (written before it was kept)
+    replays as a plain CheckFailure."""
+    raised = entry.get("raised")
+    if type(raised) is list and len(raised) == 2 and all(type(part) is str for part in raised):
+        return CodeRaised(entry["failure"], *raised)
+    return CheckFailure(entry["failure"])
 
 
 _state: dict[str, Any] = {"session": None, "replay": None, "counts": defaultdict(int)}

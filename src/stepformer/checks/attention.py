@@ -13,6 +13,7 @@ from torch import Tensor
 
 from stepformer.checks._core import (
     CheckFailure,
+    CodeRaised,
     call,
     check,
     close,
@@ -86,7 +87,7 @@ def _result(fn: Callable[..., Any], dtype: torch.dtype, q: Tensor, k: Tensor, v:
     try:
         result = call(fn, q, k, v) if mask is None else call(fn, q, k, v, mask)
     except CheckFailure as failure:
-        if ") raised " not in str(failure):
+        if not isinstance(failure, CodeRaised):
             raise
         if mask is None:
             _raise_if_only_without_mask(fn, q, k, v, failure)
@@ -504,7 +505,7 @@ def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
         try:
             got = call(fn, probs)
         except CheckFailure as failure:
-            if ") raised " not in str(failure):
+            if not isinstance(failure, CodeRaised):
                 raise
             raise CheckFailure(f"{what}: {_first_line(failure)} {hint}") from None
         got = expect_tensor(got, "entropy", tuple(right.shape), axes, torch.float64)

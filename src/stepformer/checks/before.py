@@ -21,6 +21,7 @@ from torch import Tensor
 
 from stepformer.checks._core import (
     CheckFailure,
+    CodeRaised,
     _plain,
     call,
     check,
@@ -77,9 +78,9 @@ def _embed(fn: Callable[..., Any], tokens: Tensor, weight: Tensor, what: str) ->
     try:
         result = call(fn, tokens, weight)
     except CheckFailure as failure:
-        text = str(failure)
-        if ") raised " not in text:
+        if not isinstance(failure, CodeRaised):
             raise
+        text = str(failure)
         if "Long" in text:
             # tokens is the only int64 (Long) input: a Long operand in a product comes from it, through F.one_hot.
             hint = ("An int64 (Long) tensor met the floating weight: F.one_hot gives int64 entries, and a product "
@@ -687,7 +688,7 @@ def _attend(fn: Callable[..., Any], inputs: tuple[Tensor, ...], mask: Tensor | N
     try:
         result = call(fn, *inputs) if mask is None else call(fn, *inputs, mask)
     except CheckFailure as failure:
-        if ") raised " not in str(failure):
+        if not isinstance(failure, CodeRaised):
             raise
         hint = ""
         every_key = torch.ones(*q.shape[:-1], k.shape[-2], dtype=torch.bool)
@@ -905,12 +906,12 @@ def _measure(fn: Callable[..., Any], d_k: int, **kwargs: Any) -> Any:
     try:
         return call(fn, d_k, **kwargs)
     except CheckFailure as failure:
-        text = str(failure)
-        if ") raised " in text and re.search(r"\bdouble\b", text, re.I) and re.search(r"\bfloat\b", text, re.I):
+        said = failure.text if isinstance(failure, CodeRaised) else ""
+        if re.search(r"\bdouble\b", said, re.I) and re.search(r"\bfloat\b", said, re.I):
             # Every tensor of the exercise is drawn in float64: a float32 one is a draw without its dtype.
-            raise CheckFailure(f"{_sentence(text)} Your tensors mix float32 and float64: the exercise draws every "
-                               "tensor in float64, and torch.randn without dtype=torch.float64 gives float32. Pass "
-                               "dtype=torch.float64 to each draw.") from None
+            raise CheckFailure(f"{_sentence(str(failure))} Your tensors mix float32 and float64: the exercise draws "
+                               "every tensor in float64, and torch.randn without dtype=torch.float64 gives float32. "
+                               "Pass dtype=torch.float64 to each draw.") from None
         raise
 
 
@@ -1018,7 +1019,7 @@ def check_top_weight_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
         try:
             call(fn, 4, additive=False, q_len=1, k_len=2, samples=1, seed=seed + 1000)
         except CheckFailure as failure:
-            if ") raised " not in str(failure) or not _measure_runs(fn, samples=2, seed=seed + 1000):
+            if not isinstance(failure, CodeRaised) or not _measure_runs(fn, samples=2, seed=seed + 1000):
                 raise
             hint = ("With samples=1 your function stacked an empty list, and with samples=2 it runs: its loop runs "
                     "fewer times than samples (once per sample is range(samples))." if "empty" in str(failure) else

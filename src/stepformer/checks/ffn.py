@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from stepformer.checks._core import (
     CheckFailure,
+    CodeRaised,
     call,
     check,
     close,
@@ -443,7 +444,7 @@ def check_matching_swiglu_hidden(fn: Callable[..., Any], seed: int = 0) -> None:
         try:
             value = call(fn, d_model, d_ff)
         except CheckFailure as failure:
-            if ") raised ZeroDivisionError" not in str(failure):
+            if not isinstance(failure, CodeRaised) or failure.error != "ZeroDivisionError":
                 raise
             # Python raises ZeroDivisionError only for a division (or modulo) by 0: that much is known.
             raise CheckFailure(

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from stepformer.checks._core import (
     CheckFailure,
+    CodeRaised,
     call,
     check,
     close,
@@ -258,7 +259,7 @@ def _run(module: Any, what: str, *args: Tensor) -> Any:
     try:
         return call(module, *args)
     except CheckFailure as failure:
-        if ") raised " not in str(failure):
+        if not isinstance(failure, CodeRaised):
             raise
         hint = ""
         if "bias=False" in what:
@@ -267,7 +268,7 @@ def _run(module: Any, what: str, *args: Tensor) -> Any:
         elif "=1" in what:
             hint = (" An axis of size 1 must be kept: is there a squeeze() without an axis, or a shape taken from the "
                     "data that assumes more than one head or sentence?")
-        raise CheckFailure(f"For {what}: {_first_line(failure)}{hint}") from None
+        raise failure.reworded(f"For {what}: {_first_line(failure)}{hint}") from None
 
 
 def _w_o_input(module: Any, *args: Tensor) -> Tensor | None:
@@ -327,7 +328,7 @@ def _compare(module: Any, oracle: nn.MultiheadAttention, state: dict[str, Tensor
     try:
         result = _run(module, what, *args)
     except CheckFailure as failure:
-        hint = _merge_mistake(module, state, s, query, key, value, mask) if ") raised " in str(failure) else None
+        hint = _merge_mistake(module, state, s, query, key, value, mask) if isinstance(failure, CodeRaised) else None
         if hint is None:
             raise
         raise CheckFailure(f"{str(failure).rstrip()} {hint}") from None

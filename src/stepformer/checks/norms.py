@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from stepformer.checks._core import (
     CheckFailure,
+    CodeRaised,
     call,
     check,
     difference,
@@ -364,7 +365,7 @@ def _misplaced_rms_norm(x: Tensor, weight: Tensor, eps: float) -> dict[str, Tens
     return {"mean square": x / torch.sqrt(_statistic(x**2, True) + eps) * weight}
 
 
-def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CheckFailure,
+def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CodeRaised,
                      misplaced: Callable[[Tensor], dict[str, Tensor]] | None) -> str | None:
     """After the norm raised on a (batch, seq, d_model) input: a cause confirmed by running it again, or None.
 
@@ -373,8 +374,7 @@ def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CheckFailure,
     on the return value: forward runs again with the run-time checks off, and what it returned is compared with
     the module's own parameters.
     """
-    text = str(failure)
-    if "raised TypeCheckError" in text and "checking the return value" in text:
+    if failure.error == "TypeCheckError" and "checking the return value" in failure.text:
         another = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=x.dtype)
         try:
             returned, other = call(_unchecked, module, x), call(_unchecked, module, another)
@@ -392,7 +392,7 @@ def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CheckFailure,
             return (f"Your forward returns the same tensor of shape {tuple(returned.shape)} whatever x is: x is "
                     f"missing from what it returns (an output of x's shape, {tuple(x.shape)}, normalised).")
         return None
-    if misplaced is None or "raised RuntimeError" not in text:
+    if misplaced is None or failure.error != "RuntimeError":
         return None
     n = x.shape[-1]
     cube = torch.randn(n, n, n, generator=torch.Generator().manual_seed(n), dtype=x.dtype)
@@ -419,7 +419,7 @@ def _norm_output(module: Any, x: Tensor, name: str, label: str,
     try:
         got = call(module, x)
     except CheckFailure as failure:
-        if ") raised " not in str(failure):
+        if not isinstance(failure, CodeRaised):
             raise
         if x.dim() == 3:
             hint = _crash_diagnosis(module, x, name, failure, misplaced)

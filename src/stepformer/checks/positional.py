@@ -12,6 +12,7 @@ from torch import Tensor
 
 from stepformer.checks._core import (
     CheckFailure,
+    CodeRaised,
     call,
     check,
     describe,
@@ -104,7 +105,8 @@ def _encoding(fn: Callable[..., Any], seq_len: int, d_model: int) -> Tensor:
     try:
         result = call(fn, seq_len, d_model)
     except CheckFailure as failure:
-        if not re.search(r"raised TypeError: .*expected Tensor .*but got (float|int)", str(failure)):
+        if not (isinstance(failure, CodeRaised) and failure.error == "TypeError" and
+                re.match(r".*expected Tensor .*but got (float|int)", failure.text)):
             raise
         raise CheckFailure(
             f"{failure}. A Python number reached a function that takes tensors. The frequencies 10000^(-2i/d_model) "
@@ -372,7 +374,7 @@ def check_rope_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype
         try:
             got = _rotated(rope, sample, positions)
         except CheckFailure as failure:
-            if ") raised " not in str(failure):
+            if not isinstance(failure, CodeRaised):
                 raise
             hint = _rope_error_hint(cls, rope, sample, positions, base)
             raise CheckFailure(f"{failure} {hint}".strip()) from None

@@ -15,7 +15,6 @@ import contextlib
 import inspect
 import linecache
 import math
-import re
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,7 +25,18 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, dtype_name, kind, one_thread, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    CodeRaised,
+    call,
+    check,
+    close,
+    difference,
+    dtype_name,
+    kind,
+    one_thread,
+    passed,
+)
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import parameters_of as _parameters_of
 
@@ -56,19 +66,15 @@ def _lengths(batch: int, longest: int, shortest: int, g: torch.Generator) -> lis
 
 # -- what the student's code did, seen from inside (each run through call(), so recorded and replayed) --------
 
-_RAISED = re.compile(r"\) raised (\w+): ")
-
-
 def _raised(failure: CheckFailure) -> str | None:
     """The name of the exception that the student's code raised, where ``failure`` reports one (not a stub)."""
-    found = _RAISED.search(str(failure))
-    return found.group(1) if found and found.group(1) != "NotImplementedError" else None
+    return failure.error if isinstance(failure, CodeRaised) else None
 
 
 def _then(failure: CheckFailure, hint: str) -> CheckFailure:
     """The failure's message with ``hint`` after it, as a sentence of its own."""
     text = str(failure).rstrip()
-    return CheckFailure(text + ("" if not hint or text.endswith(".") else ".") + hint)
+    return failure.reworded(text + ("" if not hint or text.endswith(".") else ".") + hint)
 
 
 def _raised_at(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, str] | None:
