@@ -32,7 +32,7 @@ import io
 import os
 import types
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,33 @@ RECORD_ENV = "STEPFORMER_RECORD"
 
 class CheckFailure(AssertionError):
     """A check found a mistake; the message says which and where to look."""
+
+    def reworded(self, message: str) -> "CheckFailure":
+        """This failure told by ``message`` instead (its text with a hint after it, say), of the same class."""
+        return CheckFailure(message)
+
+
+class CodeRaised(CheckFailure):
+    """The student's code raised an exception: ``error`` is its class's name, ``text`` its message.
+
+    The stub's NotImplementedError is not one (that failure says "not implemented yet"). Checks branch on this class
+    and its attributes, never on the message's words; it leaves a check as a plain CheckFailure (see :func:`check`).
+    """
+
+    def __init__(self, message: str, error: str, text: str) -> None:
+        super().__init__(message)
+        self.error, self.text = error, text
+
+    @property
+    def raised(self) -> str:
+        """``"ValueError: heads must divide d_model"``: what the code raised, as the message shows it."""
+        return f"{self.error}: {self.text}"
+
+    def reworded(self, message: str) -> "CodeRaised":
+        return CodeRaised(message, self.error, self.text)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return CodeRaised, (str(self), self.error, self.text)
 
 
 def check(fn: Callable[..., None] | None = None, *, forbid: dict[str, str] | None = None):
@@ -60,8 +87,15 @@ def check(fn: Callable[..., None] | None = None, *, forbid: dict[str, str] | Non
     @functools.wraps(fn)
     def wrapper(student: Any, *args: Any, **kwargs: Any) -> None:
         key = fn.__name__ + "(" + ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]) + ")"
-        with _session(key, forbid or {}):
-            fn(student, *args, **kwargs)
+        try:
+            with _session(key, forbid or {}):
+                fn(student, *args, **kwargs)
+        except CodeRaised as failure:
+            # The notebook and the grader's feedback name the class of what a check raises: "CheckFailure: ...",
+            # as ever. CodeRaised is for the checks' own use, so it leaves as the class it extends, the same
+            # object (message, traceback and cause unchanged).
+            failure.__class__ = CheckFailure
+            raise
 
     wrapper.forbid = dict(forbid or {})
     return wrapper
@@ -114,7 +148,7 @@ def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         result = _call_own_work(fn, args, kwargs, forbid)
     except CheckFailure as failure:
         if isinstance(session, _Record):
-            session.add(_digest(args, kwargs), {"failure": str(failure)})
+            session.add(_digest(args, kwargs), _failure_entry(failure))
         raise
     if isinstance(session, _Record):
         session.add(_digest(args, kwargs), {"result": result} if _plain(result) else {"opaque": kind(result)})
@@ -162,7 +196,8 @@ def _call_own_work(fn: Callable[..., Any], args: tuple, kwargs: dict, forbid: di
         raise CheckFailure(f"{_name(fn)} is not implemented yet (it raised NotImplementedError).") from error
     except Exception as error:
         shown = ", ".join(describe(a) for a in (*args, *kwargs.values()))
-        raise CheckFailure(f"{_name(fn)}({shown}) raised {type(error).__name__}: {error}") from error
+        name, text = type(error).__name__, str(error)
+        raise CodeRaised(f"{_name(fn)}({shown}) raised {name}: {text}", name, text) from error
     if tripped:
         raise CheckFailure(_own_work_message(fn, tripped[0]))
     return result
@@ -488,10 +523,26 @@ class _Replay:
             raise CheckFailure("the graded run of your notebook recorded fewer calls than this check makes")
         entry = self.entries.pop(0)
         if "failure" in entry:
-            raise CheckFailure(entry["failure"])
+            raise _recorded_failure(entry)
         if entry["digest"] != digest:
             raise CheckFailure("the recorded call does not match this check's inputs (was the check changed?)")
         return Opaque(entry["opaque"]) if "opaque" in entry else entry["result"]
+
+
+def _failure_entry(failure: CheckFailure) -> dict[str, Any]:
+    """A failure as a record keeps it: its message, and for an error from the code what it raised."""
+    if isinstance(failure, CodeRaised):
+        return {"failure": str(failure), "raised": [failure.error, failure.text]}
+    return {"failure": str(failure)}
+
+
+def _recorded_failure(entry: dict[str, Any]) -> CheckFailure:
+    """The failure that ``entry`` records, of its class: a record without "raised" (written before it was kept)
+    replays as a plain CheckFailure."""
+    raised = entry.get("raised")
+    if type(raised) is list and len(raised) == 2 and all(type(part) is str for part in raised):
+        return CodeRaised(entry["failure"], *raised)
+    return CheckFailure(entry["failure"])
 
 
 _state: dict[str, Any] = {"session": None, "replay": None, "counts": defaultdict(int)}
@@ -566,8 +617,39 @@ def _digest(args: tuple, kwargs: dict) -> str:
 def describe(x: Any) -> str:
     """A short description of an argument: shape and dtype for a tensor, repr otherwise."""
     if isinstance(x, Tensor):
-        return f"Tensor{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+        return f"Tensor{tuple(x.shape)} {dtype_name(x.dtype)}"
     return repr(x)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: a dtype as the messages name it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def draw_sizes(g: torch.Generator, axes: Sequence[str], span: int, first: int = 2) -> dict[str, int]:
+    """One size per axis, pairwise distinct: ``len(axes)`` of first, ..., first + span - 1, in the order drawn."""
+    return dict(zip(axes, (torch.randperm(span, generator=g)[: len(axes)] + first).tolist(), strict=True))
+
+
+def distinct_sizes(seed: int, axes: Sequence[str], *, span: int, first: int = 2, fixed: Sequence[int] | None = None,
+                   accept: Callable[[dict[str, int]], bool] | None = None,
+                   products: dict[str, tuple[str, str]] | None = None) -> dict[str, int]:
+    """A fixture's sizes, pairwise distinct so that a swapped axis changes a shape and cannot pass.
+
+    Seed 0 gives ``fixed``, where there is one (the sizes the book's examples show). Another seed seeds a generator
+    and draws :func:`draw_sizes` from it until ``accept(sizes)`` holds and the ``products`` (``{"d_model": ("heads",
+    "d_head")}``: computed, never drawn) differ from the drawn sizes and from each other; the products come last.
+    """
+    def with_products(sizes: dict[str, int]) -> dict[str, int]:
+        return {**sizes, **{name: sizes[a] * sizes[b] for name, (a, b) in (products or {}).items()}}
+
+    if seed == 0 and fixed is not None:
+        return with_products(dict(zip(axes, fixed, strict=True)))
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        sizes = with_products(draw_sizes(g, axes, span, first))
+        if len(set(sizes.values())) == len(sizes) and (accept is None or accept(sizes)):
+            return sizes
 
 
 def expect_tensor(x: Any, what: str, shape: tuple[int, ...], axes: str, dtype: torch.dtype) -> Tensor:

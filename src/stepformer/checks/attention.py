@@ -11,7 +11,20 @@ from einops import einsum
 from jaxtyping import Bool, Float, jaxtyped
 from torch import Tensor
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed, show
+from stepformer.checks._core import (
+    CheckFailure,
+    CodeRaised,
+    call,
+    check,
+    close,
+    difference,
+    distinct_sizes,
+    dtype_name,
+    expect_tensor,
+    kind,
+    passed,
+    show,
+)
 from stepformer.checks._noise import SPREAD_CALLS, SPREAD_THRESHOLD
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_k", "d_v")
@@ -25,10 +38,7 @@ BUILT_IN_ATTENTION = {
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, so that a swapped axis changes a shape and cannot pass."""
-    if seed == 0:
-        return dict(zip(AXES, (2, 3, 5, 7, 4, 6), strict=True))
-    picks = torch.randperm(8, generator=torch.Generator().manual_seed(seed))[: len(AXES)] + 2
-    return dict(zip(AXES, picks.tolist(), strict=True))
+    return distinct_sizes(seed, AXES, span=8, fixed=(2, 3, 5, 7, 4, 6))
 
 
 def _qkv(seed: int, dtype: torch.dtype, scale: float = 1.0) -> tuple[dict[str, int], Tensor, Tensor, Tensor]:
@@ -77,7 +87,7 @@ def _result(fn: Callable[..., Any], dtype: torch.dtype, q: Tensor, k: Tensor, v:
     try:
         result = call(fn, q, k, v) if mask is None else call(fn, q, k, v, mask)
     except CheckFailure as failure:
-        if ") raised " not in str(failure):
+        if not isinstance(failure, CodeRaised):
             raise
         if mask is None:
             _raise_if_only_without_mask(fn, q, k, v, failure)
@@ -333,7 +343,7 @@ def check_attention_values(fn: Callable[..., Any], seed: int = 0, dtype: torch.d
         raise CheckFailure(f"With one query (q_len=1), your output differs from PyTorch's: "
                            f"{_diagnose(q[..., :1, :], k, v, None, output, weights)}")
     passed(f"equal to torch.nn.functional.scaled_dot_product_attention, weights included, with any leading axes, "
-           f"one key and one query ({str(dtype).removeprefix('torch.')})")
+           f"one key and one query ({dtype_name(dtype)})")
 
 
 @jaxtyped(typechecker=beartype)
@@ -470,9 +480,9 @@ def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
             found = difference(got, expected, sizes)
             hint = _entropy_mistake(fn, weights, got)
             if hint is not None:
-                raise CheckFailure(f"{hint.removesuffix('.')} ({found}; {str(dtype).removeprefix('torch.')}).")
+                raise CheckFailure(f"{hint.removesuffix('.')} ({found}; {dtype_name(dtype)}).")
             raise CheckFailure(f"Your entropy differs from -Σ_k p log p summed over the k_len axis ({found}; "
-                               f"{str(dtype).removeprefix('torch.')}).")
+                               f"{dtype_name(dtype)}).")
     weights = torch.softmax(logits, dim=-1)
     one_hot = torch.zeros_like(weights)
     one_hot[..., 0] = 1.0
@@ -495,7 +505,7 @@ def check_attention_entropy(fn: Callable[..., Any], seed: int = 0) -> None:
         try:
             got = call(fn, probs)
         except CheckFailure as failure:
-            if ") raised " not in str(failure):
+            if not isinstance(failure, CodeRaised):
                 raise
             raise CheckFailure(f"{what}: {_first_line(failure)} {hint}") from None
         got = expect_tensor(got, "entropy", tuple(right.shape), axes, torch.float64)

@@ -21,12 +21,15 @@ from torch import Tensor
 
 from stepformer.checks._core import (
     CheckFailure,
+    CodeRaised,
     _plain,
     call,
     check,
     close,
     describe,
     difference,
+    distinct_sizes,
+    dtype_name,
     expect_tensor,
     kind,
     one_thread,
@@ -45,10 +48,6 @@ ATTENTION_AXES = ("batch", "q_len", "k_len", "d_q", "d_k", "d_v", "d_attn")
 
 def _named(sizes: dict[str, Any]) -> str:
     return ", ".join(f"{a}={n}" for a, n in sizes.items())
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _sentence(text: str) -> str:
@@ -79,9 +78,9 @@ def _embed(fn: Callable[..., Any], tokens: Tensor, weight: Tensor, what: str) ->
     try:
         result = call(fn, tokens, weight)
     except CheckFailure as failure:
-        text = str(failure)
-        if ") raised " not in text:
+        if not isinstance(failure, CodeRaised):
             raise
+        text = str(failure)
         if "Long" in text:
             # tokens is the only int64 (Long) input: a Long operand in a product comes from it, through F.one_hot.
             hint = ("An int64 (Long) tensor met the floating weight: F.one_hot gives int64 entries, and a product "
@@ -157,8 +156,8 @@ def check_one_hot_embed(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtyp
         _, tokens, weight = _embedding_inputs(seed, dt)
         tokens[..., 0] = weight.shape[0] - 1  # every batch holds the largest id; see check_one_hot_vocab
         for what, toks in _leading_cases(tokens):
-            got = _embed(fn, toks, weight, f"{what}, {_dtype_name(dt)}")
-            _compare_embedding(got, toks, weight, f"{what}, {_dtype_name(dt)}")
+            got = _embed(fn, toks, weight, f"{what}, {dtype_name(dt)}")
+            _compare_embedding(got, toks, weight, f"{what}, {dtype_name(dt)}")
     passed("equal to nn.Embedding (and to one_hot @ weight) in float32 and float64, with (batch, seq), batch=1 "
            "and (seq,) tokens")
 
@@ -172,8 +171,8 @@ def check_one_hot_vocab(fn: Callable[..., Any], seed: int = 0) -> None:
         cases = [("On a batch that uses only the first ids of the vocabulary", rare),
                  ("On a batch of one sentence, one word repeated", torch.full((1, s["seq"]), 1))]
         for what, toks in cases:
-            got = _embed(fn, toks, weight, f"{what}, {_dtype_name(dtype)}")
-            _compare_embedding(got, toks, weight, f"{what}, {_dtype_name(dtype)}")
+            got = _embed(fn, toks, weight, f"{what}, {dtype_name(dtype)}")
+            _compare_embedding(got, toks, weight, f"{what}, {dtype_name(dtype)}")
     passed("right on batches that leave most of the vocabulary out (one-hot vectors of width vocab)")
 
 
@@ -487,10 +486,7 @@ def check_ngram_probability(fn: Callable[..., Any], seed: int = 0) -> None:
 
 def _attention_sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, so that a swapped axis or weight changes a shape and cannot pass."""
-    if seed == 0:
-        return dict(zip(ATTENTION_AXES, (2, 3, 5, 4, 6, 7, 8), strict=True))
-    picks = torch.randperm(9, generator=torch.Generator().manual_seed(seed))[: len(ATTENTION_AXES)] + 2
-    return dict(zip(ATTENTION_AXES, picks.tolist(), strict=True))
+    return distinct_sizes(seed, ATTENTION_AXES, span=9, fixed=(2, 3, 5, 4, 6, 7, 8))
 
 
 def _attention_inputs(seed: int, dtype: torch.dtype) -> tuple[dict[str, int], tuple[Tensor, ...]]:
@@ -692,7 +688,7 @@ def _attend(fn: Callable[..., Any], inputs: tuple[Tensor, ...], mask: Tensor | N
     try:
         result = call(fn, *inputs) if mask is None else call(fn, *inputs, mask)
     except CheckFailure as failure:
-        if ") raised " not in str(failure):
+        if not isinstance(failure, CodeRaised):
             raise
         hint = ""
         every_key = torch.ones(*q.shape[:-1], k.shape[-2], dtype=torch.bool)
@@ -767,7 +763,7 @@ def check_additive_attention_shapes(fn: Callable[..., Any], seed: int = 0) -> No
     for dtype in (torch.float32, torch.float64):
         _, inputs = _attention_inputs(seed, dtype)
         for where, case in _leading(inputs):
-            _attend(fn, case, None, f"{where}, {_dtype_name(dtype)}")
+            _attend(fn, case, None, f"{where}, {dtype_name(dtype)}")
     passed("shapes and dtypes are right, with a batch axis, batch=1 and no batch axis")
 
 
@@ -781,9 +777,9 @@ def check_additive_attention_values(fn: Callable[..., Any], seed: int = 0, dtype
         output, weights = _attend(fn, case, None, where)
         expected_out, expected_w = _additive_oracle(*case)
         if not close(output, expected_out.to(dtype), dtype):
-            raise CheckFailure(f"{where}, {_dtype_name(dtype)}: {_diagnose_attention(case, None, output, weights)}")
+            raise CheckFailure(f"{where}, {dtype_name(dtype)}: {_diagnose_attention(case, None, output, weights)}")
         if not close(weights, expected_w.to(dtype), dtype):
-            raise CheckFailure(f"{where}, {_dtype_name(dtype)}: your output is right but the weights you return are "
+            raise CheckFailure(f"{where}, {dtype_name(dtype)}: your output is right but the weights you return are "
                                f"not the softmax of the scores ({difference(weights, expected_w.to(dtype), sizes)}): "
                                "return the weights that you multiplied v by.")
     # An exact answer: with one key every query gives it weight 1 and reads its value, whatever the scores.
@@ -798,7 +794,7 @@ def check_additive_attention_values(fn: Callable[..., Any], seed: int = 0, dtype
                            "your softmax (it must be k_len, dim=-1) and at anything that drops the k_len axis when "
                            "it is 1 (a squeeze).")
     passed(f"equal to softmax(v_aᵀ tanh(W_q q + W_k k)) written out key by key, and its weighted sum of v; weight 1 "
-           f"on a single key ({_dtype_name(dtype)})")
+           f"on a single key ({dtype_name(dtype)})")
 
 
 @check
@@ -822,7 +818,7 @@ def check_additive_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: 
         output, weights = _attend(fn, case, mask, f"With {what}")
         expected_out, expected_w = _additive_oracle(*case, mask)
         if not close(output, expected_out.to(dtype), dtype):
-            raise CheckFailure(f"With {what}, {_dtype_name(dtype)}: {_diagnose_attention(case, mask, output, weights)}")
+            raise CheckFailure(f"With {what}, {dtype_name(dtype)}: {_diagnose_attention(case, mask, output, weights)}")
         leaked = weights.masked_select(~mask.expand_as(weights))
         if leaked.numel() and leaked.abs().max() != 0:
             raise CheckFailure(f"With {what}, masked keys got weight up to {leaked.abs().max().item():.3g} (sizes "
@@ -855,7 +851,7 @@ def check_additive_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: 
         raise CheckFailure(f"With a fully masked query 1, the other queries' outputs changed "
                            f"({difference(others, expected_others, s)}): only that row should be zeroed.")
     passed(f"masks: masked keys get 0 and the others sum to 1, masks broadcast (batch=1 and 2-D too), a fully masked "
-           f"row gives zeros ({_dtype_name(dtype)})")
+           f"row gives zeros ({dtype_name(dtype)})")
 
 
 # -- exercise 5: the measurement ----------------------------------------------------------------
@@ -910,12 +906,12 @@ def _measure(fn: Callable[..., Any], d_k: int, **kwargs: Any) -> Any:
     try:
         return call(fn, d_k, **kwargs)
     except CheckFailure as failure:
-        text = str(failure)
-        if ") raised " in text and re.search(r"\bdouble\b", text, re.I) and re.search(r"\bfloat\b", text, re.I):
+        said = failure.text if isinstance(failure, CodeRaised) else ""
+        if re.search(r"\bdouble\b", said, re.I) and re.search(r"\bfloat\b", said, re.I):
             # Every tensor of the exercise is drawn in float64: a float32 one is a draw without its dtype.
-            raise CheckFailure(f"{_sentence(text)} Your tensors mix float32 and float64: the exercise draws every "
-                               "tensor in float64, and torch.randn without dtype=torch.float64 gives float32. Pass "
-                               "dtype=torch.float64 to each draw.") from None
+            raise CheckFailure(f"{_sentence(str(failure))} Your tensors mix float32 and float64: the exercise draws "
+                               "every tensor in float64, and torch.randn without dtype=torch.float64 gives float32. "
+                               "Pass dtype=torch.float64 to each draw.") from None
         raise
 
 
@@ -1023,7 +1019,7 @@ def check_top_weight_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
         try:
             call(fn, 4, additive=False, q_len=1, k_len=2, samples=1, seed=seed + 1000)
         except CheckFailure as failure:
-            if ") raised " not in str(failure) or not _measure_runs(fn, samples=2, seed=seed + 1000):
+            if not isinstance(failure, CodeRaised) or not _measure_runs(fn, samples=2, seed=seed + 1000):
                 raise
             hint = ("With samples=1 your function stacked an empty list, and with samples=2 it runs: its loop runs "
                     "fewer times than samples (once per sample is range(samples))." if "empty" in str(failure) else

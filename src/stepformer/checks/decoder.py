@@ -26,7 +26,19 @@ from einops import einsum, rearrange
 from jaxtyping import Bool, Float, Int, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    CodeRaised,
+    call,
+    check,
+    close,
+    difference,
+    distinct_sizes,
+    dtype_name,
+    expect_tensor,
+    kind,
+    passed,
+)
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import set_training as _set_training
 from stepformer.checks.encoder import _expect_parameters, _layer_norm, _layout, _load, _quiet, _randomise
@@ -48,21 +60,8 @@ BUILT_IN_DECODER = {
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, d_model = heads * d_head included."""
-    if seed == 0:
-        sizes = dict(zip(AXES, (3, 5, 7, 2, 4, 11), strict=True))
-    else:
-        g = torch.Generator().manual_seed(seed)
-        while True:
-            picks = (torch.randperm(12, generator=g)[: len(AXES)] + 2).tolist()
-            sizes = dict(zip(AXES, picks, strict=True))
-            d_model = sizes["heads"] * sizes["d_head"]
-            if d_model not in picks and sizes["heads"] <= 5 and sizes["batch"] <= 5:
-                break
-    return {**sizes, "d_model": sizes["heads"] * sizes["d_head"]}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return distinct_sizes(seed, AXES, span=12, fixed=(3, 5, 7, 2, 4, 11), products={"d_model": ("heads", "d_head")},
+                          accept=lambda s: s["heads"] <= 5 and s["batch"] <= 5)
 
 
 def _lengths(batch: int, length: int, g: torch.Generator) -> Tensor:
@@ -182,7 +181,7 @@ def check_target_mask(fn: Callable[..., Any], seed: int = 0) -> None:
                     hint = ("\nYour target_mask returns the causal mask alone, without the padding mask: the padding "
                             "keys must be hidden too, padding_mask(tgt, pad_id) & causal_mask(...), which broadcast "
                             "to (batch, 1, tgt_len, tgt_len).")
-            if not hint and "raised IndexError" in str(failure):
+            if not hint and isinstance(failure, CodeRaised) and failure.error == "IndexError":
                 past = call(_shape_indexes_past_the_end, fn, tokens, pad_id)
                 if past:
                     hint = (f"\nYour target_mask reads tgt.shape[{past[0]}], but tgt has two axes, (batch, tgt_len): "
@@ -788,7 +787,7 @@ def check_decoder_layer_post_norm(cls: Callable[..., Any], seed: int = 0, dtype:
     cache = _check_layer(cls, seed, dtype, norm_first=False)
     passed(f"post-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks, for one "
            f"sentence and one position, with activation='gelu', dropout only in training, and as a decoder-only block"
-           f"{cache} ({_dtype_name(dtype)})")
+           f"{cache} ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_DECODER)
@@ -797,7 +796,7 @@ def check_decoder_layer_pre_norm(cls: Callable[..., Any], seed: int = 0, dtype: 
     cache = _check_layer(cls, seed, dtype, norm_first=True)
     passed(f"pre-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks, for one "
            f"sentence and one position, with activation='gelu', dropout only in training, and as a decoder-only block"
-           f"{cache} ({_dtype_name(dtype)})")
+           f"{cache} ({dtype_name(dtype)})")
 
 
 # -- exercise 3: greedy generation for a batch -------------------------------------------------
@@ -1118,7 +1117,7 @@ def check_greedy(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = tor
         raise CheckFailure("greedy(..., max_new_tokens=0, ...) should raise a ValueError (there must be at least "
                            f"one step); it raised {'no error' if error is None else f'a {error}'}.")
     passed(f"greedy: each sentence stops at its own EOS, pad_id after it, the loop ends when all have; the ids and "
-           f"next_logits come from the arguments; batch=1; ValueError for max_new_tokens < 1 ({_dtype_name(dtype)})")
+           f"next_logits come from the arguments; batch=1; ValueError for max_new_tokens < 1 ({dtype_name(dtype)})")
 
 
 # -- exercise 4: predict, then measure ---------------------------------------------------------
@@ -1271,4 +1270,4 @@ def check_logits_that_change(fn: Callable[..., Any], seed: int = 0, dtype: torch
                            f"{got.int().tolist()}\ndiffers from the measured\n{expected.int().tolist()}\n"
                            f"({difference(got.int(), expected.int(), sizes)}).\n{hint}")
     passed(f"logits_that_change: measured on a causal model and on one without the mask, with the default tol and "
-           f"another ({_dtype_name(dtype)})")
+           f"another ({dtype_name(dtype)})")

@@ -20,7 +20,18 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    call,
+    check,
+    close,
+    difference,
+    distinct_sizes,
+    dtype_name,
+    expect_tensor,
+    kind,
+    passed,
+)
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import load_state as _load
 from stepformer.checks._modules import set_training as _set_training
@@ -39,21 +50,8 @@ BUILT_IN_ENCODER = {
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, d_model = heads * d_head included (d_head even: the sinusoidal code pairs channels)."""
-    if seed == 0:
-        sizes = dict(zip(AXES, (2, 5, 3, 4, 9, 13, 6), strict=True))
-    else:
-        g = torch.Generator().manual_seed(seed)
-        while True:
-            picks = (torch.randperm(12, generator=g)[: len(AXES)] + 2).tolist()
-            sizes = dict(zip(AXES, picks, strict=True))
-            d_model = sizes["heads"] * sizes["d_head"]
-            if sizes["d_head"] % 2 == 0 and d_model not in picks and sizes["heads"] <= 5 and sizes["batch"] <= 5:
-                break
-    return {**sizes, "d_model": sizes["heads"] * sizes["d_head"]}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return distinct_sizes(seed, AXES, span=12, fixed=(2, 5, 3, 4, 9, 13, 6), products={"d_model": ("heads", "d_head")},
+                          accept=lambda s: s["d_head"] % 2 == 0 and s["heads"] <= 5 and s["batch"] <= 5)
 
 
 def _quiet(fn: Callable[..., Tensor], *args: Any, **kwargs: Any) -> Tensor:
@@ -485,7 +483,7 @@ def check_embedding_sinusoidal(cls: Callable[..., Any], seed: int = 0, dtype: to
     positions = _sinusoidal(max_len + s["seq"], s["d_model"])
     _check_embedding_output(module, table, positions, s, dtype, seed, "sinusoidal", max_len)
     passed(f"Embedding: tokens · sqrt(d_model) + the sinusoidal code, from position 0 or start, past max_len too "
-           f"({_dtype_name(dtype)})")
+           f"({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_ENCODER)
@@ -527,7 +525,7 @@ def check_embedding_learned(cls: Callable[..., Any], seed: int = 0, dtype: torch
                                f"zeros ({difference(dropped, torch.zeros_like(expected), sizes)}): apply self.dropout "
                                "to the sum of the token vectors and the positions, whatever the kind of positions.")
     passed(f"Embedding: learned positions from start, nothing added for rope, dropout only in training "
-           f"({_dtype_name(dtype)})")
+           f"({dtype_name(dtype)})")
 
 
 # -- exercise 2: add_and_norm ----------------------------------------------------------------
@@ -595,7 +593,7 @@ def check_add_and_norm(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype
             sizes = {"batch": x.shape[0], "seq": x.shape[1], "d_model": x.shape[2]}
             raise CheckFailure(f"{what} differs from the expected sublayer ({difference(got, expected, sizes)}). "
                                f"{hint}")
-    passed(f"add_and_norm: post-norm norm(x + dropout(f(x))), pre-norm x + dropout(f(norm(x))) ({_dtype_name(dtype)})")
+    passed(f"add_and_norm: post-norm norm(x + dropout(f(x))), pre-norm x + dropout(f(norm(x))) ({dtype_name(dtype)})")
 
 
 # -- exercise 3: the encoder layer -----------------------------------------------------------
@@ -676,7 +674,7 @@ def check_encoder_layer_post_norm(cls: Callable[..., Any], seed: int = 0, dtype:
     """Equal to torch.nn.TransformerEncoderLayer(norm_first=False) with copied weights, with and without padding."""
     _check_layer(cls, seed, dtype, norm_first=False)
     passed(f"post-norm EncoderLayer equal to torch.nn.TransformerEncoderLayer without a mask, with a padding mask, "
-           f"with a causal (seq, seq) mask, for one sentence, and with activation='gelu' ({_dtype_name(dtype)})")
+           f"with a causal (seq, seq) mask, for one sentence, and with activation='gelu' ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_ENCODER)
@@ -684,7 +682,7 @@ def check_encoder_layer_pre_norm(cls: Callable[..., Any], seed: int = 0, dtype: 
     """Equal to torch.nn.TransformerEncoderLayer(norm_first=True) with copied weights, with and without padding."""
     _check_layer(cls, seed, dtype, norm_first=True)
     passed(f"pre-norm EncoderLayer equal to torch.nn.TransformerEncoderLayer without a mask, with a padding mask, "
-           f"with a causal (seq, seq) mask, for one sentence, and with activation='gelu' ({_dtype_name(dtype)})")
+           f"with a causal (seq, seq) mask, for one sentence, and with activation='gelu' ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_ENCODER)
@@ -851,7 +849,7 @@ def check_encoder(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = t
             f"and should return x itself ({difference(got, x, _layer_sizes(s, x) | {'layers': layers})}). {hint}")
     passed(f"Encoder equal to torch.nn.TransformerEncoder: post-norm and pre-norm, with and without the final norm, "
            f"with padding and causal masks, for one sentence; activation and dropout passed on to the layers "
-           f"({_dtype_name(dtype)})")
+           f"({dtype_name(dtype)})")
 
 
 # -- exercise 5: predict, then measure -------------------------------------------------------
@@ -913,4 +911,4 @@ def check_residual_norms(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
         sizes = {"batch": s["batch"], "seq": s["seq"], "d_model": s["d_model"], "layers": len(layers)}
         raise CheckFailure(f"Your lengths {[round(v, 3) for v in got.tolist()]} differ from the expected "
                            f"{[round(v, 3) for v in expected.tolist()]} ({difference(got, expected, sizes)}). {hint}")
-    passed(f"residual_norms: the mean length of a position's vector before and after each layer ({_dtype_name(dtype)})")
+    passed(f"residual_norms: the mean length of a position's vector before and after each layer ({dtype_name(dtype)})")

@@ -10,7 +10,18 @@ from einops import rearrange
 from jaxtyping import Float, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    CodeRaised,
+    call,
+    check,
+    close,
+    difference,
+    distinct_sizes,
+    dtype_name,
+    kind,
+    passed,
+)
 from stepformer.checks._noise import binomial_bounds, dropped_count_problem
 from stepformer.checks.attention import _expect_kept
 
@@ -25,11 +36,9 @@ FFN_AXES = "batch seq d_model"
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, so that a swapped axis changes a shape; d_ff is the larger width."""
-    if seed == 0:
-        return dict(zip(AXES, (2, 3, 5, 7), strict=True))
-    picks = (torch.randperm(10, generator=torch.Generator().manual_seed(seed))[:4] + 2).tolist()
-    batch, seq, *widths = picks
-    return {"batch": batch, "seq": seq, "d_model": min(widths), "d_ff": max(widths)}
+    s = distinct_sizes(seed, AXES, span=10, fixed=(2, 3, 5, 7))
+    s["d_model"], s["d_ff"] = sorted((s["d_model"], s["d_ff"]))
+    return s
 
 
 def _input(s: dict[str, int], seed: int, dtype: torch.dtype) -> Tensor:
@@ -198,7 +207,7 @@ def check_feedforward_values(cls: Callable[..., Any], seed: int = 0, dtype: torc
                     f"(same weights; {found}): {_ffn_diagnose(layer, activation, sample, got, alone)}"
                 )
     passed(f"equal to nn.TransformerEncoderLayer's feed-forward, ReLU and GELU, batch=1 too "
-           f"({str(dtype).removeprefix('torch.')})")
+           f"({dtype_name(dtype)})")
 
 
 @jaxtyped(typechecker=beartype)
@@ -415,7 +424,7 @@ def check_swiglu_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dty
             f"Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)) ({found}) and matches none of the common "
             "mistakes. Multiply the gate and w_up(x) elementwise (over d_ff), then apply w_down."
         )
-    passed(f"equal to w_down(silu(w_gate(x)) ⊙ w_up(x)) computed in float64 ({str(dtype).removeprefix('torch.')})")
+    passed(f"equal to w_down(silu(w_gate(x)) ⊙ w_up(x)) computed in float64 ({dtype_name(dtype)})")
 
 
 # -- matching the parameter count --------------------------------------------------------------
@@ -435,7 +444,7 @@ def check_matching_swiglu_hidden(fn: Callable[..., Any], seed: int = 0) -> None:
         try:
             value = call(fn, d_model, d_ff)
         except CheckFailure as failure:
-            if ") raised ZeroDivisionError" not in str(failure):
+            if not isinstance(failure, CodeRaised) or failure.error != "ZeroDivisionError":
                 raise
             # Python raises ZeroDivisionError only for a division (or modulo) by 0: that much is known.
             raise CheckFailure(

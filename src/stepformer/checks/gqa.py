@@ -22,7 +22,19 @@ from einops import einsum, rearrange, reduce, repeat
 from jaxtyping import Float, Int, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    CodeRaised,
+    call,
+    check,
+    close,
+    difference,
+    draw_sizes,
+    dtype_name,
+    expect_tensor,
+    kind,
+    passed,
+)
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import load_state as _load
 from stepformer.checks._modules import parameter_shapes as _parameter_shapes
@@ -46,12 +58,13 @@ def _sizes(seed: int) -> dict[str, int]:
     if seed == 0:
         sizes = dict(zip(AXES, (3, 2, 4, 5, 7, 6), strict=True))
     else:
+        # Two draws, so that heads = kv_heads * group stays small: kv_heads and group from 2 to 4, the rest from 2 to 9.
         g = torch.Generator().manual_seed(seed)
         while True:
-            kv_heads, group = (torch.randperm(3, generator=g)[:2] + 2).tolist()
-            rest = (torch.randperm(8, generator=g)[:4] + 2).tolist()
-            sizes = dict(zip(AXES, (rest[0], kv_heads, group, rest[1], rest[2], rest[3]), strict=True))
-            values = [*sizes.values(), kv_heads * group]
+            drawn = draw_sizes(g, ("kv_heads", "group"), span=3)
+            drawn |= draw_sizes(g, ("batch", "q_len", "k_len", "d_head"), span=8)
+            sizes = {axis: drawn[axis] for axis in AXES}
+            values = [*sizes.values(), sizes["kv_heads"] * sizes["group"]]
             if len(set(values)) == len(values):
                 break
     heads = sizes["kv_heads"] * sizes["group"]
@@ -62,10 +75,6 @@ def _even(s: dict[str, int]) -> dict[str, int]:
     """The same sizes with an even d_head, which RoPE needs (it turns channels in pairs)."""
     d_head = s["d_head"] + s["d_head"] % 2
     return {**s, "d_head": d_head, "d_model": s["heads"] * d_head}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _inputs(s: dict[str, int], dtype: torch.dtype, seed: int, *lengths: int) -> list[Tensor]:
@@ -172,7 +181,7 @@ def check_repeat_kv(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = 
         try:
             got = call(fn, x, heads)
         except CheckFailure as failure:
-            if ") raised " not in str(failure):
+            if not isinstance(failure, CodeRaised):
                 raise
             raise CheckFailure(f"{failure}{_raised_repeat(fn, x, heads)}") from failure
         if type(got) is Tensor and got.dim() == 4 and tuple(got.shape) != (batch, heads, seq, d_head) and \
@@ -204,7 +213,7 @@ def check_repeat_kv(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = 
             f"cannot be shared equally by {kv * group + 1} query heads; it raised {got}. Check heads % kv_heads."
         )
     passed(f"repeat_kv: (batch, kv_heads, seq, d_head) -> (batch, heads, seq, d_head) in the (kv_heads group) order, "
-           f"batch=1 too, ValueError when kv_heads does not divide heads ({_dtype_name(dtype)})")
+           f"batch=1 too, ValueError when kv_heads does not divide heads ({dtype_name(dtype)})")
 
 
 # -- exercise 2: grouped attention -----------------------------------------------------------
@@ -339,7 +348,7 @@ def _runs_right(fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, mask: T
 
 
 def _raised_grouped(fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-                    error: str) -> str:
+                    error: CodeRaised) -> str:
     """After ``fn(q, k, v, mask)`` raised ``error``: the same call with one thing changed that leaves the attention as
     it is, to find which input the error comes from."""
     g = torch.Generator().manual_seed(17)
@@ -353,11 +362,11 @@ def _raised_grouped(fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, mas
         try:
             call(fn, q, k, v, everything)
         except CheckFailure as failure:
-            if str(failure).split(" raised ", 1)[-1] == error.split(" raised ", 1)[-1]:
+            if _what_raised(failure) == error.raised:
                 everything = None
             else:
                 return (" With an all-True (q_len, k_len) mask (the same attention) that error is gone (it raised "
-                        f"{str(failure).split(' raised ', 1)[-1]}), so it comes from a step meant for the mask that "
+                        f"{_what_raised(failure)}), so it comes from a step meant for the mask that "
                         "runs when mask is None: check the conditions (mask is not None) around the mask's steps.")
         if everything is not None:
             return (" With an all-True (q_len, k_len) mask (the same attention) the same call runs, so a step meant "
@@ -433,9 +442,9 @@ def check_grouped_attention(fn: Callable[..., Any], seed: int = 0, dtype: torch.
         try:
             got = call(fn, q, k, v, mask)
         except CheckFailure as failure:
-            if ") raised " not in str(failure):
+            if not isinstance(failure, CodeRaised):
                 raise
-            raise CheckFailure(f"{failure}{_raised_grouped(fn, q, k, v, mask, str(failure))}") from failure
+            raise CheckFailure(f"{failure}{_raised_grouped(fn, q, k, v, mask, failure)}") from failure
         got = expect_tensor(got, f"the output for {what}", tuple(q.shape), "batch heads q_len d_head", dtype)
         expected = _fused_oracle(q, k, v, mask)
         if not close(got, expected, dtype):
@@ -464,7 +473,7 @@ def check_grouped_attention(fn: Callable[..., Any], seed: int = 0, dtype: torch.
         )
     passed(f"grouped_attention equal to F.scaled_dot_product_attention(enable_gqa=True) for GQA, MQA and MHA, "
            f"with causal and padding masks, zeros for fully masked rows, batch=1; dropout on the weights "
-           f"({_dtype_name(dtype)})")
+           f"({dtype_name(dtype)})")
 
 
 # -- exercise 3: the module ------------------------------------------------------------------
@@ -612,9 +621,9 @@ def _compare(module: Any, state: dict[str, Tensor], s: dict[str, int], kv_heads:
     try:
         output = call(module, *args)
     except CheckFailure as failure:  # say which case broke it (bias=False, say)
-        if ") raised " not in str(failure):
+        if not isinstance(failure, CodeRaised):
             raise
-        hint = _raised_module(module, args, str(failure), cls, s, kv_heads, state, dtype)
+        hint = _raised_module(module, args, failure.raised, cls, s, kv_heads, state, dtype)
         raise CheckFailure(f"For {what}: {failure}{hint}") from failure
     output = expect_tensor(output, f"the output for {what}", (b, q_len, d_model), "batch q_len d_model", dtype)
     expected = _module_oracle(state, s["heads"], kv_heads, query, key, value, mask)
@@ -634,12 +643,18 @@ def _cache_class(cls: Any) -> Any:
                  t is not type(None)), None)
 
 
+def _what_raised(failure: CheckFailure) -> str:
+    """What the student's code raised (``"ValueError: ..."``); for a failure of another kind (a stub, the own-work
+    rule), its message."""
+    return failure.raised if isinstance(failure, CodeRaised) else str(failure)
+
+
 def _error_after(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
-    """What ``fn(*args, **kwargs)`` raised (the text after "raised"), or None when it ran."""
+    """What ``fn(*args, **kwargs)`` raised (see :func:`_what_raised`), or None when it ran."""
     try:
         call(fn, *args, **kwargs)
     except CheckFailure as failure:
-        return str(failure).split(") raised ", 1)[-1]
+        return _what_raised(failure)
     return None
 
 
@@ -647,7 +662,6 @@ def _raised_module(module: Any, args: tuple, error: str, cls: Any, s: dict[str, 
                    state: dict[str, Tensor], dtype: torch.dtype) -> str:
     """After ``module(*args)`` raised ``error``: the same call with one thing given that leaves the attention as it is
     (the default positions, an empty cache, a module built with rope=True), to find which step the error comes from."""
-    error = error.split(") raised ", 1)[-1]
     q_len = args[0].shape[1]
     if _error_after(module, *args, positions=torch.arange(q_len)) is None:
         return (f" With positions=torch.arange({q_len}) given, the same call runs, so the error comes from the default "
@@ -805,9 +819,9 @@ def _check_rope(module: Any, state: dict[str, Tensor], s: dict[str, int], dtype:
     try:
         got = call(module, x, x, x, mask)
     except CheckFailure as failure:
-        if ") raised " not in str(failure):
+        if not isinstance(failure, CodeRaised):
             raise
-        hint = _raised_module(module, (x, x, x, mask), str(failure), None, s, kv, state, dtype)
+        hint = _raised_module(module, (x, x, x, mask), failure.raised, None, s, kv, state, dtype)
         raise CheckFailure(f"For self-attention built with rope=True: {failure}{hint}") from failure
     got = expect_tensor(got, "the output with rope=True", tuple(x.shape), "batch q_len d_model", dtype)
     default = torch.arange(x.shape[1])
@@ -840,9 +854,9 @@ def _construct(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return call(cls, *args, **kwargs)
     except CheckFailure as failure:
-        text = str(failure)
-        if ") raised " not in text:
+        if not isinstance(failure, CodeRaised):
             raise
+        text = str(failure)
         hint = ""
         if "TypeError" in text and "float" in text:
             hint = (" A size your __init__ passes to a layer is a float, not an int (the error says so): a size "
@@ -941,7 +955,7 @@ def check_gqa_self_attention(cls: Callable[..., Any], seed: int = 0, dtype: torc
            f"and causal masks, batch=1, bias=False, fast=True; equal to torch.nn.MultiheadAttention when kv_heads == "
            f"heads; dropout on the weights, only in training; "
            f"{'rope=True turns q and k at their positions' if rope else 'rope=True is ignored (optional here)'} "
-           f"({_dtype_name(dtype)})")
+           f"({dtype_name(dtype)})")
 
 
 @check
@@ -964,7 +978,7 @@ def check_gqa_cross_attention(cls: Callable[..., Any], seed: int = 0, dtype: tor
              "sentence is all padding", query, key, value, _padding_mask(s, s["k_len"], seed, empty=True), cls=cls)
     passed(f"cross-attention (q_len={s['q_len']}, k_len={s['k_len']}) equal to "
            f"F.scaled_dot_product_attention(enable_gqa=True) for GQA and MQA, batch=1, one key, fast=True "
-           f"({_dtype_name(dtype)})")
+           f"({dtype_name(dtype)})")
 
 
 def _decode_with_cache(module: nn.Module, cache: Any, x: Tensor) -> Tensor:
@@ -998,7 +1012,7 @@ def _store(cache: Any, keys: Tensor, values: Tensor) -> None:
 
 
 def _check_fixed_cache_taken(module: Any, state: dict[str, Tensor], s: dict[str, int], cache_cls: Callable[..., Any],
-                             dtype: torch.dtype, inputs: tuple[Tensor, ...], error: str) -> None:
+                             dtype: torch.dtype, inputs: tuple[Tensor, ...], failure: CheckFailure) -> None:
     """The first call with an empty fixed cache raised: a module that leaves fixed caches out passes, but one that
     reads or stores a fixed cache (seen with a fixed cache that the check filled with the memory's keys and values)
     must not fail on the first call."""
@@ -1013,7 +1027,7 @@ def _check_fixed_cache_taken(module: Any, state: dict[str, Tensor], s: dict[str,
     except CheckFailure:
         return
     expected = _module_oracle(state, s["heads"], kv, query[:, 1:], memory, memory, padding)
-    error = error.split(") raised ", 1)[-1].splitlines()[0]
+    error = _what_raised(failure).splitlines()[0]
     if type(later) is Tensor and close(later, expected, dtype):
         raise CheckFailure(
             "Your module reads a fixed KVCache that holds keys: with the memory's keys and values stored in it, its "
@@ -1042,7 +1056,7 @@ def _check_fixed_cache(module: Any, state: dict[str, Tensor], s: dict[str, int],
     except CheckFailure as failure:
         if "Not your own work" in str(failure):
             raise
-        _check_fixed_cache_taken(module, state, s, cache_cls, dtype, (query, memory, other, padding), str(failure))
+        _check_fixed_cache_taken(module, state, s, cache_cls, dtype, (query, memory, other, padding), failure)
         return False
     later = call(module, query[:, 1:], other, other, padding, cache=fixed)
     got = expect_tensor(torch.cat([first, later], dim=1) if type(first) is Tensor and type(later) is Tensor else first,
@@ -1151,7 +1165,7 @@ def check_gqa_cache(classes: tuple[Callable[..., Any], Callable[..., Any]], seed
              "a fixed cache is not taken (optional here)",
              "RoPE positions continue from len(cache)" if rope else "rope=True is ignored (optional here)"]
     passed(f"decoding with a KVCache equals the causal full pass, one position at a time and in chunks (MQA too); "
-           f"the cache holds (batch, kv_heads={kv}, length, d_head); {'; '.join(notes)} ({_dtype_name(dtype)})")
+           f"the cache holds (batch, kv_heads={kv}, length, d_head); {'; '.join(notes)} ({dtype_name(dtype)})")
 
 
 def _check_rope_cache(cls: Callable[..., Any], cache_cls: Callable[..., Any], s: dict[str, int], dtype: torch.dtype,
@@ -1223,10 +1237,10 @@ def _settings(module: nn.Module) -> dict[str, Any]:
 
 
 def _raised_pooling(fn: Callable[..., Any], source: nn.Module, state: dict[str, Tensor], heads: int, d_head: int,
-                    kv_heads: int, error: str) -> str:
+                    kv_heads: int, failure: CheckFailure) -> str:
     """After ``from_multihead(source, kv_heads)`` raised: what the error and calls with other kv_heads tell."""
     source_kv = state["w_k.weight"].shape[0] // d_head
-    raised = error.split(") raised ", 1)[-1]
+    raised = _what_raised(failure)
     if "Could not infer sizes" in raised:
         return ("\neinops could not split the rows into (kv_heads group d_head) from the sizes it was given (the "
                 "error names those it could not infer): pass d_head=... to reduce as well as kv_heads.")
@@ -1278,7 +1292,7 @@ def _check_pooling(fn: Callable[..., Any], source: nn.Module, state: dict[str, T
         converted = call(fn, source, kv_heads)
     except CheckFailure as failure:
         source_kv = state["w_k.weight"].shape[0] // d_head
-        hint = _raised_pooling(fn, source, state, heads, d_head, kv_heads, str(failure))
+        hint = _raised_pooling(fn, source, state, heads, d_head, kv_heads, failure)
         hint = hint or (
             "\nThe source has no biases: pass bias=False (mha.w_q.bias is None) and copy no bias." if not bias else
             f"\nThis source has {source_kv} key/value heads, not heads={heads}: read its rows as (kv_heads group "
@@ -1375,7 +1389,7 @@ def check_from_multihead(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
                            f"({difference(same, expected, _module_sizes(s, heads, x, x))}).")
     passed(f"from_multihead mean-pools each group of consecutive key/value heads (from multi-head and grouped "
            f"sources, with and without biases), keeps w_q, w_o and the settings, refuses groups that do not divide, "
-           f"and gives the same outputs for kv_heads == heads ({_dtype_name(dtype)})")
+           f"and gives the same outputs for kv_heads == heads ({dtype_name(dtype)})")
 
 
 # -- exercise 5: predict, then measure -----------------------------------------------------

@@ -20,10 +20,13 @@ from torch import Tensor, nn
 
 from stepformer.checks._core import (
     CheckFailure,
+    CodeRaised,
     call,
     check,
     close,
     difference,
+    distinct_sizes,
+    dtype_name,
     expect_tensor,
     kind,
     one_thread,
@@ -36,15 +39,7 @@ AXES = ("batch", "kv_heads", "d_head", "prefill", "steps")
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, so that an append along the wrong axis cannot pass."""
-    if seed == 0:
-        return dict(zip(AXES, (2, 3, 4, 5, 6), strict=True))
-    g = torch.Generator().manual_seed(seed)
-    picks = (torch.randperm(7, generator=g)[: len(AXES)] + 2).tolist()
-    return dict(zip(AXES, picks, strict=True))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return distinct_sizes(seed, AXES, span=7, fixed=(2, 3, 4, 5, 6))
 
 
 # -- helpers that touch the student's cache (each through `call`) --------------------------
@@ -187,7 +182,7 @@ def check_kv_cache_append(cls: Callable[..., Any], seed: int = 0, dtype: torch.d
         except CheckFailure as failure:
             if total == 0:
                 raise CheckFailure(_sentence(str(failure), _empty_cache_hint(str(failure), cache, "append"))) from None
-            if "raised ValueError" in str(failure):
+            if isinstance(failure, CodeRaised) and failure.error == "ValueError":
                 # These keys continue the cache by construction: the check that refused them is too eager.
                 raise CheckFailure(
                     f"Appending {new} position(s) to a cache of {total} failed. {failure} These keys continue the "
@@ -235,7 +230,7 @@ def check_kv_cache_append(cls: Callable[..., Any], seed: int = 0, dtype: torch.d
                 f"{got}. Compare batch, kv_heads and d_head with the cached keys before concatenating."
             )
     passed(f"append grows the cache along the sequence axis (prefill of {s['prefill']}, then single positions, then "
-           f"two), returns every cached position, and refuses keys that do not continue it ({_dtype_name(dtype)})")
+           f"two), returns every cached position, and refuses keys that do not continue it ({dtype_name(dtype)})")
 
 
 @check
@@ -288,7 +283,7 @@ def check_kv_cache_fixed(cls: Callable[..., Any], seed: int = 0) -> None:
                 hint = "That counts numbers, not bytes: multiply by element_size() (4 for float32, 8 for float64)."
             else:
                 hint = "Add keys.numel() * keys.element_size() and the same for the values, as a Python int."
-            raise CheckFailure(f"A cache of {tuple(k.shape)} keys and values in {_dtype_name(dtype)} holds "
+            raise CheckFailure(f"A cache of {tuple(k.shape)} keys and values in {dtype_name(dtype)} holds "
                                f"{expected:,} bytes; nbytes gave {got!r}. {hint}")
     passed("a fixed cache stores its keys and values once and refuses append; a growing one refuses store; "
            "nbytes counts the bytes of the keys and the values")
@@ -499,7 +494,7 @@ def check_cached_attention(functions: tuple[Callable[..., Any], Callable[..., An
                 "heads) once."
             )
     passed(f"prefill of {s['prefill']}, {s['steps']} single steps and a step of two equal one causal pass of "
-           f"torch.nn.MultiheadAttention; the cache holds every position once ({_dtype_name(dtype)})")
+           f"torch.nn.MultiheadAttention; the cache holds every position once ({dtype_name(dtype)})")
 
 
 @check
@@ -643,7 +638,7 @@ def check_cache_formula(fn: Callable[..., Any], seed: int = 0) -> None:
     raise CheckFailure(
         f"For {case} you predicted {got:,} bytes; a model with {case['layers']} decoder layer(s), {heads} heads and "
         f"{case['kv_heads']} key/value heads that decoded {case['length']} tokens for a batch of {case['batch']} in "
-        f"{_dtype_name(dtype)} holds {measured:,} bytes of self-attention keys and values. {hint}"
+        f"{dtype_name(dtype)} holds {measured:,} bytes of self-attention keys and values. {hint}"
     )
 
 
@@ -714,4 +709,4 @@ def check_gather_blocks(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtyp
                     "other along the sequence, and keep the first `length` positions.")
         raise CheckFailure(f"For {what}, your gathered keys are not the sequence's positions in order. {hint}")
     passed(f"gather_blocks reads the blocks in the table's order, slots within blocks, and stops at the sequence's "
-           f"length ({_dtype_name(dtype)})")
+           f"length ({dtype_name(dtype)})")

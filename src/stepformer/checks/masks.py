@@ -9,7 +9,18 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    CodeRaised,
+    call,
+    check,
+    close,
+    difference,
+    distinct_sizes,
+    dtype_name,
+    kind,
+    passed,
+)
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_k")
 # What exercise 2 asks students to write themselves.
@@ -33,10 +44,7 @@ SHAPE_HINT = (
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, so that a swapped axis changes a shape and cannot pass."""
-    if seed == 0:
-        return dict(zip(AXES, (2, 3, 4, 7, 5), strict=True))
-    picks = torch.randperm(8, generator=torch.Generator().manual_seed(seed))[: len(AXES)] + 2
-    s = dict(zip(AXES, picks.tolist(), strict=True))
+    s = distinct_sizes(seed, AXES, span=8, fixed=(2, 3, 4, 7, 5))
     # Queries are the last q_len of k_len positions (cross-attention and caching both need k_len > q_len).
     s["q_len"], s["k_len"] = sorted((s["q_len"], s["k_len"]))
     return s
@@ -254,7 +262,7 @@ def _causal_result(fn: Callable[..., Any], q_len: int, k_len: int | None = None)
     try:
         mask = call(fn, *args)
     except CheckFailure as failure:
-        if ") raised " not in str(failure):
+        if not isinstance(failure, CodeRaised):
             raise
         text = str(failure).splitlines()[0].rstrip(" .")
         if "tril: input tensor must have at least 2 dimensions" in text or \
@@ -405,7 +413,7 @@ def _expect_value_error(fn: Callable[..., Any], args: tuple, why: str) -> None:
     try:
         result = call(fn, *args)
     except CheckFailure as failure:
-        if "raised ValueError" in str(failure):
+        if isinstance(failure, CodeRaised) and failure.error == "ValueError":
             return
         if "not implemented yet" in str(failure):
             raise
@@ -464,7 +472,7 @@ def _measure(fn: Callable[..., Any], x: Tensor, mask: Tensor | None, seq: int, d
     if type(got) is not Tensor or got.dtype != torch.bool or tuple(got.shape) != (seq, seq):
         if type(got) is Tensor and got.dtype == torch.bool:
             raise CheckFailure(_shape_problem(tuple(got.shape), seq, d_model))
-        what = f"a {str(got.dtype).removeprefix('torch.')} tensor of shape {tuple(got.shape)}" \
+        what = f"a {dtype_name(got.dtype)} tensor of shape {tuple(got.shape)}" \
             if type(got) is Tensor else kind(got)
         raise CheckFailure(
             f"which_outputs_change should return a boolean tensor of shape (seq={seq}, seq={seq}), got {what}."

@@ -20,16 +20,24 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed, show
+from stepformer.checks._core import (
+    CheckFailure,
+    call,
+    check,
+    close,
+    difference,
+    draw_sizes,
+    dtype_name,
+    expect_tensor,
+    kind,
+    passed,
+    show,
+)
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import load_state as _load
 from stepformer.checks._modules import parameter_shapes as _parameter_shapes
 from stepformer.checks._modules import set_training as _set_training
 from stepformer.checks.gqa import _FixedDropout, _module_oracle
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _set_attribute(module: nn.Module, name: str, value: Any) -> None:
@@ -58,6 +66,7 @@ def _block_sizes(seed: int) -> dict[str, int]:
         sizes = dict(zip(BLOCK_AXES, (3, 5, 2, 4, 6, 7), strict=True))
     else:
         g = torch.Generator().manual_seed(seed)
+        # By hand, not with draw_sizes: d_head is drawn (even, by randint) between the two permutations.
         while True:
             kv_heads, group = (torch.randperm(3, generator=g)[:2] + 2).tolist()
             d_head = 2 * int(torch.randint(1, 5, (1,), generator=g))
@@ -311,7 +320,7 @@ def check_llama_block_values(cls: Callable[..., Any], seed: int = 0, dtype: torc
                    "causal mask", _block_inputs(s, dtype, seed + 1, 0.2), _causal(s["seq"]), eps=0.1)
     passed(f"LlamaBlock equal to LLaMA's layer from PyTorch's pieces (pre-norm RMSNorm, GQA with RoPE, SwiGLU) for "
            f"kv_heads = {s['kv_heads']}, 1 and heads, without a mask, causal, causal with padding (queries that read "
-           f"nothing included), batch=1, eps passed on ({_dtype_name(dtype)})")
+           f"nothing included), batch=1, eps passed on ({dtype_name(dtype)})")
 
 
 def _decode_steps(module: nn.Module, cache: Any, x: Tensor) -> Tensor:
@@ -389,7 +398,7 @@ def check_llama_block_cache(classes: tuple[Callable[..., Any], Callable[..., Any
             "to self_attn unchanged: the mask spans every key read, the cached ones and the new."
         )
     passed(f"decoding with a KVCache equals one causal pass, one position at a time (GQA, the cache holding "
-           f"(batch, kv_heads={kv}, length, d_head)) and in chunks with padding (MQA) ({_dtype_name(dtype)})")
+           f"(batch, kv_heads={kv}, length, d_head)) and in chunks with padding (MQA) ({dtype_name(dtype)})")
 
 
 # -- exercise 2: top-k and nucleus filtering ---------------------------------------------------------
@@ -403,8 +412,7 @@ def _vocab_sizes(seed: int) -> dict[str, int]:
     if seed == 0:
         return {"batch": 3, "seq": 2, "vocab": 11}
     g = torch.Generator().manual_seed(seed + 31)
-    batch, seq = (torch.randperm(4, generator=g)[:2] + 2).tolist()
-    return {"batch": batch, "seq": seq, "vocab": int(torch.randint(9, 16, (1,), generator=g))}
+    return {**draw_sizes(g, ("batch", "seq"), span=4), "vocab": int(torch.randint(9, 16, (1,), generator=g))}
 
 
 def _logit_cases(seed: int, dtype: torch.dtype, ties: bool = False) -> list[tuple[str, Tensor]]:
@@ -561,7 +569,7 @@ def check_top_k(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torc
                            f"nothing); it raised {'no error' if error is None else 'a ' + error}.")
     passed(f"top_k keeps the k largest logits of each row, ties at the k-th included, for (vocab,), (batch, vocab) "
            f"and (batch, seq, vocab); k >= vocab keeps all; None filters nothing; the input is left as it was; "
-           f"ValueError for top_k=0 ({_dtype_name(dtype)})")
+           f"ValueError for top_k=0 ({dtype_name(dtype)})")
 
 
 def _nucleus_problem(got: Tensor, logits: Tensor, top_p: float, tolerance: float,
@@ -701,7 +709,7 @@ def check_top_p(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torc
                                f"it raised {'no error' if error is None else 'a ' + error}.")
     passed(f"top_p keeps the smallest set of most likely tokens whose probabilities reach p, in the input's order, "
            f"for (vocab,), (batch, vocab) and (batch, seq, vocab), ties included; p = 1.0 keeps all; ValueError "
-           f"outside (0, 1] ({_dtype_name(dtype)})")
+           f"outside (0, 1] ({dtype_name(dtype)})")
 
 
 def _check_exact_nucleus(fn: Callable[..., Any], dtype: torch.dtype) -> None:
@@ -754,7 +762,7 @@ def check_top_k_and_top_p(fn: Callable[..., Any], seed: int = 0, dtype: torch.dt
                                f"({difference(got, expected, s)}): the nucleus of p = 1.0 is every token that top_k "
                                "left, so p = 1.0 drops nothing more.")
     passed(f"top_k and top_p together keep the nucleus of the top-k tokens' renormalised probabilities, for (vocab,), "
-           f"(batch, vocab) and (batch, seq, vocab), ties included ({_dtype_name(dtype)})")
+           f"(batch, vocab) and (batch, seq, vocab), ties included ({dtype_name(dtype)})")
 
 
 # -- exercise 3: LoRA ---------------------------------------------------------------------------------
@@ -767,9 +775,8 @@ def _lora_sizes(seed: int) -> dict[str, int]:
     if seed == 0:
         return dict(zip(LORA_AXES, (2, 3, 7, 5, 4), strict=True))
     g = torch.Generator().manual_seed(seed + 53)
-    batch, seq, r = (torch.randperm(4, generator=g)[:3] + 2).tolist()
-    d_in, d_out = (torch.randperm(6, generator=g)[:2] + 6).tolist()
-    return dict(zip(LORA_AXES, (batch, seq, d_in, d_out, r), strict=True))
+    drawn = draw_sizes(g, ("batch", "seq", "r"), span=4) | draw_sizes(g, ("d_in", "d_out"), span=6, first=6)
+    return {axis: drawn[axis] for axis in LORA_AXES}
 
 
 class _Weights(NamedTuple):
@@ -795,7 +802,7 @@ def _base(s: dict[str, int], dtype: torch.dtype, seed: int, bias: bool = True) -
 
 def _parameter_table(module: nn.Module) -> dict[str, list[Any]]:
     """name -> [shape, trains, dtype] of every parameter."""
-    return {name: [list(p.shape), bool(p.requires_grad), _dtype_name(p.dtype)] for name, p in module.named_parameters()}
+    return {name: [list(p.shape), bool(p.requires_grad), dtype_name(p.dtype)] for name, p in module.named_parameters()}
 
 
 def _expect_lora_parameters(layer: Any, s: dict[str, int], r: int, bias: bool, dtype: torch.dtype,
@@ -836,8 +843,8 @@ def _expect_lora_parameters(layer: Any, s: dict[str, int], r: int, bias: bool, d
                 "lora_b learn." if trains else
                 f"{name} does not train (requires_grad is False): only the base is frozen; lora_a and lora_b learn."
             )
-        if found_dtype != _dtype_name(dtype):
-            raise CheckFailure(f"{name} is {found_dtype} although the base layer is {_dtype_name(dtype)}: create "
+        if found_dtype != dtype_name(dtype):
+            raise CheckFailure(f"{name} is {found_dtype} although the base layer is {dtype_name(dtype)}: create "
                                "lora_a and lora_b with the base's dtype and device, nn.Linear(..., "
                                "dtype=base.weight.dtype, device=base.weight.device).")
 
@@ -1086,7 +1093,7 @@ def check_lora_forward(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtyp
                            f"so it computes base(x) alone; yours differs ({difference(got, expected, s)}): {hint}")
     passed(f"LoRALinear computes base(x) + (alpha / r) · B(A(dropout(x))) for r = 1, {s['r']}, {s['r'] + 1} and "
            f"alpha = 1, 16, 3, with and without a bias, on (batch, seq, in) and (batch, in); dropout on the update's "
-           f"input with the p given (1.0 leaves base(x)), only in train() ({_dtype_name(dtype)})")
+           f"input with the p given (1.0 leaves base(x)), only in train() ({dtype_name(dtype)})")
 
 
 def _merged(layer: nn.Module, x: Tensor) -> dict[str, Any]:
@@ -1150,8 +1157,8 @@ def check_lora_merged(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype
         b_a = state["lora_b.weight"] @ state["lora_a.weight"]
         expected_weight = base.weight + alpha / r * b_a
         if weight.dtype != dtype:
-            raise CheckFailure(f"The merged layer is {_dtype_name(weight.dtype)} although the base is "
-                               f"{_dtype_name(dtype)}: build it with dtype=base.weight.dtype.")
+            raise CheckFailure(f"The merged layer is {dtype_name(weight.dtype)} although the base is "
+                               f"{dtype_name(dtype)}: build it with dtype=base.weight.dtype.")
         if not close(weight, expected_weight, dtype):
             if close(weight, base.weight + b_a, dtype):
                 hint = "You added B·A without its scale: the merged weight is W + (alpha / r) · B A."
@@ -1175,7 +1182,7 @@ def check_lora_merged(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype
             raise CheckFailure(f"The merged layer of {what} computes something else than the LoRA layer "
                                f"({difference(found['output'], expected, s)}).")
     passed(f"merged() returns one nn.Linear with weight W + (alpha / r) · B A and the base's bias (or none), "
-           f"computing what the LoRA layer computes, and leaves the layer as it was ({_dtype_name(dtype)})")
+           f"computing what the LoRA layer computes, and leaves the layer as it was ({dtype_name(dtype)})")
 
 
 # -- exercise 4: predict, then measure ------------------------------------------------------------------

@@ -18,7 +18,18 @@ from einops import einsum, rearrange
 from jaxtyping import Bool, Float, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    CodeRaised,
+    call,
+    check,
+    close,
+    difference,
+    distinct_sizes,
+    dtype_name,
+    kind,
+    passed,
+)
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import load_state as _load
 from stepformer.checks._modules import parameter_shapes as _parameter_shapes
@@ -37,20 +48,7 @@ BUILT_IN_MHA = {
 
 def _sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes, d_model = heads * d_head included, so a swapped axis cannot pass."""
-    if seed == 0:
-        sizes = dict(zip(AXES, (2, 3, 5, 7, 4), strict=True))
-    else:
-        g = torch.Generator().manual_seed(seed)
-        while True:
-            picks = (torch.randperm(8, generator=g)[: len(AXES)] + 2).tolist()
-            if picks[1] * picks[4] not in picks:
-                break
-        sizes = dict(zip(AXES, picks, strict=True))
-    return {**sizes, "d_model": sizes["heads"] * sizes["d_head"]}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return distinct_sizes(seed, AXES, span=8, fixed=(2, 3, 5, 7, 4), products={"d_model": ("heads", "d_head")})
 
 
 # -- exercises 1 and 2: split and merge ----------------------------------------------------
@@ -87,7 +85,7 @@ def check_split_heads(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype 
             f"({found}): use rearrange(x, 'batch seq (heads d_head) -> batch heads seq d_head', heads=heads)."
         )
     passed(f"split_heads: (batch, seq, d_model) -> (batch, heads, seq, d_head) in the (heads d_head) order, "
-           f"batch=1 and heads=1 too ({_dtype_name(dtype)})")
+           f"batch=1 and heads=1 too ({dtype_name(dtype)})")
 
 
 @check
@@ -117,7 +115,7 @@ def check_merge_heads(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype 
             "rearrange(x, 'batch heads seq d_head -> batch seq (heads d_head)')."
         )
     passed(f"merge_heads: (batch, heads, seq, d_head) -> (batch, seq, d_model), the inverse of split_heads, "
-           f"batch=1 and heads=1 too ({_dtype_name(dtype)})")
+           f"batch=1 and heads=1 too ({dtype_name(dtype)})")
 
 
 # -- helpers that touch the student's module, always through call() -------------------------
@@ -261,7 +259,7 @@ def _run(module: Any, what: str, *args: Tensor) -> Any:
     try:
         return call(module, *args)
     except CheckFailure as failure:
-        if ") raised " not in str(failure):
+        if not isinstance(failure, CodeRaised):
             raise
         hint = ""
         if "bias=False" in what:
@@ -270,7 +268,7 @@ def _run(module: Any, what: str, *args: Tensor) -> Any:
         elif "=1" in what:
             hint = (" An axis of size 1 must be kept: is there a squeeze() without an axis, or a shape taken from the "
                     "data that assumes more than one head or sentence?")
-        raise CheckFailure(f"For {what}: {_first_line(failure)}{hint}") from None
+        raise failure.reworded(f"For {what}: {_first_line(failure)}{hint}") from None
 
 
 def _w_o_input(module: Any, *args: Tensor) -> Tensor | None:
@@ -330,7 +328,7 @@ def _compare(module: Any, oracle: nn.MultiheadAttention, state: dict[str, Tensor
     try:
         result = _run(module, what, *args)
     except CheckFailure as failure:
-        hint = _merge_mistake(module, state, s, query, key, value, mask) if ") raised " in str(failure) else None
+        hint = _merge_mistake(module, state, s, query, key, value, mask) if isinstance(failure, CodeRaised) else None
         if hint is None:
             raise
         raise CheckFailure(f"{str(failure).rstrip()} {hint}") from None
@@ -519,7 +517,7 @@ def check_mha_self_attention(cls: Callable[..., Any], seed: int = 0, dtype: torc
     _check_dropout(cls, oracle, state, s, dtype, seed, x)
     passed(f"self-attention equal to torch.nn.MultiheadAttention without a mask and with padding, causal, per-head "
            f"and causal & padding masks, batch=1, heads=1 and bias=False; dropout on the attention weights, only in "
-           f"training ({_dtype_name(dtype)})")
+           f"training ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_MHA)
@@ -543,7 +541,7 @@ def check_mha_cross_attention(cls: Callable[..., Any], seed: int = 0, dtype: tor
     _compare(single, single_oracle, single_state, one, dtype, "cross-attention with heads=1 and a padding mask",
              query, key, value, padding)
     passed(f"cross-attention (q_len={s['q_len']}, k_len={s['k_len']}) equal to torch.nn.MultiheadAttention, with "
-           f"padding and (q_len, k_len) masks, batch=1, one key and heads=1 ({_dtype_name(dtype)})")
+           f"padding and (q_len, k_len) masks, batch=1, one key and heads=1 ({dtype_name(dtype)})")
 
 
 # -- exercise 4: predict, then measure -----------------------------------------------------

@@ -15,7 +15,19 @@ from beartype import beartype
 from jaxtyping import Float, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, difference, expect_tensor, kind, passed, show
+from stepformer.checks._core import (
+    CheckFailure,
+    CodeRaised,
+    call,
+    check,
+    difference,
+    draw_sizes,
+    dtype_name,
+    expect_tensor,
+    kind,
+    passed,
+    show,
+)
 from stepformer.checks._modules import parameters_of as _parameters
 from stepformer.checks._modules import set_training as _set_training
 from stepformer.checks._noise import binomial_bounds, dropped_count_problem
@@ -46,9 +58,8 @@ def _sizes(seed: int) -> dict[str, int]:
     if seed == 0:
         return {"batch": 2, "seq": 5, "d_model": 12}
     g = torch.Generator().manual_seed(seed)
-    batch, seq = (torch.randperm(6, generator=g)[:2] + 2).tolist()
-    d_model = int(torch.randint(8, 17, (1,), generator=g))
-    return {"batch": batch, "seq": seq, "d_model": d_model}
+    # d_model from its own range, 8 to 16, above batch and seq (at most 7): distinct from both without a permutation.
+    return {**draw_sizes(g, ("batch", "seq"), span=6), "d_model": int(torch.randint(8, 17, (1,), generator=g))}
 
 
 def _tolerance(dtype: torch.dtype, offset: float = 0.0) -> float:
@@ -354,7 +365,7 @@ def _misplaced_rms_norm(x: Tensor, weight: Tensor, eps: float) -> dict[str, Tens
     return {"mean square": x / torch.sqrt(_statistic(x**2, True) + eps) * weight}
 
 
-def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CheckFailure,
+def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CodeRaised,
                      misplaced: Callable[[Tensor], dict[str, Tensor]] | None) -> str | None:
     """After the norm raised on a (batch, seq, d_model) input: a cause confirmed by running it again, or None.
 
@@ -363,8 +374,7 @@ def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CheckFailure,
     on the return value: forward runs again with the run-time checks off, and what it returned is compared with
     the module's own parameters.
     """
-    text = str(failure)
-    if "raised TypeCheckError" in text and "checking the return value" in text:
+    if failure.error == "TypeCheckError" and "checking the return value" in failure.text:
         another = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=x.dtype)
         try:
             returned, other = call(_unchecked, module, x), call(_unchecked, module, another)
@@ -382,7 +392,7 @@ def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CheckFailure,
             return (f"Your forward returns the same tensor of shape {tuple(returned.shape)} whatever x is: x is "
                     f"missing from what it returns (an output of x's shape, {tuple(x.shape)}, normalised).")
         return None
-    if misplaced is None or "raised RuntimeError" not in text:
+    if misplaced is None or failure.error != "RuntimeError":
         return None
     n = x.shape[-1]
     cube = torch.randn(n, n, n, generator=torch.Generator().manual_seed(n), dtype=x.dtype)
@@ -409,7 +419,7 @@ def _norm_output(module: Any, x: Tensor, name: str, label: str,
     try:
         got = call(module, x)
     except CheckFailure as failure:
-        if ") raised " not in str(failure):
+        if not isinstance(failure, CodeRaised):
             raise
         if x.dim() == 3:
             hint = _crash_diagnosis(module, x, name, failure, misplaced)
@@ -480,7 +490,7 @@ def check_layer_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.
                   F.layer_norm(x, (d_model,), weight, bias, eps=eps), _layer_norm_variants(x, weight, bias, eps),
                   _tolerance(dtype), fallback, x)
     passed(f"equal to torch.nn.functional.layer_norm, offset and large inputs, any leading axes and another eps "
-           f"included ({str(dtype).removeprefix('torch.')})")
+           f"included ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_NORMS)
@@ -552,7 +562,7 @@ def check_rms_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.fl
                   F.rms_norm(x, (d_model,), weight, eps=eps), _rms_norm_variants(x, weight, eps), _tolerance(dtype),
                   fallback, x)
     passed(f"equal to torch.nn.functional.rms_norm with a `weight` only, any leading axes and another eps included "
-           f"({str(dtype).removeprefix('torch.')})")
+           f"({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_NORMS)

@@ -12,10 +12,13 @@ from torch import Tensor
 
 from stepformer.checks._core import (
     CheckFailure,
+    CodeRaised,
     call,
     check,
     describe,
     difference,
+    draw_sizes,
+    dtype_name,
     expect_tensor,
     kind,
     passed,
@@ -40,7 +43,7 @@ def _sizes(seed: int) -> dict[str, int]:
     if seed == 0:
         return dict(batch=2, heads=3, seq=5, d_head=8)
     g = torch.Generator().manual_seed(seed)
-    sizes = dict(zip(AXES, (torch.randperm(7, generator=g)[: len(AXES)] + 2).tolist(), strict=True))
+    sizes = draw_sizes(g, AXES, span=7)
     d_heads = [d for d in range(4, 17, 2) if d not in sizes.values()]
     sizes["d_head"] = d_heads[int(torch.randint(len(d_heads), (1,), generator=g))]
     return sizes
@@ -102,7 +105,8 @@ def _encoding(fn: Callable[..., Any], seq_len: int, d_model: int) -> Tensor:
     try:
         result = call(fn, seq_len, d_model)
     except CheckFailure as failure:
-        if not re.search(r"raised TypeError: .*expected Tensor .*but got (float|int)", str(failure)):
+        if not (isinstance(failure, CodeRaised) and failure.error == "TypeError" and
+                re.match(r".*expected Tensor .*but got (float|int)", failure.text)):
             raise
         raise CheckFailure(
             f"{failure}. A Python number reached a function that takes tensors. The frequencies 10000^(-2i/d_model) "
@@ -370,7 +374,7 @@ def check_rope_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype
         try:
             got = _rotated(rope, sample, positions)
         except CheckFailure as failure:
-            if ") raised " not in str(failure):
+            if not isinstance(failure, CodeRaised):
                 raise
             hint = _rope_error_hint(cls, rope, sample, positions, base)
             raise CheckFailure(f"{failure} {hint}".strip()) from None
@@ -383,7 +387,7 @@ def check_rope_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype
                 f"{_diagnose_rope(sample, positions, base, got)}"
             )
     passed(f"equal to RoPE as complex multiplication, batch=1 and no leading axes too "
-           f"({str(dtype).removeprefix('torch.')})")
+           f"({dtype_name(dtype)})")
 
 
 def _parameter_count(module: Any) -> int:

@@ -23,7 +23,18 @@ from jaxtyping import Bool, Float, jaxtyped
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, expect_tensor, kind, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    call,
+    check,
+    close,
+    difference,
+    distinct_sizes,
+    dtype_name,
+    expect_tensor,
+    kind,
+    passed,
+)
 from stepformer.checks._modules import error_of as _error_of
 
 # Exercise 1 rebuilds the softmax, so PyTorch's own is off limits in it (comparing with it in a scratch cell is fine).
@@ -45,10 +56,6 @@ def _then(failure: CheckFailure, hint: str) -> str:
     """A failure's message and what a probe after it found (a hint that starts with a space), as sentences."""
     text = str(failure).rstrip()
     return text + ("" if not hint or text.endswith((".", "!", "?")) else ".") + hint
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _call_on_copies(fn: Callable[..., Any], args: tuple, names: tuple[str, ...], what: str) -> Any:
@@ -243,7 +250,7 @@ def check_online_softmax_values(fn: Callable[..., Any], seed: int = 0, dtype: to
         expected = _softmax_oracle(scores).to(dtype)
         if not close(got, expected, dtype):
             raise CheckFailure(
-                f"For {what}, scores of shape {tuple(scores.shape)} ({_dtype_name(dtype)}), your weights differ from "
+                f"For {what}, scores of shape {tuple(scores.shape)} ({dtype_name(dtype)}), your weights differ from "
                 f"torch.softmax(scores, dim=-1) ({difference(got, expected)}). "
                 f"{_softmax_hint(got, scores, block, one_block_passed)}"
             )
@@ -255,7 +262,7 @@ def check_online_softmax_values(fn: Callable[..., Any], seed: int = 0, dtype: to
             raise CheckFailure(f"online_softmax(scores, block={block}) should raise a ValueError (a block holds at "
                                f"least one column); it raised {got}. Check block < 1 before the loop.")
     passed(f"online_softmax equals torch.softmax for blocks of 1, of {b} (not dividing n = {n}), of n and beyond, "
-           f"with 0 to 3 leading axes; block < 1 raises ValueError ({_dtype_name(dtype)})")
+           f"with 0 to 3 leading axes; block < 1 raises ValueError ({dtype_name(dtype)})")
 
 
 def _masked_scores(seed: int, dtype: torch.dtype) -> tuple[Tensor, int, dict[str, tuple[int, ...]]]:
@@ -306,10 +313,10 @@ def check_online_softmax_masked(fn: Callable[..., Any], seed: int = 0, dtype: to
             hint = "A masked score (-inf) must get weight exactly 0: exp(-inf − m) = 0."
         else:
             hint = _softmax_hint(got, x, b, False)
-        raise CheckFailure(f"For {what} ({_dtype_name(dtype)}), your weights differ from torch.softmax(scores, "
+        raise CheckFailure(f"For {what} ({dtype_name(dtype)}), your weights differ from torch.softmax(scores, "
                            f"dim=-1) with zeros for a fully masked row ({difference(got, expected)}). {hint}")
     passed(f"online_softmax gives -inf scores weight 0, a fully masked row zeros (no NaN), and a row whose first "
-           f"block is all -inf its softmax ({_dtype_name(dtype)})")
+           f"block is all -inf its softmax ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_SOFTMAX)
@@ -337,15 +344,15 @@ def check_online_softmax_overflow(fn: Callable[..., Any], seed: int = 0, dtype: 
             largest = 88 if dtype == torch.float32 else 709
             hint = (f"The same scores moved near 0 (softmax does not change when a constant is subtracted from a row) "
                     f"give the right weights, so the size of the numbers is the problem: exp(1000) overflows "
-                    f"{_dtype_name(dtype)} (its largest number is about e^{largest}) and exp(-1000) rounds to 0, so "
+                    f"{dtype_name(dtype)} (its largest number is about e^{largest}) and exp(-1000) rounds to 0, so "
                     "inf / inf and 0 / 0 are NaN. Subtract the running maximum before exponentiating, "
                     "exp(score − m) ≤ 1, and rescale the running sum whenever the maximum rises.")
         else:
             hint = _softmax_hint(moved, near_zero, b, False)
-        raise CheckFailure(f"For {what}, shape {tuple(scores.shape)} ({_dtype_name(dtype)}), your weights differ "
+        raise CheckFailure(f"For {what}, shape {tuple(scores.shape)} ({dtype_name(dtype)}), your weights differ "
                            f"from torch.softmax(scores, dim=-1) ({difference(got, expected)}). {hint}")
     passed(f"online_softmax is exact for scores near ±1000, where exp alone overflows or underflows, and when the "
-           f"maximum comes last ({_dtype_name(dtype)})")
+           f"maximum comes last ({dtype_name(dtype)})")
 
 
 # -- exercise 2: one tile -----------------------------------------------------------------------------------
@@ -355,8 +362,7 @@ TILE_AXES = ("batch", "heads", "q_block", "k_block", "d_k", "d_v")
 
 def _tile_sizes(seed: int) -> dict[str, int]:
     """Pairwise-distinct sizes (2 to 9), so that a swapped axis changes a shape and d_v differs from d_k."""
-    picks = torch.randperm(8, generator=torch.Generator().manual_seed(seed + 53))[:len(TILE_AXES)] + 2
-    return dict(zip(TILE_AXES, picks.tolist(), strict=True))
+    return distinct_sizes(seed + 53, TILE_AXES, span=8)
 
 
 @jaxtyped(typechecker=beartype)
@@ -508,7 +514,7 @@ def _compare_state(got: tuple[Tensor, Tensor, Tensor], args: tuple, what: str,
             found = "is -inf in a row that has read keys"
         else:
             found = f"is not the tile's ({difference(mine, theirs, _tile_sizes_text(q, k, v))})"
-        raise CheckFailure(f"For {what} ({_dtype_name(q.dtype)}), the returned {name} {found}. "
+        raise CheckFailure(f"For {what} ({dtype_name(q.dtype)}), the returned {name} {found}. "
                            f"{_tile_hint(got, args, tolerance)}")
 
 
@@ -620,7 +626,7 @@ def check_tile_step_first(fn: Callable[..., Any], seed: int = 0, dtype: torch.dt
         _compare_state(_step(fn, args, what), args, what, tolerance)
     passed(f"tile_step from the initial state: the block's maximum of q kᵀ / sqrt(d_k), Σ exp(score − max) and "
            f"Σ exp(score − max) · v, for d_k={s['d_k']}, d_v={s['d_v']}, 0 to 2 leading axes and scores that "
-           f"overflow exp ({_dtype_name(dtype)})")
+           f"overflow exp ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_TILE)
@@ -659,7 +665,7 @@ def check_tile_step_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
     _compare_state(_step(fn, args, what), args, what)
     passed(f"tile_step with allowed of shapes (q_block, k_block), (batch, 1, 1, k_block) and in full: masked keys "
            f"are skipped, a row that has read no key keeps row_max -inf, row_sum 0 and out 0 (no NaN) and reads "
-           f"a later block ({_dtype_name(dtype)})")
+           f"a later block ({dtype_name(dtype)})")
 
 
 def _state_before(s: dict[str, int], dtype: torch.dtype, g: torch.Generator,
@@ -711,7 +717,7 @@ def check_tile_step_fold(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
     _check_tiled_forward(fn, s, dtype, g)
     passed(f"tile_step folds a block into a running state (rescaling row_sum and out by exp(old max − new max)); two "
            f"steps equal one over both blocks; a causal attention folded from your steps equals "
-           f"F.scaled_dot_product_attention, with partial last blocks ({_dtype_name(dtype)})")
+           f"F.scaled_dot_product_attention, with partial last blocks ({dtype_name(dtype)})")
 
 
 def _check_tiled_forward(fn: Callable[..., Any], s: dict[str, int], dtype: torch.dtype, g: torch.Generator) -> None:

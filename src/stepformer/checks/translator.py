@@ -15,7 +15,6 @@ import contextlib
 import inspect
 import linecache
 import math
-import re
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,7 +25,18 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from stepformer.checks._core import CheckFailure, call, check, close, difference, kind, one_thread, passed
+from stepformer.checks._core import (
+    CheckFailure,
+    CodeRaised,
+    call,
+    check,
+    close,
+    difference,
+    dtype_name,
+    kind,
+    one_thread,
+    passed,
+)
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import parameters_of as _parameters_of
 
@@ -38,10 +48,6 @@ BUILT_IN_LOSS = {
     "torch.nn.CrossEntropyLoss": "PyTorch's cross-entropy module",
     "torch.nn.NLLLoss": "PyTorch's negative log-likelihood module",
 }
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _distinct(g: torch.Generator, ranges: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
@@ -60,19 +66,15 @@ def _lengths(batch: int, longest: int, shortest: int, g: torch.Generator) -> lis
 
 # -- what the student's code did, seen from inside (each run through call(), so recorded and replayed) --------
 
-_RAISED = re.compile(r"\) raised (\w+): ")
-
-
 def _raised(failure: CheckFailure) -> str | None:
     """The name of the exception that the student's code raised, where ``failure`` reports one (not a stub)."""
-    found = _RAISED.search(str(failure))
-    return found.group(1) if found and found.group(1) != "NotImplementedError" else None
+    return failure.error if isinstance(failure, CodeRaised) else None
 
 
 def _then(failure: CheckFailure, hint: str) -> CheckFailure:
     """The failure's message with ``hint`` after it, as a sentence of its own."""
     text = str(failure).rstrip()
-    return CheckFailure(text + ("" if not hint or text.endswith(".") else ".") + hint)
+    return failure.reworded(text + ("" if not hint or text.endswith(".") else ".") + hint)
 
 
 def _raised_at(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, str] | None:
@@ -447,7 +449,7 @@ def check_label_smoothed_loss(fn: Callable[..., Any], seed: int = 0, dtype: torc
                     f"{expected.item():.6g}. {_diagnose_loss(fn, logits, target, pad_id, smoothing, reduction, got)}"
                 )
     passed(f"label_smoothed_loss equals F.cross_entropy(ignore_index=pad_id, label_smoothing=...) for smoothing 0, 0.1 "
-           f"and 0.35, reductions 'mean' and 'sum' ({_dtype_name(dtype)})")
+           f"and 0.35, reductions 'mean' and 'sum' ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_LOSS)
@@ -1129,7 +1131,7 @@ def check_beam_step(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = 
             raise CheckFailure(f"beam_step with k={k} should raise a ValueError: k is between 1 and beam · vocab = "
                                f"{beam * vocab}; it raised {raised}.")
     passed(f"beam_step keeps the k best of all beam · vocab candidates, best first; -inf beams never win; ValueError "
-           f"for k outside [1, beam · vocab] ({_dtype_name(dtype)})")
+           f"for k outside [1, beam · vocab] ({dtype_name(dtype)})")
 
 
 # -- exercise 5: memorise a batch, then decode it back ------------------------------------------
