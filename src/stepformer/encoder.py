@@ -18,7 +18,6 @@ from stepformer.ffn import FeedForward
 from stepformer.multihead import MultiHeadAttention
 from stepformer.multihead import from_torch as attention_from_torch
 from stepformer.norms import LayerNorm
-from stepformer.parts import ModelConfig, bare, make_attention, make_ffn, make_norm
 from stepformer.positional import LearnedPositionalEmbedding, sinusoidal_encoding
 
 POSITIONALS = ("sinusoidal", "learned", "rope")
@@ -93,7 +92,7 @@ class EncoderLayer(nn.Module):
     ``norm2``, ``dropout1``, ``dropout2``. ``dropout`` acts on the attention weights, the
     hidden activations of the FFN and each sublayer's output, as in PyTorch.
     The attention is chapter 03's :class:`~stepformer.multihead.MultiHeadAttention`;
-    :func:`encoder_layer` builds the same layer with the parts a :class:`~stepformer.parts.ModelConfig`
+    :func:`stepformer.parts.encoder_layer` (chapter 10) builds the same layer with the parts a :class:`~stepformer.parts.ModelConfig`
     names (chapter 10's grouped-query attention, RMSNorm, SwiGLU, ...).
     """
 
@@ -154,26 +153,6 @@ class Encoder(nn.Module):
         for layer in self.layers:
             x = layer(x, mask)
         return self.norm(x)
-
-
-def encoder_layer(config: ModelConfig) -> EncoderLayer:
-    """An :class:`EncoderLayer` with the parts that ``config`` names: its ``forward`` and its names, other parts."""
-    layer = bare(EncoderLayer)
-    layer.norm_first = config.placement == "pre"
-    layer.self_attn = make_attention(config)
-    layer.ffn = make_ffn(config)
-    layer.norm1, layer.norm2 = make_norm(config), make_norm(config)
-    layer.dropout1, layer.dropout2 = nn.Dropout(config.dropout), nn.Dropout(config.dropout)
-    return layer
-
-
-def encoder_stack(config: ModelConfig, layers: int | None = None) -> Encoder:
-    """An :class:`Encoder` of ``layers`` (default ``config.layers``) configured layers, with a final norm if
-    ``config.final_norm``."""
-    stack = bare(Encoder)
-    stack.layers = nn.ModuleList(encoder_layer(config) for _ in range(config.layers if layers is None else layers))
-    stack.norm = make_norm(config) if config.final_norm else nn.Identity()
-    return stack
 
 
 @jaxtyped(typechecker=beartype)

@@ -19,13 +19,12 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Int, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.encoder import encoder_stack
 from stepformer.ffn import SwiGLU
 from stepformer.gqa import GroupedQueryAttention
 from stepformer.kvcache import KVCache, LayerCache
 from stepformer.masks import causal_mask
 from stepformer.norms import RMSNorm
-from stepformer.parts import ModelConfig, make_norm
+from stepformer.parts import ModelConfig, encoder_stack, make_norm
 from stepformer.positional import LearnedPositionalEmbedding, sinusoidal_encoding
 from stepformer.transformer import decoder_stack
 

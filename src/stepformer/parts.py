@@ -5,7 +5,7 @@ where it sits, the feed-forward network, how positions enter, how many key/value
 attention keeps, whether the linear maps have biases, whether the output layer shares the
 embedding table. :class:`ModelConfig` names each choice, and :func:`make_norm`,
 :func:`make_ffn` and :func:`make_attention` turn it into the part that an earlier chapter
-built (chapters 04, 05, 06 and 10). Chapter 07's ``encoder_layer`` and chapter 08's
+built (chapters 04, 05, 06 and 10). :func:`encoder_layer` and chapter 08's
 ``decoder_layer`` put those parts into the layers; chapter 12 builds every model family from
 them (:mod:`stepformer.models`).
 """
@@ -18,6 +18,7 @@ from einops import einsum, rearrange
 from jaxtyping import Float, Int, jaxtyped
 from torch import Tensor, nn
 
+from stepformer.encoder import Encoder, EncoderLayer
 from stepformer.ffn import FeedForward, SwiGLU
 from stepformer.gqa import GroupedQueryAttention
 from stepformer.norms import LayerNorm, RMSNorm
@@ -187,3 +188,23 @@ def bare(cls: type[nn.Module]) -> nn.Module:
     module = cls.__new__(cls)
     nn.Module.__init__(module)
     return module
+
+
+def encoder_layer(config: ModelConfig) -> EncoderLayer:
+    """An :class:`EncoderLayer` with the parts that ``config`` names: its ``forward`` and its names, other parts."""
+    layer = bare(EncoderLayer)
+    layer.norm_first = config.placement == "pre"
+    layer.self_attn = make_attention(config)
+    layer.ffn = make_ffn(config)
+    layer.norm1, layer.norm2 = make_norm(config), make_norm(config)
+    layer.dropout1, layer.dropout2 = nn.Dropout(config.dropout), nn.Dropout(config.dropout)
+    return layer
+
+
+def encoder_stack(config: ModelConfig, layers: int | None = None) -> Encoder:
+    """An :class:`Encoder` of ``layers`` (default ``config.layers``) configured layers, with a final norm if
+    ``config.final_norm``."""
+    stack = bare(Encoder)
+    stack.layers = nn.ModuleList(encoder_layer(config) for _ in range(config.layers if layers is None else layers))
+    stack.norm = make_norm(config) if config.final_norm else nn.Identity()
+    return stack

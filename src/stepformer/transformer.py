@@ -18,7 +18,6 @@ from stepformer.encoder import (
     Embedding,
     add_and_norm,
     encoder_from_torch,
-    encoder_stack,
     layer_from_torch,
     stack_from_torch,
 )
@@ -27,7 +26,7 @@ from stepformer.kvcache import LayerCache
 from stepformer.masks import causal_mask, padding_mask
 from stepformer.multihead import MultiHeadAttention
 from stepformer.norms import LayerNorm
-from stepformer.parts import ModelConfig, bare, make_attention, make_ffn, make_norm
+from stepformer.parts import ModelConfig, bare, encoder_stack, make_attention, make_ffn, make_norm
 
 # With a cache, a target mask spans the cached positions as well: `total` keys.
 SourceMask = Bool[Tensor, "#batch #heads #tgt_len #src_len"] | None
