@@ -92,8 +92,8 @@ class EncoderLayer(nn.Module):
     ``norm2``, ``dropout1``, ``dropout2``. ``dropout`` acts on the attention weights, the
     hidden activations of the FFN and each sublayer's output, as in PyTorch.
     The attention is chapter 03's :class:`~stepformer.multihead.MultiHeadAttention`;
-    :func:`stepformer.parts.encoder_layer` (chapter 10) builds the same layer with the parts a :class:`~stepformer.parts.ModelConfig`
-    names (chapter 10's grouped-query attention, RMSNorm, SwiGLU, ...).
+    Chapter 10's :func:`stepformer.parts.encoder_layer` builds the same layer with the parts that a
+    :class:`~stepformer.parts.ModelConfig` names (grouped-query attention, RMSNorm, SwiGLU, ...).
     """
 
     def __init__(
