@@ -911,7 +911,7 @@ def _greedy_variants(model: ToyModel, src: Tensor, max_new_tokens: int, tokens: 
         "so a sentence after its EOS (given pad_id) counts as unfinished again. Keep them: finished |= next_token == "
         "eos_id.": _unpadded(model, src, max_new_tokens, bos_id, next_logits, "reset"),
     }
-    if next_logits is not model.next_logits:
+    if next_logits != model.next_logits:  # a bound method is made anew at each access: compare, not `is`
         variants["Your loop calls model.next_logits: use the next_logits argument, which may be another function "
                  "(chapter 09 passes a cached one)."] = _reference_greedy(model, src, max_new_tokens, bos_id)[0]
     if pad != PAD:
