@@ -492,21 +492,22 @@ def layer_mistake(mistake):
         def forward(self, x, memory, src_mask=None, tgt_mask=None, cache=None):
             add_and_norm = student.add_and_norm
             self_mask = None if mistake == "no target mask" else tgt_mask
-            x = add_and_norm(x, lambda h: self.self_attn(h, h, h, self_mask), self.norm1, self.dropout1,
+            sc, cc = (None, None) if cache is None or mistake == "no cache" else (cache.self_attn, cache.cross_attn)
+            x = add_and_norm(x, lambda h: self.self_attn(h, h, h, self_mask, cache=sc), self.norm1, self.dropout1,
                              self.norm_first)
             if mistake == "cross reads the decoder":
                 def cross(h):
-                    return self.cross_attn(h, h, h, src_mask)
+                    return self.cross_attn(h, h, h, src_mask, cache=cc)
             elif mistake == "no source mask":
                 def cross(h):
-                    return self.cross_attn(h, memory, memory)
+                    return self.cross_attn(h, memory, memory, cache=cc)
             else:
                 def cross(h):
-                    return self.cross_attn(h, memory, memory, src_mask)
+                    return self.cross_attn(h, memory, memory, src_mask, cache=cc)
             if mistake == "normed memory":
                 def cross(h):  # noqa: F811
                     m = self.norm2(memory)
-                    return self.cross_attn(h, m, m, src_mask)
+                    return self.cross_attn(h, m, m, src_mask, cache=cc)
             if self.cross_attn is not None and mistake != "no cross-attention":
                 if memory is None:
                     raise ValueError("this layer needs the encoder's memory")
@@ -749,12 +750,15 @@ def test_layer_check_failures_give_the_sizes_and_the_largest_difference():
     assert "largest difference" in str(failure.value) and "on sizes batch=3, tgt_len=5, src_len=7" in str(failure.value)
 
 
-def test_the_cache_path_is_checked_only_where_the_layer_uses_a_cache(capsys):
+def test_the_cache_path_is_checked(capsys):
     check_decoder_layer_post_norm(student.DecoderLayer)
-    check_decoder_layer_post_norm(layer_mistake(""))  # the chapter 08 notebook lets students leave it out
+    check_decoder_layer_post_norm(layer_mistake(""))
     shown = capsys.readouterr().out.splitlines()
-    assert "decoding with a LayerCache equals the causal pass" in shown[0]
-    assert "your layer uses no cache" in shown[1]
+    assert all("decoding with a LayerCache equals the causal pass" in line for line in shown[:2])
+    # A layer that never hands its caches on is told so, by the log of what each attention was given.
+    with pytest.raises(CheckFailure, match="your attention modules got cache=None at every step: pass "
+                                           "cache.self_attn to self-attention"):
+        check_decoder_layer_post_norm(layer_mistake("no cache"))
 
 
 def _greedy_with(mistake):

@@ -85,6 +85,26 @@ def test_cached_logits_equal_uncached_at_every_step(positional, kv_heads):
         assert (forced - cached_logits)[alive].abs().max() <= tolerance
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_cached_decoding_equals_recomputation_with_chapter_03s_own_attention(norm_first):
+    """The model of chapters 07 and 08 with their own stacks, every attention chapter 03's MultiHeadAttention:
+    chapter 09's cache works through it."""
+    from stepformer.encoder import Encoder
+    from stepformer.transformer import Decoder
+
+    model = _model(norm_first=norm_first)
+    torch.manual_seed(1)
+    model.encoder = Encoder(8, 4, 20, 2, dropout=0.1, norm_first=norm_first).double()
+    model.decoder = Decoder(8, 4, 20, 2, dropout=0.1, norm_first=norm_first).double()
+    attentions = [m for m in model.modules() if hasattr(m, "w_q")]
+    assert attentions and all(type(m) is MultiHeadAttention for m in attentions)
+    src = _padded_source()
+    tokens, logits = generate(model, src, 9, BOS, EOS)
+    cached_tokens, cached_logits = generate_cached(model, src, 9, BOS, EOS)
+    assert torch.equal(tokens, cached_tokens)
+    assert (logits - cached_logits).abs().max() <= 1e-10
+
+
 @settings(max_examples=12, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 3), st.sampled_from([(4, 4), (4, 2), (6, 3), (6, 1)]),
        st.integers(1, 8), st.booleans(), st.integers(0, 2**16))
@@ -821,3 +841,26 @@ def test_a_verified_diagnosis_replays_as_it_was_recorded(monkeypatch, tmp_path, 
     monkeypatch.delenv(RECORD_ENV)
     with replaying(tmp_path):
         assert _message(check, (object(), object()) if type(student) is tuple else object()) == recorded
+
+
+def _update_new_only(self, keys, values):
+    self.append(keys, values) if not self.fixed else self.store(keys, values)
+    return keys, values
+
+
+def _update_always_stores(self, keys, values):
+    if self.fixed:
+        self.store(keys, values)
+        return self.keys, self.values
+    return self.append(keys, values)
+
+
+@pytest.mark.parametrize(("update", "message"), [
+    (_update_new_only, r"update on a growing cache, called with 2 positions and then \d+, should return the keys and "
+                       r"values of all \d+, in order; the cache holds all of them, so update returns something else"),
+    (_update_always_stores, "A fixed cache's second update should return the keys and values stored at the first "
+                            r".*it returned others, and the cache now holds them"),
+])
+def test_fixed_check_names_what_update_does_wrong(update, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_kv_cache_fixed(_cache_with(update=update))

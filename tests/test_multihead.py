@@ -266,7 +266,7 @@ class Attention(nn.Module):
         self.w_o = nn.Linear(width, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, query, key, value, mask=None):
+    def forward(self, query, key, value, mask=None, cache=None):
         b, heads = query.shape[0], self.heads
         order = (0, 3, 1, 2) if self.mistake == "split d_head heads" else (0, 2, 1, 3)
 
@@ -278,6 +278,8 @@ class Attention(nn.Module):
         q = split(self.w_q(query))
         k = split((self.w_q if self.mistake == "keys with w_q" else self.w_k)(key))
         v = split(self.w_v(key if self.mistake == "key as value" else value))
+        if cache is not None:
+            k, v = cache.update(k, v)
         scale = math.sqrt(query.shape[-1] if self.mistake == "sqrt(d_model)" else q.shape[-1])
         scores = q @ k.transpose(-2, -1) / scale
         if mask is not None and self.mistake == "padding row only" and mask.dim() == 4:
@@ -529,3 +531,57 @@ def test_a_crash_after_w_o_is_not_blamed_on_the_order_of_the_heads():
     with pytest.raises(CheckFailure) as failure:
         check_mha_self_attention(_edited(*edits).MultiHeadAttention)
     assert "in the order" not in str(failure.value)
+
+
+# -- the cache (chapter 09's KVCache): MultiHeadAttention attends over what cache.update gives back --------
+
+def test_a_cache_makes_step_by_step_decoding_equal_one_causal_pass():
+    from stepformer.decoding import cached_self_attention
+    from stepformer.kvcache import KVCache
+    from stepformer.masks import causal_mask
+
+    torch.manual_seed(4)
+    mha = MultiHeadAttention(12, 3).double().eval()
+    x = torch.randn(2, 9, 12, dtype=torch.float64)
+    full = mha(x, x, x, causal_mask(9))
+    cache = KVCache()
+    steps = [mha(x[:, :4], x[:, :4], x[:, :4], causal_mask(4), cache=cache)]  # a prefill, then one at a time
+    steps += [mha(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], cache=cache) for t in range(4, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)
+    # Chapter 09's written-out step computes the same thing.
+    written = KVCache()
+    out = torch.cat([cached_self_attention(mha, x[:, :t], written) for t in (4, 5, 6, 7, 8, 9)], dim=1)
+    torch.testing.assert_close(out, full, rtol=0, atol=1e-12)
+    # A fixed cache (cross-attention) keeps the first memory, whatever later calls pass.
+    memory, other = torch.randn(2, 6, 12, dtype=torch.float64), torch.randn(2, 6, 12, dtype=torch.float64)
+    fixed = KVCache(fixed=True)
+    first = mha(x[:, :1], memory, memory, cache=fixed)
+    later = mha(x[:, 1:2], other, other, cache=fixed)
+    torch.testing.assert_close(torch.cat([first, later], dim=1), mha(x[:, :2], memory, memory), rtol=0, atol=1e-12)
+
+
+def _cached_mistake(how):
+    class Mistaken(student.MultiHeadAttention):
+        def forward(self, query, key, value, mask=None, cache=None):
+            q = student.split_heads(self.w_q(query), self.heads)
+            k, v = self.w_k(key), self.w_v(value)
+            if how == "before split" and cache is not None:
+                k, v = cache.update(k, v)
+            k, v = student.split_heads(k, self.heads), student.split_heads(v, self.heads)
+            if how == "result ignored" and cache is not None:
+                cache.update(k, v)
+            _, weights = student.scaled_dot_product_attention(q, k, v, mask)
+            return self.w_o(student.merge_heads(self.dropout(weights) @ v))
+    return Mistaken
+
+
+@pytest.mark.parametrize(("how", "message"), [
+    ("ignored", r"your output is the attention over the new positions alone: your forward never calls "
+                r"cache.update"),
+    ("result ignored", "calls cache.update but attends over this call's keys and values only"),
+    ("before split", r"called cache.update with keys of shape \(\d+, 1, \d+\); the cache keeps \(batch, heads, "
+                     r"k_len, d_head\)"),
+])
+def test_self_attention_check_names_what_a_cache_was_not_given(how, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_mha_self_attention(_cached_mistake(how))

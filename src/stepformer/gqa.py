@@ -122,10 +122,10 @@ class GroupedQueryAttention(nn.Module):
         """Attend from ``query`` to ``key``/``value``, as :class:`MultiHeadAttention` does.
 
         ``mask`` is boolean, ``True`` = may attend, over all ``total`` keys read: ``k_len``
-        without a cache, cached + ``k_len`` with a growing cache. With a growing ``cache`` only
-        the new positions are projected and appended; with a fixed one (cross-attention) the
-        keys and values are projected on the first call and read afterwards, ``key`` and
-        ``value`` then being ignored. ``positions`` are the query positions for RoPE (default:
+        without a cache, cached + ``k_len`` with a growing cache. The ``cache``'s ``update``
+        takes the new keys and values and gives back all of them, as in chapter 03's attention;
+        a fixed cache (cross-attention) that is already filled is read without projecting
+        ``key`` and ``value`` at all, which it would ignore. ``positions`` are the query positions for RoPE (default:
         the cached length onwards); in self-attention the new keys sit at the same positions.
         """
         q = split_heads(self.w_q(query), self.heads)
@@ -140,10 +140,8 @@ class GroupedQueryAttention(nn.Module):
                     start = 0 if cache is None else len(cache)
                     positions = torch.arange(start, start + query.shape[1], device=query.device)
                 q, k = self.rope(q, positions), self.rope(k, positions)
-            if cache is not None and cache.fixed:
-                cache.store(k, v)
-            elif cache is not None:
-                k, v = cache.append(k, v)
+            if cache is not None:
+                k, v = cache.update(k, v)  # as chapter 03's attention does
         if self.fast:
             heads_out = _fused_attention(q, k, v, mask, self.dropout.p if self.training else 0.0)
         else:

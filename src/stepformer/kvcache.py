@@ -17,7 +17,8 @@ class KVCache:
     keys and values along the sequence axis and gets the whole prefix back. A cross-attention
     cache is ``fixed``: the encoder's memory does not change while the target is generated, so
     its keys and values are stored once (:meth:`store`) and read at every step. An empty cache
-    holds ``None``.
+    holds ``None``. An attention layer calls :meth:`update`, which does whichever of the two
+    the cache is for.
     """
 
     def __init__(self, fixed: bool = False) -> None:
@@ -44,6 +45,22 @@ class KVCache:
         # Axis -2 is the sequence: positions are appended, never heads or features.
         self.keys = keys if self.keys is None else torch.cat([self.keys, keys], dim=-2)
         self.values = values if self.values is None else torch.cat([self.values, values], dim=-2)
+        return self.keys, self.values
+
+    @jaxtyped(typechecker=beartype)
+    def update(
+        self, keys: Float[Tensor, "batch kv_heads new d_head"], values: Float[Tensor, "batch kv_heads new d_head"]
+    ) -> tuple[Float[Tensor, "batch kv_heads total d_head"], Float[Tensor, "batch kv_heads total d_head"]]:
+        """What an attention layer calls with this step's keys and values: all those to attend over.
+
+        A growing cache appends them (:meth:`append`) and returns every cached position. A fixed
+        cache stores them at the first call (:meth:`store`) and returns the stored ones at every
+        later call, ignoring what it is given: the encoder's memory has not changed.
+        """
+        if not self.fixed:
+            return self.append(keys, values)
+        if self.keys is None:
+            self.store(keys, values)
         return self.keys, self.values
 
     @jaxtyped(typechecker=beartype)

@@ -1,5 +1,7 @@
 """Chapter 03: multi-head attention, with the heads split and merged by einops."""
 
+from typing import Any
+
 import torch
 from beartype import beartype
 from einops import einsum, rearrange
@@ -60,7 +62,8 @@ class MultiHeadAttention(nn.Module):
         query: Float[Tensor, "batch q_len d_model"],
         key: Float[Tensor, "batch k_len d_model"],
         value: Float[Tensor, "batch k_len d_model"],
-        mask: Bool[Tensor, "#batch #heads #q_len #k_len"] | Bool[Tensor, "#q_len #k_len"] | None = None,
+        mask: Bool[Tensor, "#batch #heads #q_len #total"] | Bool[Tensor, "#q_len #total"] | None = None,
+        cache: Any = None,
     ) -> Float[Tensor, "batch q_len d_model"]:
         """Every query position reads the key/value positions through ``heads`` attentions at once.
 
@@ -68,10 +71,17 @@ class MultiHeadAttention(nn.Module):
         takes the queries from one sequence and the keys and values from another, so ``q_len`` and
         ``k_len`` may differ. ``mask`` is boolean, ``True`` = "this query may attend to this key",
         shared by the heads: ``(batch, 1, 1, k_len)`` for padding, ``(q_len, k_len)`` for a causal mask.
+
+        ``cache`` (chapter 09's KV-cache; ``None`` until then) is any object whose
+        ``update(k, v)`` takes this call's keys and values, ``(batch, heads, k_len, d_head)`` each,
+        and gives back the ``total`` keys and values to attend over: the earlier steps' too. The
+        mask then spans all ``total`` keys.
         """
         q = split_heads(self.w_q(query), self.heads)
         k = split_heads(self.w_k(key), self.heads)
         v = split_heads(self.w_v(value), self.heads)
+        if cache is not None:
+            k, v = cache.update(k, v)  # the keys and values of every step so far, these included
         # Each head scales its scores by sqrt(d_head), the width of its own queries and keys.
         _, weights = scaled_dot_product_attention(q, k, v, mask)
         # Dropout acts on the attention weights (as in the paper's code and in PyTorch), so the

@@ -7,6 +7,7 @@ Parameter names follow ``torch.nn.Transformer``, so its weights copy across
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from beartype import beartype
@@ -22,12 +23,14 @@ from stepformer.encoder import (
     stack_from_torch,
 )
 from stepformer.ffn import FeedForward
-from stepformer.kvcache import LayerCache
 from stepformer.masks import causal_mask, padding_mask
 from stepformer.multihead import MultiHeadAttention
 from stepformer.norms import LayerNorm
 from stepformer.parts import ModelConfig, bare, encoder_stack, make_attention, make_ffn, make_norm
 
+# One decoder layer's caches, chapter 09's kvcache.LayerCache: any object with a growing .self_attn and a fixed
+# .cross_attn cache, each with the .update(keys, values) that the attention calls.
+LayerCache = Any
 # With a cache, a target mask spans the cached positions as well: `total` keys.
 SourceMask = Bool[Tensor, "#batch #heads #tgt_len #src_len"] | None
 TargetMask = Bool[Tensor, "#batch #heads #tgt_len #total"] | Bool[Tensor, "#tgt_len #total"] | None
@@ -76,10 +79,10 @@ class DecoderLayer(nn.Module):
         ``tgt_mask`` spans the cached ones too (``None`` for a single new position, which may
         read everything before it).
         """
-        # Only a cached call passes a cache: chapter 03's attention has no such argument.
-        extra = ({}, {}) if cache is None else ({"cache": cache.self_attn}, {"cache": cache.cross_attn})
+        self_cache, cross_cache = (None, None) if cache is None else (cache.self_attn, cache.cross_attn)
         x = add_and_norm(
-            x, lambda h: self.self_attn(h, h, h, tgt_mask, **extra[0]), self.norm1, self.dropout1, self.norm_first
+            x, lambda h: self.self_attn(h, h, h, tgt_mask, cache=self_cache), self.norm1, self.dropout1,
+            self.norm_first,
         )
         if self.cross_attn is not None:
             if memory is None:
@@ -87,7 +90,7 @@ class DecoderLayer(nn.Module):
             # Queries from the target, keys and values from the source: the only place they meet.
             x = add_and_norm(
                 x,
-                lambda h: self.cross_attn(h, memory, memory, src_mask, **extra[1]),
+                lambda h: self.cross_attn(h, memory, memory, src_mask, cache=cross_cache),
                 self.norm2,
                 self.dropout2,
                 self.norm_first,

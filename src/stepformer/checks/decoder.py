@@ -711,17 +711,20 @@ CACHE_ROUTES = {
 
 
 def _check_cache_path(module: Any, oracle: nn.Module, state: dict[str, Tensor], s: dict[str, int], norm_first: bool,
-                      dtype: torch.dtype, x: Tensor, memory: Tensor, src_mask: Tensor) -> bool:
+                      dtype: torch.dtype, x: Tensor, memory: Tensor, src_mask: Tensor) -> None:
     """Decoding one target position at a time with a LayerCache must give the rows of one causal pass (the
-    defining property of a KV-cache). False when the layer never hands a cache to its attention."""
+    defining property of a KV-cache)."""
     result = call(_decode_step_by_step, module, _Weights(state), s["heads"], x, memory, src_mask)
     routes = {entry.split(":")[1] for entry in result["log"]}
-    if routes == {"none"} and not result["error"]:
-        return False  # the chapter 09 branch is not written: the notebook allows that here
     got_by = {prefix: {e.split(":")[1] for e in result["log"] if e.startswith(prefix)}
               for prefix in ("self_attn", "cross_attn")}
     name = "pre-norm" if norm_first else "post-norm"
     what = f"Decoding a {name} layer one target position at a time with a LayerCache"
+    if routes == {"none"} and not result["error"]:
+        raise CheckFailure(f"{'Decoding a pre-norm' if norm_first else 'Decoding a post-norm'} layer one target "
+                           "position at a time with a LayerCache, your attention modules got cache=None at every "
+                           "step: pass cache.self_attn to self-attention and cache.cross_attn to cross-attention, "
+                           "as the keyword cache.")
     if "other" in routes:
         raise CheckFailure(f"{what}, your attention modules got an object other than the two caches: "
                            "pass cache.self_attn to self-attention and cache.cross_attn to cross-attention, not the "
@@ -750,7 +753,6 @@ def _check_cache_path(module: Any, oracle: nn.Module, state: dict[str, Tensor], 
             f"{what} gives other outputs than torch.nn.TransformerDecoderLayer's one pass under a causal mask "
             f"({difference(got, expected, _layer_sizes(s, x, memory))}). With a cache, x holds only the new position "
             "and tgt_mask is None: hand the caches to the attention and let it read the cached positions.")
-    return True
 
 
 def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_first: bool) -> str:
@@ -776,9 +778,8 @@ def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_fi
         _compare(module, oracle, state, s, norm_first, dtype, x_case, memory_case, src_case, tgt_case, what)
     _check_dropout_and_activation(cls, s, norm_first, dtype, seed, x, memory, src_mask, tgt_mask)
     _check_decoder_only(cls, s, norm_first, dtype, seed, x)
-    if _check_cache_path(module, oracle, state, s, norm_first, dtype, x, memory, src_mask):
-        return "; decoding with a LayerCache equals the causal pass"
-    return "; your layer uses no cache (chapter 09's path), so that was not checked"
+    _check_cache_path(module, oracle, state, s, norm_first, dtype, x, memory, src_mask)
+    return "; decoding with a LayerCache equals the causal pass"
 
 
 @check(forbid=BUILT_IN_DECODER)

@@ -1033,7 +1033,7 @@ def _check_fixed_cache_taken(module: Any, state: dict[str, Tensor], s: dict[str,
             "Your module reads a fixed KVCache that holds keys: with the memory's keys and values stored in it, its "
             f"output is attention over the memory. But its first call, on an empty fixed cache (cache.keys is None), "
             f"raised {error}: on the first call, while cache.keys is None, project key and value and "
-            "cache.store(k, v) them; on later calls read cache.keys and cache.values.")
+            "cache.update(k, v) stores them; on later calls read cache.keys and cache.values.")
     if type(held) is Tensor and not torch.equal(held, keys):
         raise CheckFailure(
             "Your module stores into a fixed KVCache: given one that already holds the memory's keys and values, it "
@@ -1070,7 +1070,7 @@ def _check_fixed_cache(module: Any, state: dict[str, Tensor], s: dict[str, int],
         hint = ("Your later calls project the key and value they are given: with a fixed cache that already holds "
                 "keys, read cache.keys and cache.values instead (the memory does not change while decoding)."
                 if close(got, reread, dtype) else
-                "On the first call project key and value and cache.store(k, v) them; on later calls use "
+                "On the first call project key and value and cache.update(k, v) stores them; on later calls use "
                 "cache.keys and cache.values.")
         raise CheckFailure(f"Cross-attention with a fixed KVCache, called first with the memory and then with other "
                            f"keys and values, differs from attention over the memory "
@@ -1129,7 +1129,7 @@ def check_gqa_cache(classes: tuple[Callable[..., Any], Callable[..., Any]], seed
             raise CheckFailure(
                 f"After {length} steps the cache's {name} should have shape (batch={b}, kv_heads={kv}, "
                 f"length={length}, d_head={d_head}), got {shape}. Append the new positions' k and v (before "
-                f"repeat_kv) with cache.append(k, v), which returns every cached position.{hint}"
+                f"repeat_kv) with k, v = cache.update(k, v), which returns every cached position.{hint}"
             )
     _, expected_k, expected_v = _projected(state, s["heads"], kv, x, x, x)
     if not (close(keys, expected_k, dtype) and close(values, expected_v, dtype)):
@@ -1142,8 +1142,8 @@ def check_gqa_cache(classes: tuple[Callable[..., Any], Callable[..., Any]], seed
     if not close(stepwise, expected, dtype):
         itself = _module_oracle(state, s["heads"], kv, x, x, x, torch.eye(length, dtype=torch.bool))
         hint = ("Each step attends to its own position only: it must attend to every cached key and value (what "
-                "cache.append returns), not only the new one." if close(stepwise, itself, dtype) else
-                "Each step must attend to every cached key and value, what cache.append returns.")
+                "cache.update returns), not only the new one." if close(stepwise, itself, dtype) else
+                "Each step must attend to every cached key and value, what cache.update returns.")
         raise _stepwise_failure("Decoding one position at a time with the cache", stepwise, expected, sizes, hint)
     # A prefill and steps of several positions, each under a (new, total) mask; multi-query attention.
     module, state = _build(cls, s, 1, dtype, seed + 10)
@@ -1155,7 +1155,7 @@ def check_gqa_cache(classes: tuple[Callable[..., Any], Callable[..., Any]], seed
         raise _stepwise_failure(
             f"With kv_heads=1, decoding a prefill and then steps of several positions (chunks {bounds}) under "
             f"(new, total) causal masks", chunked, expected, {**sizes, "kv_heads": 1},
-            "The mask of a step spans every key read, the cached ones and the new: (new, total), as cache.append "
+            "The mask of a step spans every key read, the cached ones and the new: (new, total), as cache.update "
             "returns them all.")
     # A fixed (cross-attention) cache and RoPE with a cache: optional in the notebook.
     module, state = _build(cls, s, kv, dtype, seed + 11)

@@ -66,6 +66,10 @@ def _nbytes(cache: Any) -> Any:
     return cache.nbytes
 
 
+def _update(cache: Any, keys: Tensor, values: Tensor) -> Any:
+    return cache.update(keys, values)
+
+
 def _append_error(cache: Any, keys: Tensor, values: Tensor) -> str | None:
     return _error_of(cache.append, keys, values)
 
@@ -261,6 +265,7 @@ def check_kv_cache_fixed(cls: Callable[..., Any], seed: int = 0) -> None:
     if error != "ValueError":
         got = "no error" if error is None else f"a {error}"
         raise CheckFailure(f"store on a growing (self-attention) cache should raise a ValueError; it raised {got}.")
+    _check_update(cls, keys, values)
     # nbytes: 0 when empty; keys and values both counted, whatever the dtype.
     empty = call(cls)
     try:
@@ -285,8 +290,40 @@ def check_kv_cache_fixed(cls: Callable[..., Any], seed: int = 0) -> None:
                 hint = "Add keys.numel() * keys.element_size() and the same for the values, as a Python int."
             raise CheckFailure(f"A cache of {tuple(k.shape)} keys and values in {dtype_name(dtype)} holds "
                                f"{expected:,} bytes; nbytes gave {got!r}. {hint}")
-    passed("a fixed cache stores its keys and values once and refuses append; a growing one refuses store; "
-           "nbytes counts the bytes of the keys and the values")
+    passed("a fixed cache stores its keys and values once and refuses append; a growing one refuses store; update "
+           "appends to a growing cache and stores once in a fixed one; nbytes counts the bytes of the keys and the "
+           "values")
+
+
+def _same(got: Any, keys: Tensor, values: Tensor) -> bool:
+    return (type(got) is tuple and len(got) == 2 and all(type(t) is Tensor for t in got)
+            and got[0].shape == keys.shape and torch.equal(got[0], keys) and torch.equal(got[1], values))
+
+
+def _check_update(cls: Callable[..., Any], keys: Tensor, values: Tensor) -> None:
+    """update(k, v), what an attention layer calls: a growing cache appends and returns everything; a fixed one
+    stores at its first call and returns the stored keys and values ever after."""
+    first, later = (keys[:, :, :2], values[:, :, :2]), (keys[:, :, 2:], values[:, :, 2:])
+    growing = call(cls)
+    call(_update, growing, *first)
+    got = call(_update, growing, *later)
+    if not _same(got, keys, values):
+        stored = call(_contents, growing)
+        where = ("the cache holds all of them, so update returns something else: return (self.keys, self.values) "
+                 "after appending" if _same(tuple(stored), keys, values) else "append them, as append does")
+        raise CheckFailure(f"update on a growing cache, called with 2 positions and then {keys.shape[2] - 2}, should "
+                           f"return the keys and values of all {keys.shape[2]}, in order; {where}.")
+    fixed = call(cls, fixed=True)
+    got = call(_update, fixed, keys, values)
+    if not _same(got, keys, values):
+        raise CheckFailure(f"update on an empty fixed cache should store the keys and values it is given (store) "
+                           f"and return them; it returned {kind(got)}.")
+    again = call(_update, fixed, *later)
+    if not _same(again, keys, values):
+        stored = call(_contents, fixed)
+        kept = "and the cache now holds them" if _same(tuple(stored), *later) else "though the cache kept the first"
+        raise CheckFailure("A fixed cache's second update should return the keys and values stored at the first "
+                           f"(the encoder's memory does not change), whatever it is given; it returned others, {kept}.")
 
 
 # -- exercise 2: one cached attention step ---------------------------------------------------

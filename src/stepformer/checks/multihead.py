@@ -515,9 +515,98 @@ def check_mha_self_attention(cls: Callable[..., Any], seed: int = 0, dtype: torc
     _compare(unbiased, unbiased_oracle, unbiased_state, s, dtype, "self-attention with bias=False and a causal mask",
              x, x, x, causal)
     _check_dropout(cls, oracle, state, s, dtype, seed, x)
+    _check_cache(module, state, s, dtype, seed)
     passed(f"self-attention equal to torch.nn.MultiheadAttention without a mask and with padding, causal, per-head "
            f"and causal & padding masks, batch=1, heads=1 and bias=False; dropout on the attention weights, only in "
-           f"training ({dtype_name(dtype)})")
+           f"training; over the keys and values a cache gives back ({dtype_name(dtype)})")
+
+
+# -- the cache (chapter 09 passes one): k, v = cache.update(k, v) ---------------------------
+
+class _PrefixCache:
+    """The check's own cache: ``update(k, v)`` returns the earlier steps' keys and values (fixed here) followed by
+    ``k`` and ``v``, and notes the shapes it was given."""
+
+    def __init__(self, keys: Tensor, values: Tensor) -> None:
+        self.keys, self.values, self.given = keys, values, []
+
+    def update(self, keys: Any, values: Any) -> tuple[Tensor, Tensor]:
+        self.given.append([list(getattr(t, "shape", ())) for t in (keys, values)])
+        return torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
+
+    def __len__(self) -> int:
+        return self.keys.shape[-2]
+
+    def __repr__(self) -> str:
+        return "<the check's cache>"
+
+
+def _run_with_cache(module: nn.Module, x: Tensor, mask: Tensor | None, keys: Tensor, values: Tensor) -> dict[str, Any]:
+    """The student's self-attention over ``x`` with a cache holding ``keys`` and ``values`` of earlier positions:
+    the output (or the error) and the shapes its ``update`` was given."""
+    cache = _PrefixCache(keys, values)
+    try:
+        out = module(x, x, x, mask, cache=cache)
+    except Exception as error:
+        return {"out": None, "error": f"{type(error).__name__}: {error}", "given": cache.given}
+    return {"out": out if type(out) is Tensor else kind(out), "error": "", "given": cache.given}
+
+
+def _cached_reference(state: dict[str, Tensor], heads: int, x: Tensor, keys: Tensor, values: Tensor,
+                      mask: Tensor | None) -> Tensor:
+    """Self-attention over ``x`` whose queries read the cached ``keys``/``values`` and then ``x``'s own."""
+    def project(name: str, t: Tensor) -> Tensor:
+        y = t @ state[f"{name}.weight"].T + state[f"{name}.bias"]
+        return rearrange(y, "batch seq (heads d_head) -> batch heads seq d_head", heads=heads)
+
+    q = project("w_q", x)
+    k = torch.cat([keys, project("w_k", x)], dim=-2)
+    v = torch.cat([values, project("w_v", x)], dim=-2)
+    scores = einsum(q, k, "batch heads q_len d_head, batch heads total d_head -> batch heads q_len total")
+    scores = scores / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    out = einsum(scores.softmax(-1), v, "batch heads q_len total, batch heads total d_head -> batch heads q_len d_head")
+    return rearrange(out, "batch heads q_len d_head -> batch q_len (heads d_head)") @ state["w_o.weight"].T + \
+        state["w_o.bias"]
+
+
+def _check_cache(module: Any, state: dict[str, Tensor], s: dict[str, int], dtype: torch.dtype, seed: int) -> None:
+    """Decoding steps: one new position, then two under a causal mask aligned to the last key, each reading
+    ``cached`` earlier positions that the check's cache gives back from ``update``."""
+    b, h, d_head = s["batch"], s["heads"], s["d_head"]
+    cached = s["k_len"]
+    g = torch.Generator().manual_seed(seed + 29)
+    keys = torch.randn(b, h, cached, d_head, generator=g, dtype=dtype)
+    values = torch.randn(b, h, cached, d_head, generator=g, dtype=dtype)
+    x = torch.randn(b, 2, s["d_model"], generator=g, dtype=dtype)
+    aligned = torch.ones(2, cached + 2, dtype=torch.bool).tril(diagonal=cached)
+    for what, x_, mask in (("one new position and no mask", x[:, :1], None),
+                           (f"two new positions under a causal mask (2, {cached + 2}) aligned to the last key", x,
+                            aligned)):
+        result = call(_run_with_cache, module, x_, mask, keys, values)
+        where = f"With a cache of {cached} earlier positions and {what}"
+        heads_shape = [b, h, x_.shape[1], d_head]
+        if result["given"] and result["given"][0][0] != heads_shape:
+            raise CheckFailure(f"{where}, your forward called cache.update with keys of shape "
+                               f"{tuple(result['given'][0][0])}; the cache keeps (batch, heads, k_len, d_head) = "
+                               f"{tuple(heads_shape)}: call it after splitting the heads.")
+        if result["error"]:
+            never = " (cache.update was never called)" if not result["given"] else ""
+            raise CheckFailure(f"{where}, your forward raised {result['error']}{never}.")
+        expected = _cached_reference(state, h, x_, keys, values, mask)
+        out = _expect_kept(result["out"], f"the output {what} with a cache", (b, x_.shape[1], s["d_model"]),
+                           "batch q_len d_model", dtype)
+        if close(out, expected, dtype):
+            continue
+        uncached = _reference(state, h, x_, x_, x_, None if mask is None else mask[:, cached:])
+        if close(out, uncached, dtype):
+            said = ("never calls cache.update" if not result["given"] else
+                    "calls cache.update but attends over this call's keys and values only")
+            raise CheckFailure(f"{where}, your output is the attention over the new positions alone: your forward "
+                               f"{said}. Attend over what k, v = cache.update(k, v) gives back.")
+        raise CheckFailure(f"{where}, your output differs from attention over the cached and the new keys "
+                           f"({difference(out, expected, dict(batch=b, heads=h, cached=cached, new=x_.shape[1]))}).")
 
 
 @check(forbid=BUILT_IN_MHA)
