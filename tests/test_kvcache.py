@@ -856,11 +856,25 @@ def _update_always_stores(self, keys, values):
 
 
 @pytest.mark.parametrize(("update", "message"), [
-    (_update_new_only, r"update on a growing cache, called with 2 positions and then \d+, should return the keys and "
-                       r"values of all \d+, in order; the cache holds all of them, so update returns something else"),
+    (_update_new_only, r"update on a growing cache, called with 2 positions and then \d+, should do what append does "
+                       r"and return the keys and values of all \d+, in order; it gave only the 2nd call's keys"),
     (_update_always_stores, "A fixed cache's second update should return the keys and values stored at the first "
                             r".*it returned others, and the cache now holds them"),
 ])
 def test_fixed_check_names_what_update_does_wrong(update, message):
     with pytest.raises(CheckFailure, match=message):
         check_kv_cache_fixed(_cache_with(update=update))
+
+
+def test_a_wrong_append_costs_the_append_check_only():
+    """update on a growing cache delegates to append: a cache appending along the heads axis fails the append
+    check, and the fixed-cache check, which compares update with append, passes."""
+    def append(self, keys, values):
+        if self.fixed:
+            raise ValueError("a fixed cache is not appended to")
+        return _append_along(1)(self, keys, values)
+
+    along_heads = _cache_with(append)
+    with pytest.raises(CheckFailure):
+        check_kv_cache_append(along_heads)
+    check_kv_cache_fixed(along_heads)
