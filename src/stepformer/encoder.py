@@ -6,7 +6,7 @@ network (04), LayerNorm and the residual sublayer (05), positions (06). Paramete
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -87,29 +87,31 @@ class Embedding(nn.Module):
 class EncoderLayer(nn.Module):
     """Self-attention then the feed-forward network, each in a residual sublayer (Add & Norm).
 
-    Attributes as in ``torch.nn.TransformerEncoderLayer``: ``self_attn``, ``ffn`` (a
-    :class:`~stepformer.ffn.FeedForward` holding ``linear1`` and ``linear2``), ``norm1``,
-    ``norm2``, ``dropout1``, ``dropout2``. ``dropout`` acts on the attention weights, the
-    hidden activations of the FFN and each sublayer's output, as in PyTorch.
-    The attention is chapter 03's :class:`~stepformer.multihead.MultiHeadAttention`;
-    Chapter 10's :func:`stepformer.parts.encoder_layer` builds the same layer with the parts that a
-    :class:`~stepformer.parts.ModelConfig` names (grouped-query attention, RMSNorm, SwiGLU, ...).
+    The layer is its wiring: it is given its parts and only decides how they connect.
+    ``self_attn`` is called as ``self_attn(x, x, x, mask)`` (chapter 03's
+    :class:`~stepformer.multihead.MultiHeadAttention`, or any attention with that call), ``ffn``
+    as ``ffn(x)`` (chapter 04), ``norm1`` and ``norm2`` are two separate norms (chapter 05), one
+    per sublayer. ``dropout`` acts on each sublayer's output before the residual add
+    (``dropout1``, ``dropout2``); the parts bring their own dropout inside. ``norm_first``
+    chooses pre-norm. Attribute names are ``torch.nn.TransformerEncoderLayer``'s, so its weights
+    copy across; :func:`build_encoder_layer` builds PyTorch's layer from this course's parts.
     """
 
     def __init__(
         self,
-        d_model: int,
-        heads: int,
-        d_ff: int,
+        self_attn: nn.Module,
+        ffn: nn.Module,
+        norm1: nn.Module,
+        norm2: nn.Module,
         dropout: float = 0.1,
         norm_first: bool = False,
-        activation: str = "relu",
     ) -> None:
         super().__init__()  # first: the submodules assigned below register with nn.Module
+        if norm1 is norm2:
+            raise ValueError("norm1 and norm2 are the same module: each sublayer needs a norm of its own")
         self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, heads, dropout=dropout)
-        self.ffn = FeedForward(d_model, d_ff, activation, dropout)
-        self.norm1, self.norm2 = LayerNorm(d_model), LayerNorm(d_model)
+        self.self_attn, self.ffn = self_attn, ffn
+        self.norm1, self.norm2 = norm1, norm2
         self.dropout1, self.dropout2 = nn.Dropout(dropout), nn.Dropout(dropout)
 
     @jaxtyped(typechecker=beartype)
@@ -121,29 +123,33 @@ class EncoderLayer(nn.Module):
         return add_and_norm(x, self.ffn, self.norm2, self.dropout2, self.norm_first)
 
 
+def build_encoder_layer(
+    d_model: int, heads: int, d_ff: int, dropout: float = 0.1, norm_first: bool = False, activation: str = "relu"
+) -> EncoderLayer:
+    """``torch.nn.TransformerEncoderLayer(d_model, heads, d_ff, dropout, activation, norm_first=...)`` from the
+    course's parts: multi-head attention (03), the feed-forward network (04), two LayerNorms (05)."""
+    return EncoderLayer(
+        MultiHeadAttention(d_model, heads, dropout=dropout),
+        FeedForward(d_model, d_ff, activation, dropout),
+        LayerNorm(d_model),
+        LayerNorm(d_model),
+        dropout,
+        norm_first,
+    )
+
+
 class Encoder(nn.Module):
-    """A stack of ``layers`` :class:`EncoderLayer` s, then a final LayerNorm (``norm``).
+    """A stack of layers, each called as ``layer(x, mask)``, then a final norm (``norm``; none: ``nn.Identity``).
 
     The final norm is needed with pre-norm, whose residual stream is never normalised;
-    ``torch.nn.Transformer`` has one in both cases, so ``final_norm`` defaults to ``True``.
+    ``torch.nn.Transformer`` has one in both cases. Each layer must be its own module: the same
+    layer listed twice would be one set of weights applied twice.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        heads: int,
-        d_ff: int,
-        layers: int,
-        dropout: float = 0.1,
-        norm_first: bool = False,
-        activation: str = "relu",
-        final_norm: bool = True,
-    ) -> None:
+    def __init__(self, layers: Iterable[nn.Module], norm: nn.Module | None = None) -> None:
         super().__init__()  # first: the submodules assigned below register with nn.Module
-        self.layers = nn.ModuleList(
-            EncoderLayer(d_model, heads, d_ff, dropout, norm_first, activation) for _ in range(layers)
-        )
-        self.norm = LayerNorm(d_model) if final_norm else nn.Identity()
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.Identity() if norm is None else norm
 
     @jaxtyped(typechecker=beartype)
     def forward(
@@ -153,6 +159,24 @@ class Encoder(nn.Module):
         for layer in self.layers:
             x = layer(x, mask)
         return self.norm(x)
+
+
+def build_encoder(
+    d_model: int,
+    heads: int,
+    d_ff: int,
+    layers: int,
+    dropout: float = 0.1,
+    norm_first: bool = False,
+    activation: str = "relu",
+    final_norm: bool = True,
+) -> Encoder:
+    """``torch.nn.TransformerEncoder`` of ``layers`` :func:`build_encoder_layer` layers, with a final LayerNorm if
+    ``final_norm``."""
+    return Encoder(
+        (build_encoder_layer(d_model, heads, d_ff, dropout, norm_first, activation) for _ in range(layers)),
+        LayerNorm(d_model) if final_norm else None,
+    )
 
 
 @jaxtyped(typechecker=beartype)
@@ -187,15 +211,16 @@ def check_plain(layer: nn.Module) -> tuple[str, float]:
     return name, layer.dropout.p
 
 
-def layer_from_torch(layer: nn.Module, ours: type[nn.Module], attention: dict[str, str]) -> nn.Module:
-    """Build ``ours`` with the sizes of a PyTorch encoder or decoder layer and copy its weights.
+def layer_from_torch(layer: nn.Module, build: Callable[..., nn.Module], attention: dict[str, str]) -> nn.Module:
+    """``build`` a layer with the sizes of a PyTorch encoder or decoder layer and copy its weights.
 
-    ``attention`` maps our attention attributes to PyTorch's (``{"self_attn": "self_attn"}``);
-    the FFN's ``linear1``/``linear2`` and every ``norm1``, ``norm2``, ... are copied by name.
+    ``build(d_model, heads, d_ff, dropout, norm_first, activation)`` is :func:`build_encoder_layer` or chapter 08's
+    ``build_decoder_layer``; ``attention`` maps our attention attributes to PyTorch's (``{"self_attn":
+    "self_attn"}``); the FFN's ``linear1``/``linear2`` and every ``norm1``, ``norm2``, ... are copied by name.
     """
     activation, dropout = check_plain(layer)
     first = getattr(layer, next(iter(attention.values())))
-    copy = ours(first.embed_dim, first.num_heads, layer.linear1.out_features, dropout, layer.norm_first, activation)
+    copy = build(first.embed_dim, first.num_heads, layer.linear1.out_features, dropout, layer.norm_first, activation)
     copy = copy.to(dtype=layer.linear1.weight.dtype, device=layer.linear1.weight.device)
     for mine, theirs in attention.items():
         getattr(copy, mine).load_state_dict(attention_from_torch(getattr(layer, theirs)).state_dict())
@@ -210,23 +235,13 @@ def layer_from_torch(layer: nn.Module, ours: type[nn.Module], attention: dict[st
 def stack_from_torch(
     stack: nn.Module, ours: type[nn.Module], copy_layer: Callable[[nn.Module], nn.Module]
 ) -> nn.Module:
-    """Build ``ours`` (an encoder or decoder stack) like PyTorch's ``stack``, with its layers and final norm copied."""
-    first = stack.layers[0]
-    copy = ours(
-        first.self_attn.embed_dim,
-        first.self_attn.num_heads,
-        first.linear1.out_features,
-        len(stack.layers),
-        first.dropout.p,
-        first.norm_first,
-        check_plain(first)[0],
-        final_norm=stack.norm is not None,
-    )
-    copy = copy.to(dtype=first.linear1.weight.dtype, device=first.linear1.weight.device)
-    copy.layers = nn.ModuleList(copy_layer(layer) for layer in stack.layers)
+    """``ours`` (:class:`Encoder` or chapter 08's ``Decoder``) of PyTorch's ``stack``'s layers and final norm, copied."""
+    first = stack.layers[0].linear1.weight
+    norm = None
     if stack.norm is not None:
-        copy.norm.load_state_dict(stack.norm.state_dict())
-    return copy
+        norm = LayerNorm(stack.norm.normalized_shape[0], stack.norm.eps).to(dtype=first.dtype, device=first.device)
+        norm.load_state_dict(stack.norm.state_dict())
+    return ours([copy_layer(layer) for layer in stack.layers], norm)
 
 
 def encoder_layer_from_torch(layer: nn.TransformerEncoderLayer) -> EncoderLayer:
@@ -236,7 +251,7 @@ def encoder_layer_from_torch(layer: nn.TransformerEncoderLayer) -> EncoderLayer:
     (chapter 03's ``from_torch`` unpacks it); its ``linear1`` and ``linear2`` are our
     ``ffn.linear1`` and ``ffn.linear2``; the norms keep their names.
     """
-    return layer_from_torch(layer, EncoderLayer, {"self_attn": "self_attn"})
+    return layer_from_torch(layer, build_encoder_layer, {"self_attn": "self_attn"})
 
 
 def encoder_from_torch(encoder: nn.TransformerEncoder) -> Encoder:

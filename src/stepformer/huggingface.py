@@ -21,7 +21,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from stepformer.models import EncoderModel, LanguageModel
-from stepformer.parts import ModelConfig
+from stepformer.parts import ModelConfig, configured_transformer
 from stepformer.transformer import Transformer
 
 
@@ -236,12 +236,14 @@ def from_marian(hf: nn.Module, fast: bool = True) -> Transformer:
     # Our Transformer ties all three tables or none; where Marian ties only two, copies of the same values
     # compute the same function.
     shared = m.encoder.embed_tokens.weight is m.decoder.embed_tokens.weight is hf.lm_head.weight
-    ours = Transformer(
-        c.vocab_size, c.decoder_vocab_size, d_model=c.d_model, heads=c.encoder_attention_heads,
-        n_encoder_layers=c.encoder_layers, n_decoder_layers=c.decoder_layers, d_ff=c.encoder_ffn_dim,
-        dropout=0.0, norm_first=False, positional="sinusoidal", tie_embeddings=shared,
-        max_len=c.max_position_embeddings, pad_id=c.pad_token_id, activation=c.activation_function, fast=fast,
-        final_norm=False,
+    ours = configured_transformer(
+        ModelConfig(
+            vocab=c.decoder_vocab_size, d_model=c.d_model, heads=c.encoder_attention_heads, layers=c.decoder_layers,
+            d_ff=c.encoder_ffn_dim, placement="post", final_norm=False, ffn=c.activation_function,
+            positions="sinusoidal", max_len=c.max_position_embeddings, tie_embeddings=shared,
+            scale_embeddings=True, dropout=0.0, fast=fast,
+        ),
+        src_vocab=c.vocab_size, encoder_layers=c.encoder_layers, pad_id=c.pad_token_id,
     )  # fmt: skip
     ours = _like(ours, hf.lm_head.weight)
     order = sines_first_order(c.d_model)

@@ -24,9 +24,8 @@ from stepformer.gqa import GroupedQueryAttention
 from stepformer.kvcache import KVCache, LayerCache
 from stepformer.masks import causal_mask
 from stepformer.norms import RMSNorm
-from stepformer.parts import ModelConfig, encoder_stack, make_norm
+from stepformer.parts import ModelConfig, decoder_stack, encoder_stack, make_norm
 from stepformer.positional import LearnedPositionalEmbedding, sinusoidal_encoding
-from stepformer.transformer import decoder_stack
 
 __all__ = [
     "EncoderModel",

@@ -5,8 +5,9 @@ where it sits, the feed-forward network, how positions enter, how many key/value
 attention keeps, whether the linear maps have biases, whether the output layer shares the
 embedding table. :class:`ModelConfig` names each choice, and :func:`make_norm`,
 :func:`make_ffn` and :func:`make_attention` turn it into the part that an earlier chapter
-built (chapters 04, 05, 06 and 10). :func:`encoder_layer` and chapter 08's
-``decoder_layer`` put those parts into the layers; chapter 12 builds every model family from
+built (chapters 04, 05, 06 and 10). :func:`encoder_layer`, :func:`decoder_layer` and
+:func:`configured_transformer` give those parts to chapters 07 and 08's layers and model, which
+take their parts as arguments; the translator and chapter 12's model families are built from
 them (:mod:`stepformer.models`).
 """
 
@@ -18,11 +19,12 @@ from einops import einsum, rearrange
 from jaxtyping import Float, Int, jaxtyped
 from torch import Tensor, nn
 
-from stepformer.encoder import Encoder, EncoderLayer
+from stepformer.encoder import Embedding, Encoder, EncoderLayer
 from stepformer.ffn import FeedForward, SwiGLU
 from stepformer.gqa import GroupedQueryAttention
 from stepformer.norms import LayerNorm, RMSNorm
 from stepformer.positional import RotaryEmbedding
+from stepformer.transformer import Decoder, DecoderLayer, Transformer, initialise
 
 NORMS = ("layer", "rms")
 PLACEMENTS = ("pre", "post")
@@ -178,33 +180,62 @@ def make_attention(config: ModelConfig, self_attention: bool = True) -> GroupedQ
     return attention
 
 
-def bare(cls: type[nn.Module]) -> nn.Module:
-    """An empty instance of ``cls`` (nn.Module's set-up only), for a builder to give its parts.
-
-    The layers of chapters 07 and 08 create their own parts in ``__init__``; a configured layer
-    is the same class with other parts in the same attributes, so it keeps that class's
-    ``forward`` and its parameter names.
-    """
-    module = cls.__new__(cls)
-    nn.Module.__init__(module)
-    return module
-
-
 def encoder_layer(config: ModelConfig) -> EncoderLayer:
-    """An :class:`EncoderLayer` with the parts that ``config`` names: its ``forward`` and its names, other parts."""
-    layer = bare(EncoderLayer)
-    layer.norm_first = config.placement == "pre"
-    layer.self_attn = make_attention(config)
-    layer.ffn = make_ffn(config)
-    layer.norm1, layer.norm2 = make_norm(config), make_norm(config)
-    layer.dropout1, layer.dropout2 = nn.Dropout(config.dropout), nn.Dropout(config.dropout)
-    return layer
+    """Chapter 07's :class:`EncoderLayer` given the parts that ``config`` names."""
+    return EncoderLayer(make_attention(config), make_ffn(config), make_norm(config), make_norm(config), config.dropout,
+                        config.placement == "pre")  # fmt: skip
 
 
 def encoder_stack(config: ModelConfig, layers: int | None = None) -> Encoder:
     """An :class:`Encoder` of ``layers`` (default ``config.layers``) configured layers, with a final norm if
     ``config.final_norm``."""
-    stack = bare(Encoder)
-    stack.layers = nn.ModuleList(encoder_layer(config) for _ in range(config.layers if layers is None else layers))
-    stack.norm = make_norm(config) if config.final_norm else nn.Identity()
-    return stack
+    count = config.layers if layers is None else layers
+    return Encoder((encoder_layer(config) for _ in range(count)), make_norm(config) if config.final_norm else None)
+
+
+def decoder_layer(config: ModelConfig, cross_attention: bool = True) -> DecoderLayer:
+    """Chapter 08's :class:`DecoderLayer` given the parts that ``config`` names.
+
+    ``cross_attention=False`` is a decoder-only block (GPT, LLaMA): masked self-attention and the FFN.
+    """
+    return DecoderLayer(
+        make_attention(config),
+        make_attention(config, self_attention=False) if cross_attention else None,
+        make_ffn(config),
+        make_norm(config),
+        make_norm(config) if cross_attention else None,
+        make_norm(config),
+        config.dropout,
+        config.placement == "pre",
+    )
+
+
+def decoder_stack(config: ModelConfig, layers: int | None = None, cross_attention: bool = True) -> Decoder:
+    """A :class:`Decoder` of ``layers`` (default ``config.layers``) configured layers, with a final norm if
+    ``config.final_norm``."""
+    count = config.layers if layers is None else layers
+    return Decoder((decoder_layer(config, cross_attention) for _ in range(count)),
+                   make_norm(config) if config.final_norm else None)  # fmt: skip
+
+
+def configured_transformer(
+    config: ModelConfig, src_vocab: int | None = None, encoder_layers: int | None = None, pad_id: int = 0
+) -> Transformer:
+    """Chapter 08's :class:`Transformer` with the parts that ``config`` names, initialised as chapter 08's.
+
+    ``config.vocab`` is the target vocabulary and ``config.layers`` the decoder's depth; ``src_vocab`` and
+    ``encoder_layers`` default to them. Embeddings are chapter 07's (scaled by sqrt(d_model), with
+    ``config.positions``; rotary positions add nothing there and rotate in every self-attention).
+    """
+    if not config.scale_embeddings or config.embedding_norm or config.segments:
+        raise ValueError("chapter 07's embeddings scale by sqrt(d_model) and have no norm or segments: set "
+                         "scale_embeddings=True, embedding_norm=False, segments=0")
+    src_vocab = config.vocab if src_vocab is None else src_vocab
+    return initialise(Transformer(
+        Embedding(src_vocab, config.d_model, config.positions, config.max_len, config.dropout),
+        Embedding(config.vocab, config.d_model, config.positions, config.max_len, config.dropout),
+        encoder_stack(config, encoder_layers),
+        decoder_stack(config),
+        nn.Linear(config.d_model, config.vocab),
+        pad_id,
+    ), config.tie_embeddings)  # fmt: skip

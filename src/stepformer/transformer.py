@@ -6,7 +6,7 @@ Parameter names follow ``torch.nn.Transformer``, so its weights copy across
 (``load_torch_transformer``).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from stepformer.encoder import (
     Embedding,
     add_and_norm,
+    build_encoder,
     encoder_from_torch,
     layer_from_torch,
     stack_from_torch,
@@ -26,7 +27,6 @@ from stepformer.ffn import FeedForward
 from stepformer.masks import causal_mask, padding_mask
 from stepformer.multihead import MultiHeadAttention
 from stepformer.norms import LayerNorm
-from stepformer.parts import ModelConfig, bare, encoder_stack, make_attention, make_ffn, make_norm
 
 # One decoder layer's caches, chapter 09's kvcache.LayerCache: any object with a growing .self_attn and a fixed
 # .cross_attn cache, each with the .update(keys, values) that the attention calls.
@@ -39,30 +39,38 @@ TargetMask = Bool[Tensor, "#batch #heads #tgt_len #total"] | Bool[Tensor, "#tgt_
 class DecoderLayer(nn.Module):
     """Masked self-attention, cross-attention to the encoder's memory, then the FFN, each in Add & Norm.
 
-    Attributes as in ``torch.nn.TransformerDecoderLayer``, with ``cross_attn`` for its
-    ``multihead_attn``: ``self_attn``, ``cross_attn``, ``ffn``, ``norm1``-``norm3``,
-    ``dropout1``-``dropout3``. ``cross_attention=False`` leaves the middle sublayer out: a
-    decoder-only (GPT) block. RoPE, if asked for, rotates the self-attention only: the source
-    and target positions of cross-attention are not on one axis.
+    Like chapter 07's :class:`~stepformer.encoder.EncoderLayer`, the layer is its wiring and is
+    given its parts: ``self_attn`` and ``cross_attn`` are called as ``attention(query, key,
+    value, mask, cache=...)`` (chapter 03's, or chapter 10's, which also rotates positions),
+    ``ffn`` as ``ffn(x)``, and ``norm1``-``norm3`` are three separate norms, one per sublayer.
+    ``cross_attn=None`` with ``norm2=None`` leaves the middle sublayer out: a decoder-only (GPT)
+    block, with no ``norm2`` or ``dropout2`` either. Attribute names are
+    ``torch.nn.TransformerDecoderLayer``'s, with ``cross_attn`` for its ``multihead_attn``;
+    :func:`build_decoder_layer` builds PyTorch's layer from this course's parts.
     """
 
     def __init__(
         self,
-        d_model: int,
-        heads: int,
-        d_ff: int,
+        self_attn: nn.Module,
+        cross_attn: nn.Module | None,
+        ffn: nn.Module,
+        norm1: nn.Module,
+        norm2: nn.Module | None,
+        norm3: nn.Module,
         dropout: float = 0.1,
         norm_first: bool = False,
-        activation: str = "relu",
-        cross_attention: bool = True,
     ) -> None:
         super().__init__()  # before the sublayers below: nn.Module must exist to register them
+        if (cross_attn is None) != (norm2 is None):
+            raise ValueError("norm2 belongs to the cross-attention sublayer: give cross_attn and norm2, or neither")
+        norms = [norm for norm in (norm1, norm2, norm3) if norm is not None]
+        if len({id(norm) for norm in norms}) < len(norms):
+            raise ValueError("two sublayers are given the same norm module: each sublayer needs a norm of its own")
         self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, heads, dropout=dropout)
-        self.cross_attn = MultiHeadAttention(d_model, heads, dropout=dropout) if cross_attention else None
-        self.ffn = FeedForward(d_model, d_ff, activation, dropout)
-        self.norm1, self.norm2, self.norm3 = LayerNorm(d_model), LayerNorm(d_model), LayerNorm(d_model)
-        self.dropout1, self.dropout2, self.dropout3 = nn.Dropout(dropout), nn.Dropout(dropout), nn.Dropout(dropout)
+        self.self_attn, self.cross_attn, self.ffn = self_attn, cross_attn, ffn
+        self.norm1, self.norm2, self.norm3 = norm1, norm2, norm3
+        self.dropout1, self.dropout3 = nn.Dropout(dropout), nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout) if cross_attn is not None else None
 
     @jaxtyped(typechecker=beartype)
     def forward(
@@ -98,26 +106,36 @@ class DecoderLayer(nn.Module):
         return add_and_norm(x, self.ffn, self.norm3, self.dropout3, self.norm_first)
 
 
-class Decoder(nn.Module):
-    """A stack of ``layers`` :class:`DecoderLayer` s, then a final LayerNorm (``norm``), as in torch's Transformer."""
+def build_decoder_layer(
+    d_model: int,
+    heads: int,
+    d_ff: int,
+    dropout: float = 0.1,
+    norm_first: bool = False,
+    activation: str = "relu",
+    cross_attention: bool = True,
+) -> DecoderLayer:
+    """``torch.nn.TransformerDecoderLayer(d_model, heads, d_ff, dropout, activation, norm_first=...)`` from the
+    course's parts; ``cross_attention=False``: a decoder-only block (no ``cross_attn``, ``norm2``, ``dropout2``)."""
+    return DecoderLayer(
+        MultiHeadAttention(d_model, heads, dropout=dropout),
+        MultiHeadAttention(d_model, heads, dropout=dropout) if cross_attention else None,
+        FeedForward(d_model, d_ff, activation, dropout),
+        LayerNorm(d_model),
+        LayerNorm(d_model) if cross_attention else None,
+        LayerNorm(d_model),
+        dropout,
+        norm_first,
+    )
 
-    def __init__(
-        self,
-        d_model: int,
-        heads: int,
-        d_ff: int,
-        layers: int,
-        dropout: float = 0.1,
-        norm_first: bool = False,
-        activation: str = "relu",
-        final_norm: bool = True,
-        cross_attention: bool = True,
-    ) -> None:
+
+class Decoder(nn.Module):
+    """A stack of :class:`DecoderLayer` s, then a final norm (``norm``; none: ``nn.Identity``), as in torch's."""
+
+    def __init__(self, layers: Iterable[nn.Module], norm: nn.Module | None = None) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(
-            DecoderLayer(d_model, heads, d_ff, dropout, norm_first, activation, cross_attention) for _ in range(layers)
-        )
-        self.norm = LayerNorm(d_model) if final_norm else nn.Identity()
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.Identity() if norm is None else norm
 
     @jaxtyped(typechecker=beartype)
     def forward(
@@ -136,105 +154,53 @@ class Decoder(nn.Module):
         return self.norm(x)
 
 
-def decoder_layer(config: ModelConfig, cross_attention: bool = True) -> DecoderLayer:
-    """A :class:`DecoderLayer` with the parts that ``config`` names: its ``forward`` and its names, other parts.
-
-    ``cross_attention=False`` is a decoder-only block (GPT, LLaMA): masked self-attention and the FFN.
-    """
-    layer = bare(DecoderLayer)
-    layer.norm_first = config.placement == "pre"
-    layer.self_attn = make_attention(config)
-    layer.cross_attn = make_attention(config, self_attention=False) if cross_attention else None
-    layer.ffn = make_ffn(config)
-    # Without cross-attention there is no middle sublayer, so no norm2 or dropout2 either.
-    layer.norm1 = make_norm(config)
-    layer.norm2 = make_norm(config) if cross_attention else None
-    layer.norm3 = make_norm(config)
-    layer.dropout1, layer.dropout3 = nn.Dropout(config.dropout), nn.Dropout(config.dropout)
-    layer.dropout2 = nn.Dropout(config.dropout) if cross_attention else None
-    return layer
-
-
-def decoder_stack(config: ModelConfig, layers: int | None = None, cross_attention: bool = True) -> Decoder:
-    """A :class:`Decoder` of ``layers`` (default ``config.layers``) configured layers, with a final norm if
-    ``config.final_norm``."""
-    stack = bare(Decoder)
-    count = config.layers if layers is None else layers
-    stack.layers = nn.ModuleList(decoder_layer(config, cross_attention) for _ in range(count))
-    stack.norm = make_norm(config) if config.final_norm else nn.Identity()
-    return stack
+def build_decoder(
+    d_model: int,
+    heads: int,
+    d_ff: int,
+    layers: int,
+    dropout: float = 0.1,
+    norm_first: bool = False,
+    activation: str = "relu",
+    final_norm: bool = True,
+    cross_attention: bool = True,
+) -> Decoder:
+    """``torch.nn.TransformerDecoder`` of ``layers`` :func:`build_decoder_layer` layers, with a final LayerNorm if
+    ``final_norm``."""
+    return Decoder(
+        (build_decoder_layer(d_model, heads, d_ff, dropout, norm_first, activation, cross_attention)
+         for _ in range(layers)),
+        LayerNorm(d_model) if final_norm else None,
+    )  # fmt: skip
 
 
 class Transformer(nn.Module):
-    """The encoder-decoder Transformer of "Attention Is All You Need", from the course's parts.
+    """The encoder-decoder Transformer of "Attention Is All You Need": five parts and the wiring between them.
 
-    ``src_embed`` and ``tgt_embed`` (:class:`Embedding`), ``encoder`` (:class:`Encoder`),
-    ``decoder`` (:class:`Decoder`) and ``generator`` (``nn.Linear(d_model, tgt_vocab)``, the
-    logits). ``tie_embeddings`` shares one matrix between the target embedding and the
-    generator, and with the source embedding too when the vocabularies have the same size (a
-    joint vocabulary, as in the paper). ``pad_id`` marks padding in ``src``, and in ``tgt``
-    after its first token, the start token. ``kv_heads`` makes every attention grouped-query
-    (chapter 10); ``fast`` uses PyTorch's fused attention and LayerNorm (same results).
-    ``final_norm=False`` leaves out the norm after each stack (the 2017 post-norm model and
-    Marian have none; ``torch.nn.Transformer`` has one).
-    The arguments become a :class:`~stepformer.parts.ModelConfig` (``self.config``), from which
-    the encoder and decoder are built: every attention is chapter 10's, which with
-    ``kv_heads = heads`` is multi-head attention with the same parameters, and also takes
-    rotary positions and a KV-cache.
+    ``src_embed`` and ``tgt_embed`` turn token ids into vectors (chapter 07's
+    :class:`~stepformer.encoder.Embedding`, called as ``embed(tokens, start)``), ``encoder``
+    (:class:`~stepformer.encoder.Encoder`) reads the source, ``decoder`` (:class:`Decoder`) the
+    target and the encoder's memory, and ``generator`` (``nn.Linear(d_model, tgt_vocab)``) gives
+    the logits. ``pad_id`` marks padding in ``src``, and in ``tgt`` after its first token, the
+    start token. :func:`build_transformer` builds the 2017 model from sizes;
+    :func:`stepformer.parts.configured_transformer` builds one from a
+    :class:`~stepformer.parts.ModelConfig` (grouped-query attention, rotary positions, fused kernels).
     """
 
     def __init__(
         self,
-        src_vocab: int,
-        tgt_vocab: int,
-        d_model: int = 512,
-        heads: int = 8,
-        n_encoder_layers: int = 6,
-        n_decoder_layers: int = 6,
-        d_ff: int = 2048,
-        dropout: float = 0.1,
-        norm_first: bool = False,
-        positional: str = "sinusoidal",
-        tie_embeddings: bool = False,
-        max_len: int = 512,
+        src_embed: nn.Module,
+        tgt_embed: nn.Module,
+        encoder: nn.Module,
+        decoder: nn.Module,
+        generator: nn.Module,
         pad_id: int = 0,
-        activation: str = "relu",
-        kv_heads: int | None = None,
-        fast: bool = False,
-        final_norm: bool = True,
     ) -> None:
         super().__init__()
+        self.src_embed, self.tgt_embed = src_embed, tgt_embed
+        self.encoder, self.decoder = encoder, decoder
+        self.generator = generator
         self.pad_id = pad_id
-        self.config = ModelConfig(
-            vocab=tgt_vocab,
-            d_model=d_model,
-            heads=heads,
-            layers=n_decoder_layers,
-            d_ff=d_ff,
-            kv_heads=kv_heads,
-            norm="layer",
-            placement="pre" if norm_first else "post",
-            final_norm=final_norm,
-            ffn=activation,
-            positions=positional,
-            max_len=max_len,
-            tie_embeddings=tie_embeddings,
-            scale_embeddings=True,
-            dropout=dropout,
-            fast=fast,
-        )
-        self.src_embed = Embedding(src_vocab, d_model, positional, max_len, dropout)
-        self.tgt_embed = Embedding(tgt_vocab, d_model, positional, max_len, dropout)
-        self.encoder = encoder_stack(self.config, n_encoder_layers)
-        self.decoder = decoder_stack(self.config, n_decoder_layers)
-        self.generator = nn.Linear(d_model, tgt_vocab)
-        for p in self.parameters():
-            if p.dim() > 1:  # Glorot, as in the paper's code and in torch.nn.Transformer
-                nn.init.xavier_uniform_(p)
-        if tie_embeddings:
-            self.generator.weight = self.tgt_embed.tokens.weight
-            if src_vocab == tgt_vocab:
-                self.src_embed.tokens.weight = self.tgt_embed.tokens.weight
 
     @jaxtyped(typechecker=beartype)
     def encode(
@@ -272,6 +238,57 @@ class Transformer(nn.Module):
         # generation, with its causal mask only, reads it too.
         tgt_mask[..., 0] = True
         return self.generator(self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask))
+
+
+def initialise(model: Transformer, tie_embeddings: bool) -> Transformer:
+    """Glorot's uniform initialisation for every matrix, as in the paper's code and ``torch.nn.Transformer``; then,
+    with ``tie_embeddings``, one table shared by the target embedding and the generator, and by the source
+    embedding too when the vocabularies have the same size (a joint vocabulary, as in the paper)."""
+    for p in model.parameters():
+        if p.dim() > 1:
+            nn.init.xavier_uniform_(p)
+    if tie_embeddings:
+        model.generator.weight = model.tgt_embed.tokens.weight
+        if model.src_embed.tokens.num_embeddings == model.tgt_embed.tokens.num_embeddings:
+            model.src_embed.tokens.weight = model.tgt_embed.tokens.weight
+    return model
+
+
+def build_transformer(
+    src_vocab: int,
+    tgt_vocab: int,
+    d_model: int = 512,
+    heads: int = 8,
+    n_encoder_layers: int = 6,
+    n_decoder_layers: int = 6,
+    d_ff: int = 2048,
+    dropout: float = 0.1,
+    norm_first: bool = False,
+    positional: str = "sinusoidal",
+    tie_embeddings: bool = False,
+    max_len: int = 512,
+    pad_id: int = 0,
+    activation: str = "relu",
+    final_norm: bool = True,
+) -> Transformer:
+    """The 2017 Transformer from chapters 03-08's parts (the base model's sizes by default), initialised.
+
+    ``positional`` is ``"sinusoidal"`` or ``"learned"``; ``tie_embeddings`` shares the tables (see
+    :func:`initialise`); ``final_norm=False`` leaves out the norm after each stack (the 2017 post-norm model and
+    Marian have none; ``torch.nn.Transformer`` has one). Rotary positions rotate inside the attention, which
+    chapter 03's does not: :func:`stepformer.parts.configured_transformer` builds that model.
+    """
+    if positional not in ("sinusoidal", "learned"):
+        raise ValueError(f"positional must be 'sinusoidal' or 'learned', got {positional!r}; rotary positions need "
+                         "chapter 10's attention: stepformer.parts.configured_transformer builds that model")
+    return initialise(Transformer(
+        Embedding(src_vocab, d_model, positional, max_len, dropout),
+        Embedding(tgt_vocab, d_model, positional, max_len, dropout),
+        build_encoder(d_model, heads, d_ff, n_encoder_layers, dropout, norm_first, activation, final_norm),
+        build_decoder(d_model, heads, d_ff, n_decoder_layers, dropout, norm_first, activation, final_norm),
+        nn.Linear(d_model, tgt_vocab),
+        pad_id,
+    ), tie_embeddings)  # fmt: skip
 
 
 @jaxtyped(typechecker=beartype)
@@ -367,7 +384,7 @@ def decoder_layer_from_torch(layer: nn.TransformerDecoderLayer) -> DecoderLayer:
 
     Its ``multihead_attn`` is our ``cross_attn``, its ``linear1`` and ``linear2`` are our
     ``ffn.linear1`` and ``ffn.linear2``; ``self_attn`` and the norms keep their names."""
-    return layer_from_torch(layer, DecoderLayer, {"self_attn": "self_attn", "cross_attn": "multihead_attn"})
+    return layer_from_torch(layer, build_decoder_layer, {"self_attn": "self_attn", "cross_attn": "multihead_attn"})
 
 
 def decoder_from_torch(decoder: nn.TransformerDecoder) -> Decoder:
@@ -389,8 +406,12 @@ def load_torch_transformer(model: Transformer, theirs: nn.Transformer) -> None:
     model.decoder.load_state_dict(decoder_from_torch(theirs.decoder).state_dict())
 
 
-# A ModelConfig's ffn as configuration_mismatches names PyTorch's activations.
-ACTIVATION_NAMES = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu(approximate='tanh')", "swiglu": "swiglu"}
+def activation_name(activation: Callable | nn.Module) -> str:
+    """``relu``, ``gelu`` or ``gelu(approximate='tanh')`` for a function or module (a gated FFN: its class name)."""
+    name = getattr(activation, "__name__", type(activation).__name__).lower()
+    if getattr(activation, "approximate", "none") != "none":  # nn.GELU("tanh") is another function
+        name += f"(approximate={activation.approximate!r})"
+    return name
 
 
 def configuration_mismatches(model: Transformer, theirs: nn.Transformer) -> list[str]:
@@ -409,14 +430,10 @@ def configuration_mismatches(model: Transformer, theirs: nn.Transformer) -> list
         "heads": attention.heads,
         "d_ff": ours_first.ffn.linear1.out_features,
         "norm_first": ours_first.norm_first,
-        "activation": ACTIVATION_NAMES[model.config.ffn],
+        "activation": activation_name(getattr(ours_first.ffn, "activation", ours_first.ffn)),
         "dropout": ours_first.dropout1.p,
         "layer_norm_eps": ours_first.norm1.eps,
     }
-    activation = theirs_first.activation
-    activation_name = getattr(activation, "__name__", type(activation).__name__).lower()
-    if getattr(activation, "approximate", "none") != "none":  # nn.GELU("tanh") is another function
-        activation_name += f"(approximate={activation.approximate!r})"
     theirs_config = {
         "encoder layers": len(theirs.encoder.layers),
         "decoder layers": len(theirs.decoder.layers),
@@ -424,7 +441,7 @@ def configuration_mismatches(model: Transformer, theirs: nn.Transformer) -> list
         "heads": theirs.nhead,
         "d_ff": theirs_first.linear1.out_features,
         "norm_first": theirs_first.norm_first,
-        "activation": activation_name,
+        "activation": activation_name(theirs_first.activation),
         "dropout": theirs_first.dropout.p,
         "layer_norm_eps": theirs_first.norm1.eps,
     }

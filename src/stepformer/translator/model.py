@@ -1,9 +1,10 @@
-"""The translator's model as the trainer runs it: chapter 08's Transformer with tied embeddings, compiled for
-batches of every shape if asked."""
+"""The translator's model as the trainer runs it: chapter 08's Transformer, configured (chapter 10's attention, fused
+kernels if asked) with tied embeddings, compiled for batches of every shape if asked."""
 
 import torch
 from torch import Tensor
 
+from stepformer.parts import ModelConfig, configured_transformer
 from stepformer.runs import shape_checks
 from stepformer.transformer import Transformer
 from stepformer.translator.config import TranslatorConfig
@@ -18,12 +19,15 @@ def build_model(config: TranslatorConfig, vocab_size: int, pad_id: int) -> Trans
     parameters to learn from 29,000 sentences. With ``config.fast`` its dropout draws its masks
     four elements per random number (:class:`.fast.PackedDropout`).
     """
-    model = Transformer(
-        vocab_size, vocab_size, d_model=config.d_model, heads=config.heads, n_encoder_layers=config.layers,
-        n_decoder_layers=config.layers, d_ff=config.d_ff, dropout=config.dropout, norm_first=config.norm_first,
-        tie_embeddings=True, max_len=config.max_len, pad_id=pad_id, activation=config.activation,
-        kv_heads=config.kv_heads, fast=config.fast,
-    )
+    model = configured_transformer(
+        ModelConfig(
+            vocab=vocab_size, d_model=config.d_model, heads=config.heads, layers=config.layers, d_ff=config.d_ff,
+            kv_heads=config.kv_heads, norm="layer", placement="pre" if config.norm_first else "post",
+            final_norm=True, ffn=config.activation, positions="sinusoidal", max_len=config.max_len,
+            tie_embeddings=True, scale_embeddings=True, dropout=config.dropout, fast=config.fast,
+        ),
+        pad_id=pad_id,
+    )  # fmt: skip
     return packed_dropout(model) if config.fast else model
 
 
