@@ -37,7 +37,7 @@ os.environ.setdefault("JAXTYPING_DISABLE", "1")  # before stepformer is imported
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from stepformer.encoder import Encoder  # noqa: E402
+from stepformer.encoder import Encoder, build_encoder  # noqa: E402
 from stepformer.runs import (  # noqa: E402
     commit,
     hardware,
@@ -111,7 +111,7 @@ def main() -> None:
     for i, (layers, length) in enumerate(configs):
         bar.set_postfix_str(f"{layers} layers, length {length}")
         torch.manual_seed(args.seed)
-        encoder = Encoder(args.d_model, args.heads, args.d_ff, layers, dropout=args.dropout).train()
+        encoder = build_encoder(args.d_model, args.heads, args.d_ff, layers, dropout=args.dropout).train()
         x = torch.randn(args.batch, length, args.d_model)
         grad_out = torch.randn(args.batch, length, args.d_model)
         if i == 0:

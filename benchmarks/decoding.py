@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from stepformer.decoding import generate_cached  # noqa: E402
 from stepformer.kvcache import cache_bytes, new_cache  # noqa: E402
+from stepformer.parts import ModelConfig, configured_transformer  # noqa: E402
 from stepformer.runs import commit, hardware  # noqa: E402
 from stepformer.transformer import Transformer, generate  # noqa: E402
 
@@ -99,8 +100,9 @@ def main() -> None:
           "cache bytes (measured) | formula |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, kv_heads in (("MHA", args.heads), ("GQA", args.gqa_kv_heads), ("MQA", 1)):
-        model = Transformer(args.vocab, args.vocab, args.d_model, args.heads, args.layers, args.layers,
-                            4 * args.d_model, dropout=0.0, kv_heads=kv_heads).to(args.device).eval()
+        config = ModelConfig.original(args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers,
+                                      d_ff=4 * args.d_model, dropout=0.0, kv_heads=kv_heads)
+        model = configured_transformer(config).to(args.device).eval()
         # Warm-up: the first calls pay for allocations and kernel choices that later ones reuse.
         generate_cached(model, src, 16, BOS, NEVER)
         if not args.no_uncached:

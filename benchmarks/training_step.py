@@ -27,7 +27,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from stepformer.masks import causal_mask  # noqa: E402
-from stepformer.transformer import Transformer  # noqa: E402
+from stepformer.parts import ModelConfig, configured_transformer  # noqa: E402
+from stepformer.transformer import Transformer, build_transformer  # noqa: E402
 
 PAD = 0
 
@@ -111,10 +112,12 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    common = dict(d_model=args.d_model, heads=args.heads, n_encoder_layers=args.layers,
-                  n_decoder_layers=args.layers, d_ff=args.d_ff, dropout=0.1)
-    ours = Transformer(args.vocab, args.vocab, **common).to(args.device)
-    fast = Transformer(args.vocab, args.vocab, **common, fast=True).to(args.device)
+    ours = build_transformer(args.vocab, args.vocab, d_model=args.d_model, heads=args.heads,
+                             n_encoder_layers=args.layers, n_decoder_layers=args.layers, d_ff=args.d_ff,
+                             dropout=0.1).to(args.device)
+    config = ModelConfig.original(args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers,
+                                  d_ff=args.d_ff, dropout=0.1, fast=True)
+    fast = configured_transformer(config).to(args.device)
     theirs = TorchModel(ours, args.d_model, args.heads, args.layers, args.d_ff, 0.1).to(args.device)
     counts = {name: sum(p.numel() for p in m.parameters()) for name, m in
               (("ours", ours), ("fast", fast), ("torch", theirs))}
@@ -122,8 +125,8 @@ def main() -> None:
         raise RuntimeError(f"the models differ in size: {counts}")
     src, tgt = batch(args.vocab, args.batch, args.len, args.device)
 
-    models = {"torch.nn.Transformer": theirs, "stepformer.Transformer": ours,
-              "stepformer.Transformer(fast=True)": fast}
+    models = {"torch.nn.Transformer": theirs, "build_transformer": ours,
+              "configured_transformer(fast=True)": fast}
     rows = list(step_times(models, src, tgt, args.steps, args.warmup).items())
     reference = rows[0][1]
     print(f"d_model={args.d_model} heads={args.heads} layers={args.layers}+{args.layers} d_ff={args.d_ff} "

@@ -33,7 +33,8 @@ from stepformer.gqa import GroupedQueryAttention, from_multihead, grouped_attent
 from stepformer.kvcache import KVCache, cache_bytes, new_cache
 from stepformer.masks import causal_mask
 from stepformer.multihead import MultiHeadAttention
-from stepformer.transformer import Transformer, generate
+from stepformer.parts import ModelConfig, configured_transformer
+from stepformer.transformer import generate
 from tests.fixtures.student import patched as _patched
 from tests.fixtures.student import student_copy
 
@@ -260,7 +261,8 @@ def test_cache_of_a_gqa_layer_holds_kv_heads_heads_and_equals_the_full_pass():
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_transformer_cache_holds_kv_heads_and_cached_decoding_equals_uncached(kv_heads):
     torch.manual_seed(6)
-    model = Transformer(30, 30, 32, 4, 1, 2, 64, dropout=0.0, kv_heads=kv_heads).eval()
+    config = ModelConfig.original(30, d_model=32, heads=4, layers=2, d_ff=64, dropout=0.0, kv_heads=kv_heads)
+    model = configured_transformer(config, encoder_layers=1).eval()
     src = torch.randint(3, 30, (2, 6))
     tokens, logits = generate_cached(model, src, 8, 1, -1)
     expected_tokens, expected_logits = generate(model, src, 8, 1, -1)

@@ -40,7 +40,8 @@ from stepformer.kvcache import (
 )
 from stepformer.masks import causal_mask, padding_mask
 from stepformer.multihead import MultiHeadAttention
-from stepformer.transformer import Transformer, generate, greedy
+from stepformer.parts import ModelConfig, configured_transformer
+from stepformer.transformer import build_transformer, generate, greedy
 from tests.fixtures.student import patched as _patched
 from tests.fixtures.student import student_copy
 
@@ -53,8 +54,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _model(positional="sinusoidal", kv_heads=None, dtype=torch.float64, seed=0, heads=4, d_head=2, layers=2,
            dropout=0.1, norm_first=False):
     torch.manual_seed(seed)
-    model = Transformer(23, 29, heads * d_head, heads, 2, layers, 20, dropout=dropout, norm_first=norm_first,
-                        positional=positional, kv_heads=kv_heads, pad_id=PAD)
+    config = ModelConfig.original(29, d_model=heads * d_head, heads=heads, layers=layers, d_ff=20, dropout=dropout,
+                                  placement="pre" if norm_first else "post", positions=positional, kv_heads=kv_heads)
+    model = configured_transformer(config, src_vocab=23, encoder_layers=2, pad_id=PAD)
     return model.to(dtype)
 
 
@@ -89,13 +91,8 @@ def test_cached_logits_equal_uncached_at_every_step(positional, kv_heads):
 def test_cached_decoding_equals_recomputation_with_chapter_03s_own_attention(norm_first):
     """The model of chapters 07 and 08 with their own stacks, every attention chapter 03's MultiHeadAttention:
     chapter 09's cache works through it."""
-    from stepformer.encoder import Encoder
-    from stepformer.transformer import Decoder
-
-    model = _model(norm_first=norm_first)
     torch.manual_seed(1)
-    model.encoder = Encoder(8, 4, 20, 2, dropout=0.1, norm_first=norm_first).double()
-    model.decoder = Decoder(8, 4, 20, 2, dropout=0.1, norm_first=norm_first).double()
+    model = build_transformer(23, 29, 8, 4, 2, 2, 20, dropout=0.1, norm_first=norm_first, pad_id=PAD).double()
     attentions = [m for m in model.modules() if hasattr(m, "w_q")]
     assert attentions and all(type(m) is MultiHeadAttention for m in attentions)
     src = _padded_source()
@@ -248,8 +245,9 @@ def test_fast_cached_decoding_equals_fast_and_plain_uncached(kv_heads, positiona
     """fast=True (PyTorch's fused attention, also over the cache) decodes as the plain path does, cached or not."""
     plain = _model(positional, kv_heads, seed=7, dropout=0.0)
     torch.manual_seed(7)
-    fast = Transformer(23, 29, 8, 4, 2, 2, 20, dropout=0.0, positional=positional, kv_heads=kv_heads, pad_id=PAD,
-                       fast=True).to(torch.float64)
+    config = ModelConfig.original(29, d_model=8, heads=4, layers=2, d_ff=20, dropout=0.0, positions=positional,
+                                  kv_heads=kv_heads, fast=True)
+    fast = configured_transformer(config, src_vocab=23, encoder_layers=2, pad_id=PAD).to(torch.float64)
     fast.load_state_dict(plain.state_dict())
     src = _padded_source(seed=3)
     cached_tokens, cached_logits = generate_cached(fast, src, 6, BOS, EOS)

@@ -29,9 +29,8 @@ from stepformer.models import (  # noqa: E402
     merge_lora,
     sample_next,
 )
-from stepformer.parts import ComplexRotaryEmbedding, ModelConfig  # noqa: E402
+from stepformer.parts import ComplexRotaryEmbedding, ModelConfig, configured_transformer, decoder_layer  # noqa: E402
 from stepformer.positional import RotaryEmbedding  # noqa: E402
-from stepformer.transformer import Transformer, decoder_layer  # noqa: E402
 from tests.fixtures.student import failure_of  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -473,10 +472,10 @@ def test_add_lora_refuses_a_target_that_matches_nothing() -> None:
 
 def test_the_2017_transformer_is_built_from_its_configuration() -> None:
     """Chapter 10's attention and the norm the configuration names are there from the start, nothing swapped."""
-    model = Transformer(30, 30, d_model=16, heads=4, n_encoder_layers=1, n_decoder_layers=1, d_ff=32, kv_heads=2,
-                        fast=True, final_norm=False)
+    config = ModelConfig.original(30, d_model=16, heads=4, layers=1, d_ff=32, kv_heads=2, fast=True, final_norm=False)
+    model = configured_transformer(config)
     layer = model.decoder.layers[0]
-    assert model.config.kv_heads == 2 and layer.self_attn.kv_heads == 2 and layer.cross_attn.kv_heads == 2
+    assert layer.self_attn.kv_heads == 2 and layer.cross_attn.kv_heads == 2
     assert isinstance(layer.norm1, nn.LayerNorm) and isinstance(model.encoder.norm, nn.Identity)
 
 

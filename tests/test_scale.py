@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import stepformer.scale as scale
-from stepformer.encoder import Encoder
+from stepformer.encoder import build_encoder
 from stepformer.masks import causal_mask
 from stepformer.scale import (
     LiveBytes,
@@ -259,7 +259,7 @@ def test_flash_attentions_backward_recomputes_where_autograd_through_the_tiles_s
 @pytest.mark.parametrize("training", [True, False])
 def test_a_checkpointed_encoder_gives_the_same_output_and_gradients_with_less_memory(training: bool) -> None:
     torch.manual_seed(0)
-    encoder = Encoder(d_model=32, heads=4, d_ff=64, layers=3, dropout=0.2).train(training)
+    encoder = build_encoder(d_model=32, heads=4, d_ff=64, layers=3, dropout=0.2).train(training)
     x = torch.randn(2, 50, 32)
     mask = (torch.arange(50) < torch.tensor([[50], [31]]))[:, None, None, :]
     results = []

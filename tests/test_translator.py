@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from stepformer.parts import ModelConfig, configured_transformer
 from stepformer.runs import budget_fraction, commit
 from stepformer.transformer import Transformer, generate
 from stepformer.translator.batching import Encoded, collate, encode_pairs, token_batches
@@ -196,9 +197,9 @@ def test_token_batches_cover_every_pair_once_within_the_budget_and_follow_the_se
 
 def random_model(seed: int, vocab: int = 13, kv_heads: int | None = None, fast: bool = False) -> Transformer:
     torch.manual_seed(seed)
-    model = Transformer(vocab, vocab, d_model=16, heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=24,
-                        dropout=0.1, norm_first=seed % 2 == 0, tie_embeddings=True, pad_id=0, kv_heads=kv_heads,
-                        fast=fast).double()
+    config = ModelConfig.original(vocab, d_model=16, heads=4, layers=2, d_ff=24, dropout=0.1, tie_embeddings=True,
+                                  placement="pre" if seed % 2 == 0 else "post", kv_heads=kv_heads, fast=fast)
+    model = configured_transformer(config, pad_id=0).double()
     # Sharper output distributions than at initialisation, so that hypotheses differ clearly.
     with torch.no_grad():
         model.generator.weight.mul_(8)

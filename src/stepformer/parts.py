@@ -12,6 +12,7 @@ them (:mod:`stepformer.models`).
 """
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from beartype import beartype
@@ -99,6 +100,20 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def original(cls, vocab: int, **changes: Any) -> "ModelConfig":
+        """The 2017 paper's base model, as chapter 08's ``build_transformer`` builds it, with ``changes``.
+
+        Post-norm LayerNorm, ReLU, sinusoidal positions, scaled embeddings, no tied tables, dropout 0.1, a final
+        norm after each stack (``torch.nn.Transformer``'s), chapter 03-05's own parts (``fast=False``). With
+        ``kv_heads``, ``positions="rope"`` or ``fast=True`` among the changes it is that model with chapter 10's
+        attention, rotary positions or PyTorch's fused kernels.
+        """
+        paper = dict(vocab=vocab, d_model=512, heads=8, layers=6, d_ff=2048, norm="layer", placement="post",
+                     final_norm=True, ffn="relu", positions="sinusoidal", max_len=512, tie_embeddings=False,
+                     scale_embeddings=True, dropout=0.1, fast=False)  # fmt: skip
+        return cls(**{**paper, **changes})
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
