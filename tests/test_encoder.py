@@ -34,13 +34,15 @@ from stepformer.encoder import (
     Encoder,
     EncoderLayer,
     add_and_norm,
+    build_encoder,
+    build_encoder_layer,
     encoder_from_torch,
     encoder_layer_from_torch,
     residual_norms,
 )
 from stepformer.masks import padding_mask
 from stepformer.positional import sinusoidal_encoding
-from stepformer.transformer import Transformer
+from stepformer.transformer import build_transformer
 from tests.fixtures.student import student_copy
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
@@ -200,7 +202,7 @@ def test_glorot_tables_of_the_full_model_are_as_long_as_the_code_only_for_small_
     """As the Embedding docstring and chapter 07 say: scaled Glorot rows / code = 2 sqrt(d_model/(vocab + d_model))."""
     torch.manual_seed(0)
     d_model = 64
-    model = Transformer(vocab, vocab, d_model, 4, 1, 1, 32, dropout=0.0)
+    model = build_transformer(vocab, vocab, d_model, 4, 1, 1, 32, dropout=0.0)
     length = torch.linalg.vector_norm(model.src_embed.tokens.weight * math.sqrt(d_model), dim=-1).mean()
     code = torch.linalg.vector_norm(sinusoidal_encoding(64, d_model), dim=-1).mean()
     ratio = (length / code).item()
@@ -212,7 +214,8 @@ def test_glorot_tables_of_the_full_model_are_as_long_as_the_code_only_for_small_
 def test_real_positions_do_not_see_appended_padding(norm_first):
     torch.manual_seed(5)
     pad = 0
-    emb, enc = Embedding(20, 16, dropout=0.0).double().eval(), Encoder(16, 4, 32, 3, 0.0, norm_first).double().eval()
+    emb = Embedding(20, 16, dropout=0.0).double().eval()
+    enc = build_encoder(16, 4, 32, 3, 0.0, norm_first).double().eval()
     short = torch.tensor([[5, 6, 7, 8, pad], [9, 3, pad, pad, pad]])
     for extra in (1, 4, 9):
         longer = torch.cat([short, torch.full((2, extra), pad)], dim=1)
@@ -228,8 +231,8 @@ def test_real_positions_do_not_see_appended_padding(norm_first):
 def test_residual_norms_post_norm_stays_pre_norm_grows():
     torch.manual_seed(6)
     x = torch.randn(2, 5, 32)
-    post = residual_norms(Encoder(32, 4, 64, 12, 0.0, norm_first=False).layers, x)
-    pre = residual_norms(Encoder(32, 4, 64, 12, 0.0, norm_first=True).layers, x)
+    post = residual_norms(build_encoder(32, 4, 64, 12, 0.0, norm_first=False).layers, x)
+    pre = residual_norms(build_encoder(32, 4, 64, 12, 0.0, norm_first=True).layers, x)
     assert post.shape == pre.shape == (13,)
     assert post[0] == pre[0] == torch.linalg.vector_norm(x, dim=-1).mean()
     torch.testing.assert_close(post[1:], torch.full((12,), math.sqrt(32)), rtol=1e-4, atol=1e-4)
@@ -244,13 +247,35 @@ def test_check_plain_refuses_what_cannot_be_copied():
 
 
 def test_wrong_shapes_fail_naming_the_axis():
-    layer = EncoderLayer(8, 2, 16)
+    layer = build_encoder_layer(8, 2, 16)
     with pytest.raises(TypeCheckError):
         layer(torch.randn(5, 8))  # no batch axis
     with pytest.raises(TypeCheckError):
         layer(torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.bool))
     with pytest.raises(TypeCheckError):
         Embedding(11, 8)(torch.randn(2, 5))
+
+
+def test_the_layer_is_given_its_parts_and_refuses_one_norm_for_both():
+    attn, ffn = stepformer.multihead.MultiHeadAttention(8, 2), stepformer.ffn.FeedForward(8, 16)
+    norm1, norm2 = stepformer.norms.LayerNorm(8), stepformer.norms.LayerNorm(8)
+    layer = EncoderLayer(attn, ffn, norm1, norm2, dropout=0.25, norm_first=True)
+    assert (layer.self_attn, layer.ffn, layer.norm1, layer.norm2) == (attn, ffn, norm1, norm2)
+    assert layer.dropout1.p == layer.dropout2.p == 0.25 and layer.norm_first
+    with pytest.raises(ValueError, match="norm1 and norm2 are the same module"):
+        EncoderLayer(attn, ffn, norm1, norm1)
+
+
+def test_the_builders_make_fresh_parts_and_pass_the_options_on():
+    layer = build_encoder_layer(8, 2, 16, dropout=0.25, norm_first=True, activation="gelu")
+    assert layer.norm1 is not layer.norm2 and layer.norm_first
+    assert isinstance(layer.ffn.activation, nn.GELU) and layer.ffn.linear1.out_features == 16
+    dropouts = {name: m.p for name, m in layer.named_modules() if isinstance(m, nn.Dropout)}
+    assert dropouts == {"self_attn.dropout": 0.25, "ffn.dropout": 0.25, "dropout1": 0.25, "dropout2": 0.25}
+    encoder = build_encoder(8, 2, 16, 3, final_norm=False)
+    assert len({id(layer) for layer in encoder.layers}) == 3 and isinstance(encoder.norm, nn.Identity)
+    assert isinstance(build_encoder(8, 2, 16, 1).norm, stepformer.norms.LayerNorm)
+    assert isinstance(Encoder([]).norm, nn.Identity)
 
 
 # -- the checks ------------------------------------------------------------------------------
@@ -270,8 +295,27 @@ def _student_encoder():
 
 
 student = _student_encoder()
-LAYER_CHECKS = [check_encoder_layer_init, check_encoder_layer_post_norm, check_encoder_layer_pre_norm,
-                check_encoder_layer_dropout]
+BUILT_LAYER_CHECKS = [check_encoder_layer_post_norm, check_encoder_layer_pre_norm, check_encoder_layer_dropout]
+LAYER_CHECKS = [check_encoder_layer_init, *BUILT_LAYER_CHECKS]
+
+
+def run_layer_check(check, cls, build, **kwargs):
+    """A layer check as the notebook calls it: the init check takes the class and the builder, the rest the builder."""
+    if check is check_encoder_layer_init:
+        return check((cls, build), **kwargs)
+    return check(build, **kwargs)
+
+
+def builder_of(cls, *, norms=2, fixed_activation=None, fixed_dropout=None):
+    """build_encoder_layer written for the layer class ``cls``, with its usual slips: one norm for both sublayers
+    (``norms=1``), an activation or a layer dropout fixed instead of the one asked for."""
+    def build(d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
+        norm = student.LayerNorm(d_model)
+        return cls(student.MultiHeadAttention(d_model, heads, dropout=dropout),
+                   student.FeedForward(d_model, d_ff, fixed_activation or activation, dropout),
+                   norm, norm if norms == 1 else student.LayerNorm(d_model),
+                   dropout if fixed_dropout is None else fixed_dropout, norm_first)
+    return build
 
 
 def stub(*args, **kwargs):
@@ -289,8 +333,8 @@ def test_checks_pass_on_the_solution(capsys):
         check_embedding_learned(student.Embedding, seed=seed)
         check_add_and_norm(student.add_and_norm, seed=seed)
         for layer_check in LAYER_CHECKS:
-            layer_check(student.EncoderLayer, seed=seed)
-        check_encoder(student.Encoder, seed=seed)
+            run_layer_check(layer_check, student.EncoderLayer, student.build_encoder_layer, seed=seed)
+        check_encoder((student.Encoder, student.build_encoder), seed=seed)
         check_residual_norms(student.residual_norms, seed=seed)
     out = capsys.readouterr().out
     assert out.count("✔") == 2 * 9
@@ -300,16 +344,31 @@ def test_checks_pass_in_float64():
     check_embedding_sinusoidal(student.Embedding, seed=3, dtype=torch.float64)
     check_embedding_learned(student.Embedding, seed=3, dtype=torch.float64)
     check_add_and_norm(student.add_and_norm, seed=3, dtype=torch.float64)
-    check_encoder_layer_post_norm(student.EncoderLayer, seed=3, dtype=torch.float64)
-    check_encoder_layer_pre_norm(student.EncoderLayer, seed=3, dtype=torch.float64)
-    check_encoder(student.Encoder, seed=3, dtype=torch.float64)
+    check_encoder_layer_post_norm(student.build_encoder_layer, seed=3, dtype=torch.float64)
+    check_encoder_layer_pre_norm(student.build_encoder_layer, seed=3, dtype=torch.float64)
+    check_encoder((student.Encoder, student.build_encoder), seed=3, dtype=torch.float64)
     check_residual_norms(student.residual_norms, seed=3, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("check", [check_embedding_sinusoidal, check_embedding_learned, *LAYER_CHECKS, check_encoder])
+@pytest.mark.parametrize("check", [check_embedding_sinusoidal, check_embedding_learned])
 def test_module_checks_fail_on_the_stub(check):
     with pytest.raises(CheckFailure, match="not implemented yet"):
         check(Stub)
+
+
+@pytest.mark.parametrize("check", LAYER_CHECKS)
+def test_layer_checks_fail_on_the_stubs(check):
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        run_layer_check(check, Stub, stub)
+    # The class written, its builder not yet.
+    with pytest.raises(CheckFailure, match="build_encoder_layer is not implemented yet|stub is not implemented yet"):
+        run_layer_check(check, student.EncoderLayer, stub)
+
+
+def test_encoder_check_fails_on_the_stubs():
+    for cls, build in ((Stub, stub), (student.Encoder, stub)):
+        with pytest.raises(CheckFailure, match="not implemented yet"):
+            check_encoder((cls, build))
 
 
 @pytest.mark.parametrize("check", [check_add_and_norm, check_residual_norms])
@@ -368,17 +427,19 @@ def test_embedding_checks_name_the_mistake(check, name, message):
 
 
 class MistakenLayer(nn.Module):
-    """An encoder layer with switches for the usual mistakes (not the library's code)."""
+    """An encoder layer given its parts, with switches for the usual mistakes (not the library's code). With the
+    mistake "shared norm" it keeps one norm handed in for both sublayers instead of refusing it."""
 
     mistake = ""
 
-    def __init__(self, d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
+    def __init__(self, self_attn, ffn, norm1, norm2, dropout=0.1, norm_first=False):
         super().__init__()
+        if norm1 is norm2 and self.mistake != "shared norm":
+            raise ValueError("one norm for both sublayers")
         self.norm_first = norm_first and self.mistake != "ignores norm_first"
-        self.self_attn = student.MultiHeadAttention(d_model, heads, dropout=dropout)
-        self.ffn = student.FeedForward(d_model, d_ff, activation, dropout)
-        self.norm1 = student.LayerNorm(d_model)
-        self.norm2 = self.norm1 if self.mistake == "shared norm" else student.LayerNorm(d_model)
+        self.self_attn = self_attn
+        self.ffn = student.FeedForward(8, 8) if self.mistake == "own ffn" else ffn
+        self.norm1, self.norm2 = norm1, norm2
         if self.mistake != "no dropout1":
             self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
@@ -409,9 +470,14 @@ def layer_mistake(name):
     return type(name.replace(" ", "_"), (MistakenLayer,), {"mistake": name})
 
 
+def layer_builder(name):
+    """The builder of a mistaken layer; "shared norm" is a builder that hands one norm to both sublayers."""
+    return builder_of(layer_mistake(name), norms=1 if name == "shared norm" else 2)
+
+
 def test_layer_checks_pass_on_the_mistake_free_layer():
     for layer_check in LAYER_CHECKS:
-        layer_check(MistakenLayer, seed=5)
+        run_layer_check(layer_check, MistakenLayer, builder_of(MistakenLayer), seed=5)
 
 
 @pytest.mark.parametrize(
@@ -424,16 +490,42 @@ def test_layer_checks_pass_on_the_mistake_free_layer():
         (check_encoder_layer_pre_norm, "normed residual", "normalised the residual stream itself"),
         (check_encoder_layer_post_norm, "norm1 twice", "normalise both sublayers with norm1"),
         (check_encoder_layer_post_norm, "ffn reads x", "reads the layer's input x"),
-        (check_encoder_layer_init, "shared norm", "one and the same module"),
-        (check_encoder_layer_post_norm, "shared norm", "one and the same module"),
+        (check_encoder_layer_init, "shared norm", r"EncoderLayer\(self_attn, ffn, norm, norm\).*should raise a "
+                                                  "ValueError"),
+        (check_encoder_layer_post_norm, "shared norm", "norm1 and norm2 are one and the same module"),
         (check_encoder_layer_init, "no dropout1", "has no dropout1"),
+        (check_encoder_layer_init, "own ffn", r"holds another object as self.ffn: keep each part"),
         (check_encoder_layer_dropout, "no dropout", "ignores dropout"),
         (check_encoder_layer_dropout, "dropout on residual", "never on the residual stream"),
     ],
 )
 def test_layer_checks_name_the_mistake(check, name, message):
     with pytest.raises(CheckFailure, match=message):
-        check(layer_mistake(name))
+        run_layer_check(check, layer_mistake(name), layer_builder(name))
+
+
+@pytest.mark.parametrize("check", LAYER_CHECKS)
+def test_a_builder_that_shares_one_norm_fails_on_the_students_own_value_error(check):
+    """The library's layer refuses one norm for both sublayers: the builder's error is shown as raised."""
+    with pytest.raises(CheckFailure, match=r"raised ValueError: norm1 and norm2 are the same module"):
+        run_layer_check(check, student.EncoderLayer, builder_of(student.EncoderLayer, norms=1))
+
+
+def test_layer_checks_name_the_dropout_that_the_builder_does_not_pass_on():
+    kept = builder_of(student.EncoderLayer, fixed_dropout=0.1)  # EncoderLayer's default, whatever dropout says
+    with pytest.raises(CheckFailure, match=r"gives a layer whose dropout1.p is 0.1, although your "
+                                           r"EncoderLayer\(..., dropout=0.25\) sets 0.25"):
+        check_encoder_layer_init((student.EncoderLayer, kept))
+    with pytest.raises(CheckFailure, match=r"has dropout1.p = 0.1: pass dropout on from build_encoder_layer"):
+        check_encoder_layer_dropout(kept)
+
+    def no_attention_dropout(d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
+        return student.EncoderLayer(student.MultiHeadAttention(d_model, heads),
+                                    student.FeedForward(d_model, d_ff, activation, dropout),
+                                    student.LayerNorm(d_model), student.LayerNorm(d_model), dropout, norm_first)
+
+    with pytest.raises(CheckFailure, match="self_attn.dropout should drop with p=0.25"):
+        check_encoder_layer_init((student.EncoderLayer, no_attention_dropout))
 
 
 def test_add_and_norm_check_names_the_mistake():
@@ -471,6 +563,21 @@ class MistakenEncoder(student.Encoder):
         return x if self.mistake in ("no final norm", "norm every layer") else self.norm(x)
 
 
+def stack_builder(cls=None, *, layer=None, repeated=False, fixed_activation=None, fixed_dropout=None,
+                  final_norm_for_post_norm=False):
+    """build_encoder written for the stack class ``cls`` and the layer builder ``layer``, with its usual slips."""
+    cls, layer = cls or student.Encoder, layer or student.build_encoder_layer
+
+    def build(d_model, heads, d_ff, layers, dropout=0.1, norm_first=False, activation="relu", final_norm=True):
+        def one():
+            return layer(d_model, heads, d_ff, fixed_dropout if fixed_dropout is not None else dropout, norm_first,
+                         fixed_activation or activation)
+        stack = [one()] * layers if repeated else [one() for _ in range(layers)]
+        final_norm = final_norm or (final_norm_for_post_norm and not norm_first)
+        return cls(stack, student.LayerNorm(d_model) if final_norm else None)
+    return build
+
+
 @pytest.mark.parametrize(
     ("name", "message"),
     [("no final norm", "leaves out the final LayerNorm"), ("no mask", "ignores the padding mask"),
@@ -478,17 +585,31 @@ class MistakenEncoder(student.Encoder):
      ("norm every layer", "final norm after every layer")],
 )
 def test_encoder_check_names_the_mistake(name, message):
-    with pytest.raises(CheckFailure, match=message):
-        check_encoder(type(name.replace(" ", "_"), (MistakenEncoder,), {"mistake": name}))
+    cls = type(name.replace(" ", "_"), (MistakenEncoder,), {"mistake": name})
+    with pytest.raises(CheckFailure, match=message) as failure:
+        check_encoder((cls, stack_builder(cls)))
+    assert "Encoder(the check's layers" in str(failure.value)  # caught on the check's own layers
+
+
+def test_encoder_check_tells_the_layers_mistake_from_the_stacks():
+    with pytest.raises(CheckFailure, match=r"built by build_encoder.*Your Encoder hands the padding mask to its layers "
+                                           r"\(it does with the check's own layers\), but the layers that "
+                                           r"build_encoder makes ignore it"):
+        check_encoder((student.Encoder, stack_builder(layer=layer_builder("no mask"))))
+
+
+def test_encoder_check_names_one_layer_listed_many_times():
+    with pytest.raises(CheckFailure, match=r"layers.0 and layers.1 are one and the same layer object, so every layer "
+                                           r"of the stack shares one set of weights \(\[layer\] \* n"):
+        check_encoder((student.Encoder, stack_builder(repeated=True)))
 
 
 def test_encoder_check_needs_a_module_list_and_a_norm():
-    class NoFinalNorm(student.Encoder):
-        def __init__(self, *args, final_norm=True, **kwargs):
-            super().__init__(*args, final_norm=False, **kwargs)
+    def no_final_norm(*args, final_norm=True, **kwargs):
+        return student.build_encoder(*args, final_norm=False, **kwargs)
 
     with pytest.raises(CheckFailure, match="has no parameter norm.weight"):
-        check_encoder(NoFinalNorm)
+        check_encoder((student.Encoder, no_final_norm))
 
 
 def test_residual_norms_check_names_the_mistake():
@@ -526,20 +647,25 @@ class UsesPyTorch(nn.Module):
 
 
 def test_using_the_reference_is_not_own_work():
-    for cheat in (UsesPyTorch, stepformer.encoder.EncoderLayer):
+    for cheat in (UsesPyTorch, stepformer.encoder.build_encoder_layer, builder_of(stepformer.encoder.EncoderLayer)):
         with pytest.raises(CheckFailure, match="Not your own work"):
             check_encoder_layer_post_norm(cheat)
     with pytest.raises(CheckFailure, match="Not your own work"):
-        check_encoder(stepformer.encoder.Encoder)
+        check_encoder_layer_init((stepformer.encoder.EncoderLayer, student.build_encoder_layer))
+    for cls, build in ((stepformer.encoder.Encoder, student.build_encoder),
+                       (student.Encoder, stepformer.encoder.build_encoder)):
+        with pytest.raises(CheckFailure, match="Not your own work"):
+            check_encoder((cls, build))
     with pytest.raises(CheckFailure, match="Not your own work"):
         check_residual_norms(stepformer.encoder.residual_norms)
 
 
 def test_replay_of_a_module_check_needs_no_module(monkeypatch, tmp_path):
-    for folder, cls in ((tmp_path / "right", student.EncoderLayer), (tmp_path / "wrong", layer_mistake("no mask"))):
+    for folder, build in ((tmp_path / "right", student.build_encoder_layer),
+                          (tmp_path / "wrong", layer_builder("no mask"))):
         monkeypatch.setenv(RECORD_ENV, str(folder))
         try:
-            check_encoder_layer_post_norm(cls, seed=2)
+            check_encoder_layer_post_norm(build, seed=2)
         except CheckFailure:
             pass
         monkeypatch.delenv(RECORD_ENV)
@@ -549,14 +675,22 @@ def test_replay_of_a_module_check_needs_no_module(monkeypatch, tmp_path):
         check_encoder_layer_post_norm(object(), seed=2)
 
 
+def test_replay_of_the_checks_that_take_a_class_and_its_builder(monkeypatch, tmp_path):
+    """The pair travels as one argument, so the record's key names no student object."""
+    for check, answers in ((check_encoder_layer_init, (student.EncoderLayer, student.build_encoder_layer)),
+                           (check_encoder, (student.Encoder, student.build_encoder))):
+        monkeypatch.setenv(RECORD_ENV, str(tmp_path / check.__name__))
+        check(answers, seed=2)
+        monkeypatch.delenv(RECORD_ENV)
+        with replaying(tmp_path / check.__name__):
+            check((object(), object()), seed=2)
+
+
 # Options the checks once left unexercised (the check audit's gaps 3, 4, 19, 23, 24, 31): each mistake below passed
 # the earlier checks.
 
-class HardCodedReLU(student.EncoderLayer):
-    """Builds its FFN with ReLU whatever `activation` says."""
-
-    def __init__(self, d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
-        super().__init__(d_model, heads, d_ff, dropout, norm_first, "relu")
+# The builder that builds its FFN with ReLU whatever `activation` says.
+HARD_CODED_RELU = builder_of(student.EncoderLayer, fixed_activation="relu")
 
 
 class TwoDimensionalMaskAsPadding(student.EncoderLayer):
@@ -570,39 +704,30 @@ class TwoDimensionalMaskAsPadding(student.EncoderLayer):
 
 @pytest.mark.parametrize("check", [check_encoder_layer_post_norm, check_encoder_layer_pre_norm])
 def test_layer_checks_catch_an_activation_that_is_not_passed_on(check):
-    with pytest.raises(CheckFailure, match="activation='gelu'") as failure:
-        check(HardCodedReLU)
+    with pytest.raises(CheckFailure, match="activation='gelu': in build_encoder_layer, pass activation on") as failure:
+        check(HARD_CODED_RELU)
     assert "largest difference" in str(failure.value) and "on sizes batch=" in str(failure.value)
 
 
 def test_layer_checks_catch_a_causal_mask_read_as_padding():
     with pytest.raises(CheckFailure, match=r"causal mask \(seq, seq\)"):
-        check_encoder_layer_post_norm(TwoDimensionalMaskAsPadding)
+        check_encoder_layer_post_norm(builder_of(TwoDimensionalMaskAsPadding))
 
 
 def _encoder_with(mistake):
-    class Mistaken(student.Encoder):
-        def __init__(self, d_model, heads, d_ff, layers, dropout=0.1, norm_first=False, activation="relu",
-                     final_norm=True):
-            if mistake == "activation not passed on":
-                activation = "relu"
-            if mistake == "dropout not passed on":
-                dropout = 0.1
-            if mistake == "post-norm always has a final norm":
-                final_norm = final_norm or not norm_first
-            super().__init__(d_model, heads, d_ff, layers, dropout, norm_first, activation, final_norm)
-
-    return Mistaken
+    return stack_builder(fixed_activation="relu" if mistake == "activation not passed on" else None,
+                         fixed_dropout=0.1 if mistake == "dropout not passed on" else None,
+                         final_norm_for_post_norm=mistake == "post-norm always has a final norm")
 
 
 @pytest.mark.parametrize(("mistake", "message"), [
-    ("activation not passed on", "pass activation on to every EncoderLayer"),
-    ("dropout not passed on", r"dropout1 has p=0.1: pass dropout on to every EncoderLayer"),
-    ("post-norm always has a final norm", r"Encoder\(final_norm=False\) has unexpected parameters"),
+    ("activation not passed on", "build_encoder must pass activation on to build_encoder_layer"),
+    ("dropout not passed on", r"dropout1 has p=0.1: build_encoder must pass dropout on to build_encoder_layer"),
+    ("post-norm always has a final norm", r"build_encoder\(final_norm=False\) builds has unexpected parameters"),
 ])
 def test_encoder_check_catches_options_that_are_not_passed_on(mistake, message):
     with pytest.raises(CheckFailure, match=message):
-        check_encoder(_encoder_with(mistake))
+        check_encoder((student.Encoder, _encoder_with(mistake)))
 
 
 def test_embedding_check_catches_dropout_left_out_of_the_learned_branch():
@@ -628,11 +753,11 @@ def test_embedding_check_catches_a_squeeze_that_drops_a_batch_of_one():
 
 
 def test_failure_messages_give_the_sizes_and_the_largest_difference():
-    for check, cls in ((check_encoder_layer_post_norm, layer_mistake("no mask")),
-                       (check_encoder_layer_dropout, layer_mistake("dropout on residual")),
-                       (check_encoder, _encoder_with("activation not passed on"))):
+    for check, args in ((check_encoder_layer_post_norm, (layer_builder("no mask"),)),
+                        (check_encoder_layer_dropout, (layer_builder("dropout on residual"),)),
+                        (check_encoder, ((student.Encoder, _encoder_with("activation not passed on")),))):
         with pytest.raises(CheckFailure) as failure:
-            check(cls)
+            check(*args)
         assert "largest difference" in str(failure.value) and "on sizes batch=" in str(failure.value), failure.value
 
 

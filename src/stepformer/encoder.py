@@ -91,10 +91,11 @@ class EncoderLayer(nn.Module):
     ``self_attn`` is called as ``self_attn(x, x, x, mask)`` (chapter 03's
     :class:`~stepformer.multihead.MultiHeadAttention`, or any attention with that call), ``ffn``
     as ``ffn(x)`` (chapter 04), ``norm1`` and ``norm2`` are two separate norms (chapter 05), one
-    per sublayer. ``dropout`` acts on each sublayer's output before the residual add
-    (``dropout1``, ``dropout2``); the parts bring their own dropout inside. ``norm_first``
-    chooses pre-norm. Attribute names are ``torch.nn.TransformerEncoderLayer``'s, so its weights
-    copy across; :func:`build_encoder_layer` builds PyTorch's layer from this course's parts.
+    per sublayer: one module handed in for both raises ``ValueError``. ``dropout`` acts on each
+    sublayer's output before the residual add (``dropout1``, ``dropout2``); the parts bring their
+    own dropout inside. ``norm_first`` chooses pre-norm. Attribute names are
+    ``torch.nn.TransformerEncoderLayer``'s, so its weights copy across;
+    :func:`build_encoder_layer` builds PyTorch's layer from this course's parts.
     """
 
     def __init__(
@@ -127,7 +128,11 @@ def build_encoder_layer(
     d_model: int, heads: int, d_ff: int, dropout: float = 0.1, norm_first: bool = False, activation: str = "relu"
 ) -> EncoderLayer:
     """``torch.nn.TransformerEncoderLayer(d_model, heads, d_ff, dropout, activation, norm_first=...)`` from the
-    course's parts: multi-head attention (03), the feed-forward network (04), two LayerNorms (05)."""
+    course's parts: multi-head attention (03), the feed-forward network (04), two LayerNorms (05).
+
+    ``dropout`` goes where PyTorch puts it: the attention weights, the FFN's hidden units, and each
+    sublayer's output; ``activation`` goes to the FFN.
+    """
     return EncoderLayer(
         MultiHeadAttention(d_model, heads, dropout=dropout),
         FeedForward(d_model, d_ff, activation, dropout),
@@ -143,7 +148,7 @@ class Encoder(nn.Module):
 
     The final norm is needed with pre-norm, whose residual stream is never normalised;
     ``torch.nn.Transformer`` has one in both cases. Each layer must be its own module: the same
-    layer listed twice would be one set of weights applied twice.
+    layer listed twice (``[layer] * n``) would be one set of weights applied twice.
     """
 
     def __init__(self, layers: Iterable[nn.Module], norm: nn.Module | None = None) -> None:
@@ -172,7 +177,10 @@ def build_encoder(
     final_norm: bool = True,
 ) -> Encoder:
     """``torch.nn.TransformerEncoder`` of ``layers`` :func:`build_encoder_layer` layers, with a final LayerNorm if
-    ``final_norm``."""
+    ``final_norm``.
+
+    Each layer is built afresh, with its own weights; ``dropout``, ``norm_first`` and ``activation`` go to every one.
+    """
     return Encoder(
         (build_encoder_layer(d_model, heads, d_ff, dropout, norm_first, activation) for _ in range(layers)),
         LayerNorm(d_model) if final_norm else None,

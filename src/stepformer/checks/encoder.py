@@ -80,6 +80,15 @@ def _layout(module: nn.Module) -> dict[str, Any]:
 
 def _expect_parameters(module: Any, expected: dict[str, list[int]], what: str, hint: str) -> dict[str, Any]:
     layout = call(_layout, module)
+    # One layer listed twice (``[layer] * n``) shares every submodule: name the layers, not their norms.
+    repeated = [pair for pair in layout["aliases"] if all(re.fullmatch(r"layers\.\d+", name) for name in pair)]
+    if repeated:
+        a, b = repeated[0]
+        raise CheckFailure(
+            f"{what}: {a} and {b} are one and the same layer object, so every layer of the stack shares one set of "
+            f"weights ([layer] * n lists one layer n times). Build a new layer for each place in the stack: call the "
+            f"layer's builder once per layer, in a list comprehension or a generator."
+        )
     norms = [pair for pair in layout["aliases"] if any("norm" in name for name in pair)]
     if norms:
         a, b = norms[0]
@@ -183,8 +192,8 @@ def _layer_mistakes(norm_first: bool, mask: Tensor | None, activation: str = "re
                             "in every layer, or the real positions read the padding (or the future).")
     if activation == "gelu":
         hints["relu for gelu"] = (
-            "Your layer computes ReLU although it was built with activation='gelu': pass activation on to "
-            "FeedForward(d_model, d_ff, activation, dropout) instead of leaving it at its default.")
+            "Your layer computes ReLU although it was built with activation='gelu': in build_encoder_layer, pass "
+            "activation on to FeedForward(d_model, d_ff, activation, dropout) instead of leaving it at its default.")
     return hints
 
 
@@ -248,8 +257,10 @@ def _layer_shapes(s: dict[str, int], prefix: str = "") -> dict[str, list[int]]:
     return {prefix + name: shape for name, shape in shapes.items()}
 
 
-LAYER_HINT = ("Keep the attribute names of torch.nn.TransformerEncoderLayer: self_attn (the given MultiHeadAttention), "
-              "ffn (the given FeedForward, holding linear1 and linear2), norm1 and norm2 (two LayerNorm(d_model)).")
+LAYER_HINT = ("build_encoder_layer hands EncoderLayer its parts, which it keeps under "
+              "torch.nn.TransformerEncoderLayer's names: self_attn (MultiHeadAttention(d_model, heads, "
+              "dropout=dropout)), ffn (FeedForward(d_model, d_ff, activation, dropout), holding linear1 and linear2), "
+              "norm1 and norm2 (two LayerNorm(d_model)).")
 
 
 def _inputs(s: dict[str, int], dtype: torch.dtype, seed: int) -> tuple[Tensor, Tensor]:
@@ -596,14 +607,34 @@ def check_add_and_norm(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype
     passed(f"add_and_norm: post-norm norm(x + dropout(f(x))), pre-norm x + dropout(f(norm(x))) ({dtype_name(dtype)})")
 
 
-# -- exercise 3: the encoder layer -----------------------------------------------------------
+# -- exercise 3: the encoder layer and its builder -------------------------------------------
 
-def _build_layer(cls: Any, s: dict[str, int], norm_first: bool, dtype: torch.dtype, seed: int,
+class _Part(nn.Module):
+    """A stand-in for a part handed to the student's EncoderLayer, to see where it is kept; never called."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _kept(module: nn.Module, parts: dict[str, nn.Module]) -> dict[str, str]:
+    """For each part's name: ``"kept"`` (the module holds that very object under it), ``"other"`` or ``"missing"``."""
+    found = {}
+    for name, part in parts.items():
+        held = getattr(module, name, None)
+        found[name] = "kept" if held is part else "missing" if held is None else "other"
+    return found
+
+
+def _build_layer(build: Any, s: dict[str, int], norm_first: bool, dtype: torch.dtype, seed: int,
                  dropout: float = 0.0, activation: str = "relu") -> tuple[Any, nn.TransformerEncoderLayer,
                                                                          dict[str, Tensor]]:
     options = {"activation": activation} if activation != "relu" else {}
-    module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=dropout, norm_first=norm_first, **options)
-    _expect_parameters(module, _layer_shapes(s), "Your EncoderLayer", LAYER_HINT)
+    module = call(build, s["d_model"], s["heads"], s["d_ff"], dropout=dropout, norm_first=norm_first, **options)
+    _expect_parameters(module, _layer_shapes(s), "The layer that your build_encoder_layer builds", LAYER_HINT)
     oracle = _torch_layer(s, norm_first, dtype, seed, activation)
     state = _layer_state(oracle)
     call(_load, module, state)
@@ -634,29 +665,63 @@ def _compare_layer(module: Any, oracle: nn.Module, state: dict[str, Tensor], s: 
 
 
 @check(forbid=BUILT_IN_ENCODER)
-def check_encoder_layer_init(cls: Callable[..., Any], seed: int = 0) -> None:
-    """self_attn, ffn (linear1, linear2), two separate LayerNorms norm1, norm2, and dropout1, dropout2."""
+def check_encoder_layer_init(answers: tuple[Callable[..., Any], Callable[..., Any]], seed: int = 0) -> None:
+    """EncoderLayer keeps its parts (two separate norms) and makes dropout1, dropout2; build_encoder_layer passes
+    the sizes and the dropout on to fresh parts.
+
+    ``answers`` is ``(EncoderLayer, build_encoder_layer)``: both the student's, so they travel together.
+    """
+    cls, build = answers
     s = _sizes(seed)
-    module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.25)
-    layout = _expect_parameters(module, _layer_shapes(s), "Your EncoderLayer", LAYER_HINT)
+    d_model = s["d_model"]
+    # The class first, with the check's own parts: what it keeps, what it makes, what it refuses.
+    with torch.random.fork_rng(devices=[]):
+        parts = {"self_attn": _Part("self_attn"), "ffn": _Part("ffn"), "norm1": nn.LayerNorm(d_model),
+                 "norm2": nn.LayerNorm(d_model)}
+    module = call(cls, *parts.values(), dropout=0.25)
+    kept = call(_kept, module, parts)
+    for name, how in kept.items():
+        if how != "kept":
+            held = "has no attribute" if how == "missing" else "holds another object as"
+            raise CheckFailure(f"EncoderLayer(self_attn, ffn, norm1, norm2) {held} self.{name}: keep each part it is "
+                               f"given under its own name (PyTorch's), self.{name} = {name}.")
+    layout = call(_layout, module)
     for name in ("dropout1", "dropout2"):
         p = layout["dropouts"].get(name)
         if p is None:
             raise CheckFailure(f"Your EncoderLayer has no {name}: each sublayer's output gets its own "
                                f"nn.Dropout(dropout), named dropout1 and dropout2 as in PyTorch.")
         if p != 0.25:
-            raise CheckFailure(f"With dropout=0.25, {name}.p is {p}: pass dropout on to nn.Dropout(dropout).")
+            raise CheckFailure(f"EncoderLayer(..., dropout=0.25) has {name}.p = {p}: pass dropout on to "
+                               f"nn.Dropout(dropout).")
+    error = call(_error_of, cls, parts["self_attn"], parts["ffn"], parts["norm1"], parts["norm1"])
+    if error != "ValueError":
+        got = "no error" if error is None else f"a {error}"
+        raise CheckFailure(f"EncoderLayer(self_attn, ffn, norm, norm), one norm object handed in for both sublayers, "
+                           f"should raise a ValueError (each sublayer needs a norm of its own: if norm1 is norm2, "
+                           f"raise ValueError(...)); it raised {got}.")
+    # Then the builder: fresh parts of the right sizes, and the options handed on.
+    module = call(build, d_model, s["heads"], s["d_ff"], dropout=0.25)
+    layout = _expect_parameters(module, _layer_shapes(s), "The layer that your build_encoder_layer builds", LAYER_HINT)
+    for name in ("dropout1", "dropout2"):
+        p = layout["dropouts"].get(name)
+        if p != 0.25:
+            # EncoderLayer(..., dropout=0.25) was seen above to make both with p = 0.25.
+            raise CheckFailure(f"build_encoder_layer(..., dropout=0.25) gives a layer whose {name}.p is {p}, "
+                               f"although your EncoderLayer(..., dropout=0.25) sets 0.25: in build_encoder_layer, pass "
+                               f"dropout on to EncoderLayer(self_attn, ffn, norm1, norm2, dropout, norm_first).")
     for name in ("self_attn.dropout", "ffn.dropout"):
         if layout["dropouts"].get(name) != 0.25:
-            raise CheckFailure(f"With dropout=0.25, {name} should drop with p=0.25 too (as in PyTorch): pass dropout "
-                               "to MultiHeadAttention(..., dropout=dropout) and FeedForward(d_model, d_ff, activation, "
-                               "dropout).")
-    passed("EncoderLayer: self_attn, ffn (linear1, linear2), separate norm1 and norm2, dropout1 and dropout2")
+            raise CheckFailure(f"build_encoder_layer(..., dropout=0.25): {name} should drop with p=0.25 too (as in "
+                               "PyTorch): pass dropout to MultiHeadAttention(d_model, heads, dropout=dropout) and "
+                               "FeedForward(d_model, d_ff, activation, dropout).")
+    passed("EncoderLayer keeps self_attn, ffn, norm1, norm2 (refusing one norm for both) and makes dropout1, dropout2; "
+           "build_encoder_layer passes the sizes and the dropout on")
 
 
-def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_first: bool) -> None:
+def _check_layer(build: Callable[..., Any], seed: int, dtype: torch.dtype, norm_first: bool) -> None:
     s = _sizes(seed)
-    module, oracle, state = _build_layer(cls, s, norm_first, dtype, seed)
+    module, oracle, state = _build_layer(build, s, norm_first, dtype, seed)
     x, mask = _inputs(s, dtype, seed)
     causal = torch.ones(s["seq"], s["seq"], dtype=torch.bool).tril()
     name = "pre-norm" if norm_first else "post-norm"
@@ -664,35 +729,36 @@ def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_fi
                             (x, causal, "with a causal mask (seq, seq)"),
                             (x[:1], mask[:1], "on a batch of one sentence (batch=1), with its padding mask")):
         _compare_layer(module, oracle, state, s, norm_first, dtype, x_case, m, f"a {name} layer {what}")
-    module, oracle, state = _build_layer(cls, s, norm_first, dtype, seed + 1, activation="gelu")
+    module, oracle, state = _build_layer(build, s, norm_first, dtype, seed + 1, activation="gelu")
     _compare_layer(module, oracle, state, s, norm_first, dtype, x, mask,
                    f"a {name} layer built with activation='gelu', with a padding mask", activation="gelu")
 
 
 @check(forbid=BUILT_IN_ENCODER)
-def check_encoder_layer_post_norm(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Equal to torch.nn.TransformerEncoderLayer(norm_first=False) with copied weights, with and without padding."""
-    _check_layer(cls, seed, dtype, norm_first=False)
+def check_encoder_layer_post_norm(build: Callable[..., Any], seed: int = 0,
+                                  dtype: torch.dtype = torch.float32) -> None:
+    """build_encoder_layer(norm_first=False) equal to torch.nn.TransformerEncoderLayer with copied weights."""
+    _check_layer(build, seed, dtype, norm_first=False)
     passed(f"post-norm EncoderLayer equal to torch.nn.TransformerEncoderLayer without a mask, with a padding mask, "
            f"with a causal (seq, seq) mask, for one sentence, and with activation='gelu' ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_ENCODER)
-def check_encoder_layer_pre_norm(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Equal to torch.nn.TransformerEncoderLayer(norm_first=True) with copied weights, with and without padding."""
-    _check_layer(cls, seed, dtype, norm_first=True)
+def check_encoder_layer_pre_norm(build: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """build_encoder_layer(norm_first=True) equal to torch.nn.TransformerEncoderLayer with copied weights."""
+    _check_layer(build, seed, dtype, norm_first=True)
     passed(f"pre-norm EncoderLayer equal to torch.nn.TransformerEncoderLayer without a mask, with a padding mask, "
            f"with a causal (seq, seq) mask, for one sentence, and with activation='gelu' ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_ENCODER)
-def check_encoder_layer_dropout(cls: Callable[..., Any], seed: int = 0) -> None:
+def check_encoder_layer_dropout(build: Callable[..., Any], seed: int = 0) -> None:
     """Dropout only in training; with p = 1 each sublayer's output is dropped before the residual add."""
     s = _sizes(seed)
     dtype = torch.float32
     x, mask = _inputs(s, dtype, seed)
     for norm_first in (False, True):
-        module, oracle, state = _build_layer(cls, s, norm_first, dtype, seed, dropout=1.0)
+        module, oracle, state = _build_layer(build, s, norm_first, dtype, seed, dropout=1.0)
         name = "pre-norm" if norm_first else "post-norm"
         _compare_layer(module, oracle, state, s, norm_first, dtype, x, mask,
                        f"a {name} layer built with dropout=1.0, in eval() mode (where dropout does nothing)")
@@ -711,7 +777,13 @@ def check_encoder_layer_dropout(cls: Callable[..., Any], seed: int = 0) -> None:
                 undropped = x + b_o + b_2
             else:
                 undropped = _layer_norm(state, "norm2", _layer_norm(state, "norm1", x + b_o) + b_2)
-            if close(got, _run_torch(oracle, x, mask), dtype) or close(got, undropped, dtype):
+            dropouts = call(_layout, module)["dropouts"]
+            low = sorted(n for n in ("dropout1", "dropout2") if dropouts.get(n, 1.0) != 1.0)
+            if low:
+                hint = (f"the layer that build_encoder_layer(..., dropout=1.0) builds has {low[0]}.p = "
+                        f"{dropouts[low[0]]}: pass dropout on from build_encoder_layer to EncoderLayer(self_attn, ffn, "
+                        f"norm1, norm2, dropout, norm_first), and there to nn.Dropout(dropout).")
+            elif close(got, _run_torch(oracle, x, mask), dtype) or close(got, undropped, dtype):
                 hint = ("your layer ignores dropout1 and dropout2: apply them to the sublayers' outputs, "
                         "before the residual add.")
             else:
@@ -723,7 +795,7 @@ def check_encoder_layer_dropout(cls: Callable[..., Any], seed: int = 0) -> None:
     passed("EncoderLayer: dropout only in training, on each sublayer's output before the residual add")
 
 
-# -- exercise 4: the stack -------------------------------------------------------------------
+# -- exercise 4: the stack and its builder ----------------------------------------------------
 
 def _torch_encoder(s: dict[str, int], layers: int, norm_first: bool, final_norm: bool, dtype: torch.dtype,
                    seed: int, activation: str = "relu") -> nn.TransformerEncoder:
@@ -760,15 +832,49 @@ def _reference_stack(state: dict[str, Tensor], heads: int, layers: int, x: Tenso
     return x
 
 
+# What the stack itself may get wrong (seen on the check's own layers) ...
 STACK_MISTAKES = {
-    "no final norm": "Your stack leaves out the final LayerNorm: with final_norm=True, apply self.norm to the last "
-                     "layer's output.",
+    "no final norm": "Your stack leaves out the final LayerNorm: apply self.norm to the last layer's output.",
     "norm every layer": "You apply the final norm after every layer: it comes once, after the last layer.",
     "no mask": "Your stack ignores {mask}: pass mask on to every layer.",
     "mask only first": "Only your first layer gets {mask}: every layer must read it, layer(x, mask).",
-    "relu for gelu": "Your layers compute ReLU although the encoder was built with activation='gelu': pass activation "
-                     "on to every EncoderLayer(d_model, heads, d_ff, dropout, norm_first, activation).",
 }
+# ... and what the built stack may get wrong once the stack itself is right: its layers, or what the builders pass on.
+BUILT_MISTAKES = {
+    "no mask": "Your Encoder hands {mask} to its layers (it does with the check's own layers), but the layers that "
+               "build_encoder makes ignore it: is the mask passed on to self_attn in EncoderLayer (exercise 3)?",
+    "relu for gelu": "Your layers compute ReLU although the encoder was built with activation='gelu': build_encoder "
+                     "must pass activation on to build_encoder_layer for every layer, and build_encoder_layer on to "
+                     "FeedForward(d_model, d_ff, activation, dropout).",
+}
+
+
+class _WrittenLayer(nn.Module):
+    """One encoder layer written out by this module from PyTorch's weights: the check's own layer, layer(x, mask)."""
+
+    def __init__(self, state: dict[str, Tensor], index: int, heads: int, norm_first: bool) -> None:
+        super().__init__()
+        self.state, self.prefix, self.heads, self.norm_first = state, f"layers.{index}.", heads, norm_first
+
+    def __repr__(self) -> str:
+        return f"<the check's layer {self.prefix[:-1]}>"
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        return _reference_layer(self.state, self.prefix, self.heads, x, mask, self.norm_first)
+
+
+class _WrittenNorm(nn.Module):
+    """The stack's final LayerNorm from PyTorch's weights: the check's own norm."""
+
+    def __init__(self, state: dict[str, Tensor]) -> None:
+        super().__init__()
+        self.state = state
+
+    def __repr__(self) -> str:
+        return "<the check's final norm>"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _layer_norm(self.state, "norm", x)
 
 
 def _stack_shapes(s: dict[str, int], layers: int, final_norm: bool) -> dict[str, list[int]]:
@@ -780,76 +886,108 @@ def _stack_shapes(s: dict[str, int], layers: int, final_norm: bool) -> dict[str,
     return shapes
 
 
-STACK_HINT = ("Store the layers in an nn.ModuleList named layers (each your EncoderLayer) and the final norm as "
-              "self.norm, a LayerNorm(d_model) when final_norm is True and nn.Identity() otherwise.")
+STACK_HINT = ("Encoder keeps its layers in an nn.ModuleList named layers and its final norm as self.norm "
+              "(nn.Identity() when it is given none); build_encoder hands it `layers` layers from build_encoder_layer "
+              "and, when final_norm is True, a LayerNorm(d_model), otherwise None.")
 
 
 def _compare_stack(module: Any, state: dict[str, Tensor], oracle: nn.TransformerEncoder, s: dict[str, int],
                    layers: int, norm_first: bool, final_norm: bool, dtype: torch.dtype, x: Tensor, mask: Tensor | None,
-                   what: str, activation: str = "relu") -> None:
+                   what: str, activation: str = "relu", built: bool = True) -> None:
     got = call(module, x) if mask is None else call(module, x, mask)
     got = expect_tensor(got, "the encoder's output", tuple(x.shape), "batch seq d_model", dtype)
     expected = _run_torch(oracle, x, mask)
     if close(got, expected, dtype):
         return
-    mistakes = {m: h for m, h in STACK_MISTAKES.items() if m != "relu for gelu" or activation == "gelu"}
+    if built:
+        mistakes = {m: h for m, h in BUILT_MISTAKES.items() if m != "relu for gelu" or activation == "gelu"}
+        fallback = ("Your Encoder is right with the check's own layers, so look at what build_encoder hands it: its "
+                    "layers (do your EncoderLayer checks pass?) and its final norm.")
+    else:
+        mistakes = STACK_MISTAKES
+        fallback = "Run x through each layer in order, layer(x, mask), then self.norm."
     hint = next((h.format(mask=_mask_name(mask)) for mistake, h in mistakes.items()
                  if close(got, _reference_stack(state, s["heads"], layers, x, mask, norm_first, final_norm, mistake,
                                                 activation), dtype)),
-                "Run x through each layer in order, layer(x, mask), then self.norm.")
-    where = f"{layers} {'pre' if norm_first else 'post'}-norm layers, final_norm={final_norm}, {what}"
+                fallback)
+    norm = f"final_norm={final_norm}" if built else ("a final norm" if final_norm else "norm=None")
+    source = f"built by build_encoder with {norm}" if built else f"Encoder(the check's layers, {norm})"
+    where = f"{layers} {'pre' if norm_first else 'post'}-norm layers, {source}, {what}"
     sizes = _layer_sizes(s, x) | {"layers": layers}
     raise CheckFailure(f"For {where}, your output differs from torch.nn.TransformerEncoder's with the same weights "
                        f"({difference(got, expected, sizes)}). {hint}")
 
 
 @check(forbid=BUILT_IN_ENCODER)
-def check_encoder(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Equal to torch.nn.TransformerEncoder (final norm or none), post-norm and pre-norm, with padding."""
+def check_encoder(answers: tuple[Callable[..., Any], Callable[..., Any]], seed: int = 0,
+                  dtype: torch.dtype = torch.float32) -> None:
+    """Encoder of given layers, and build_encoder's stack, equal to torch.nn.TransformerEncoder (final norm or none).
+
+    ``answers`` is ``(Encoder, build_encoder)``: both the student's, so they travel together.
+    """
+    cls, build = answers
     s = _sizes(seed)
     layers = 2 + seed % 2
     x, mask = _inputs(s, dtype, seed + 1)
     causal = torch.ones(s["seq"], s["seq"], dtype=torch.bool).tril()
-    for norm_first, final_norm in ((False, True), (True, True), (True, False), (False, False)):
-        module = call(cls, s["d_model"], s["heads"], s["d_ff"], layers, dropout=0.0, norm_first=norm_first,
+    configurations = ((False, True), (True, True), (True, False), (False, False))
+
+    def cases(norm_first: bool, final_norm: bool) -> list[tuple[Tensor, Tensor | None, str]]:
+        found = [(x, mask, "with a padding mask")]
+        if final_norm:
+            found.append((x, None, "without a mask"))
+        if not norm_first and final_norm:  # the mask's other shape and a batch of one, once
+            found.append((x[:1], causal, "on one sentence (batch=1) with a causal mask (seq, seq)"))
+        return found
+
+    # The class first, stacking the check's own layers: the wiring alone.
+    for norm_first, final_norm in configurations:
+        oracle = _torch_encoder(s, layers, norm_first, final_norm, dtype, seed)
+        state = _encoder_state(oracle)
+        own = [_WrittenLayer(state, i, s["heads"], norm_first) for i in range(layers)]
+        module = call(cls, own, _WrittenNorm(state) if final_norm else None)
+        for x_case, m, what in cases(norm_first, final_norm):
+            _compare_stack(module, state, oracle, s, layers, norm_first, final_norm, dtype, x_case, m, what,
+                           built=False)
+    # Then the builder: fresh layers of the right sizes, one per place, with the options handed on.
+    for norm_first, final_norm in configurations:
+        module = call(build, s["d_model"], s["heads"], s["d_ff"], layers, dropout=0.0, norm_first=norm_first,
                       final_norm=final_norm)
-        _expect_parameters(module, _stack_shapes(s, layers, final_norm), f"Your Encoder(final_norm={final_norm})",
-                           STACK_HINT)
+        _expect_parameters(module, _stack_shapes(s, layers, final_norm),
+                           f"The encoder that your build_encoder(final_norm={final_norm}) builds", STACK_HINT)
         oracle = _torch_encoder(s, layers, norm_first, final_norm, dtype, seed)
         state = _encoder_state(oracle)
         call(_load, module, state)
-        cases = [(x, mask, "with a padding mask")]
-        if final_norm:
-            cases.append((x, None, "without a mask"))
-        if not norm_first and final_norm:  # the mask's other shape and a batch of one, once
-            cases.append((x[:1], causal, "on one sentence (batch=1) with a causal mask (seq, seq)"))
-        for x_case, m, what in cases:
+        for x_case, m, what in cases(norm_first, final_norm):
             _compare_stack(module, state, oracle, s, layers, norm_first, final_norm, dtype, x_case, m, what)
-    # Built with dropout=1.0 and activation="gelu": the stack must hand both on to every layer. In eval() it
+    # Built with dropout=1.0 and activation="gelu": the builders must hand both on to every layer. In eval() it
     # is PyTorch's GELU encoder; in training, pre-norm without a final norm, every sublayer's output is
     # dropped and x comes back unchanged.
-    module = call(cls, s["d_model"], s["heads"], s["d_ff"], layers, dropout=1.0, norm_first=True,
+    module = call(build, s["d_model"], s["heads"], s["d_ff"], layers, dropout=1.0, norm_first=True,
                   activation="gelu", final_norm=False)
-    layout = _expect_parameters(module, _stack_shapes(s, layers, False), "Your Encoder(final_norm=False)", STACK_HINT)
+    layout = _expect_parameters(module, _stack_shapes(s, layers, False),
+                                "The encoder that your build_encoder(final_norm=False) builds", STACK_HINT)
     oracle = _torch_encoder(s, layers, True, False, dtype, seed + 1, activation="gelu")
     state = _encoder_state(oracle)
     call(_load, module, state)
     _compare_stack(module, state, oracle, s, layers, True, False, dtype, x, mask,
-                   "built with activation='gelu' and dropout=1.0, in eval() mode, with a padding mask", "gelu")
+                   "with activation='gelu' and dropout=1.0, in eval() mode, with a padding mask", "gelu")
     call(_set_training, module, True)
     got = expect_tensor(call(module, x, mask), "the encoder's output in training", tuple(x.shape), "batch seq d_model",
                         dtype)
     if not close(got, x, dtype):
         wrong = sorted(name for name, p in layout["dropouts"].items()
                        if name.startswith("layers.") and name.endswith(("dropout1", "dropout2")) and p != 1.0)
-        hint = (f"{wrong[0]} has p={layout['dropouts'][wrong[0]]}: pass dropout on to every EncoderLayer."
+        hint = (f"{wrong[0]} has p={layout['dropouts'][wrong[0]]}: build_encoder must pass dropout on to "
+                f"build_encoder_layer for every layer, and build_encoder_layer on to EncoderLayer."
                 if wrong else "Each layer's dropout1 and dropout2 act on its sublayers' outputs only.")
         raise CheckFailure(
-            f"With dropout=1.0 in training mode, a pre-norm Encoder without a final norm drops every sublayer's output "
-            f"and should return x itself ({difference(got, x, _layer_sizes(s, x) | {'layers': layers})}). {hint}")
-    passed(f"Encoder equal to torch.nn.TransformerEncoder: post-norm and pre-norm, with and without the final norm, "
-           f"with padding and causal masks, for one sentence; activation and dropout passed on to the layers "
-           f"({dtype_name(dtype)})")
+            f"With dropout=1.0 in training mode, a pre-norm encoder without a final norm (build_encoder(..., "
+            f"final_norm=False)) drops every sublayer's output and should return x itself "
+            f"({difference(got, x, _layer_sizes(s, x) | {'layers': layers})}). {hint}")
+    passed(f"Encoder equal to torch.nn.TransformerEncoder, with the check's layers and with build_encoder's: post-norm "
+           f"and pre-norm, with and without the final norm, with padding and causal masks, for one sentence; "
+           f"activation and dropout passed on to the layers ({dtype_name(dtype)})")
 
 
 # -- exercise 5: predict, then measure -------------------------------------------------------
