@@ -243,7 +243,7 @@ def layer_from_torch(layer: nn.Module, build: Callable[..., nn.Module], attentio
 def stack_from_torch(
     stack: nn.Module, ours: type[nn.Module], copy_layer: Callable[[nn.Module], nn.Module]
 ) -> nn.Module:
-    """``ours`` (:class:`Encoder` or chapter 08's ``Decoder``) of PyTorch's ``stack``'s layers and final norm, copied."""
+    """``ours`` (:class:`Encoder` or chapter 08's ``Decoder``) of PyTorch's ``stack``'s layers and final norm."""
     first = stack.layers[0].linear1.weight
     norm = None
     if stack.norm is not None:
