@@ -24,6 +24,7 @@ from stepformer.checks.decoder import (
     ToyModel,
     _sizes,
     _sources,
+    check_build_decoder_layer,
     check_decoder_layer_init,
     check_decoder_layer_post_norm,
     check_decoder_layer_pre_norm,
@@ -32,12 +33,16 @@ from stepformer.checks.decoder import (
     check_target_mask,
 )
 from stepformer.checks.encoder import _randomise
-from stepformer.encoder import Encoder, encoder_layer_from_torch
+from stepformer.encoder import build_encoder, encoder_layer_from_torch
 from stepformer.masks import causal_mask, padding_mask
+from stepformer.parts import ModelConfig, configured_transformer
 from stepformer.transformer import (
     Decoder,
     DecoderLayer,
     Transformer,
+    build_decoder,
+    build_decoder_layer,
+    build_transformer,
     decoder_layer_from_torch,
     generate,
     greedy,
@@ -82,7 +87,7 @@ def test_full_model_matches_torch_transformer_float64(s, norm_first, layers, see
                                 norm_first=norm_first, dtype=torch.float64)
     _randomise(theirs, g)
     theirs.eval()
-    ours = Transformer(11, 11, d_model, heads, layers[0], layers[1], d_ff, dropout=0.0, norm_first=norm_first)
+    ours = build_transformer(11, 11, d_model, heads, layers[0], layers[1], d_ff, dropout=0.0, norm_first=norm_first)
     ours = ours.double().eval()
     load_torch_transformer(ours, theirs)
     src, tgt = _padded(batch, src_len, 11, g), _padded(batch, tgt_len, 11, g)
@@ -127,10 +132,36 @@ def test_target_mask_is_causal_and_padding(batch, length, pad_id, seed):
                 assert bool(mask[b, 0, i, j]) == (j <= i and int(tokens[b, j]) != pad_id)
 
 
+def _transformer(src_vocab, tgt_vocab, **options):
+    """build_transformer's model; with chapter 10's options (kv_heads, rotary positions, fused kernels) the same
+    model from parts.configured_transformer, which composes chapter 08's Transformer with chapter 10's attention."""
+    if not ({"kv_heads", "fast"} & set(options) or options.get("positional") == "rope"):
+        return build_transformer(src_vocab, tgt_vocab, **options)
+    renamed = {"positional": "positions", "n_decoder_layers": "layers", "activation": "ffn"}
+    changes = {renamed.get(key, key): value for key, value in options.items() if key not in ("n_encoder_layers",
+                                                                                             "norm_first")}
+    changes["placement"] = "pre" if options.get("norm_first") else "post"
+    return configured_transformer(ModelConfig.original(tgt_vocab, **changes), src_vocab,
+                                  options.get("n_encoder_layers", 6))
+
+
 def _small_model(seed=0, **kwargs):
     torch.manual_seed(seed)
     options = dict(d_model=16, heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=24, dropout=0.0, max_len=40)
-    return Transformer(13, 13, **{**options, **kwargs}).double().eval()
+    return _transformer(13, 13, **{**options, **kwargs}).double().eval()
+
+
+def test_the_transformer_is_its_five_parts_and_their_wiring():
+    """A Transformer composed of another one's parts computes what that one computes; rotary positions, which
+    chapter 03's attention lacks, are the configured model's (chapter 10)."""
+    model = _small_model(7)
+    again = Transformer(model.src_embed, model.tgt_embed, model.encoder, model.decoder, model.generator, model.pad_id)
+    g = torch.Generator().manual_seed(3)
+    src, tgt = _padded(2, 6, 13, g), _padded(2, 5, 13, g)
+    with torch.no_grad():
+        assert torch.equal(again(src, tgt), model(src, tgt))
+    with pytest.raises(ValueError, match="configured_transformer"):
+        build_transformer(13, 13, positional="rope")
 
 
 def test_teacher_forcing_equals_prefix_by_prefix():
@@ -191,11 +222,11 @@ def test_positional_options_and_tied_embeddings(positional, tie):
 
 def test_tied_embeddings_with_two_vocabularies_share_only_the_target_side():
     torch.manual_seed(0)
-    model = Transformer(9, 13, d_model=8, heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=8,
-                        tie_embeddings=True)
+    model = build_transformer(9, 13, d_model=8, heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=8,
+                              tie_embeddings=True)
     assert model.generator.weight is model.tgt_embed.tokens.weight
     assert model.src_embed.tokens.weight is not model.tgt_embed.tokens.weight
-    untied = Transformer(9, 13, d_model=8, heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=8)
+    untied = build_transformer(9, 13, d_model=8, heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=8)
     saved = sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in model.parameters())
     assert saved == 13 * 8
 
@@ -285,14 +316,14 @@ def test_greedy_needs_a_step():
 # -- the decoder-only (GPT) block ----------------------------------------------------------------
 
 def _gpt_layer_from_encoder_layer(encoder_layer, norm_first):
-    """A decoder layer without cross-attention holding an encoder layer's weights: its FFN norm is norm3."""
+    """A decoder layer without cross-attention holding an encoder layer's weights: its FFN norm is norm3.
+
+    The whole state dict loads (strict): a decoder-only block has one layout, the encoder layer's with norm2
+    renamed norm3, and no idle norm2."""
     attention = encoder_layer.self_attn
-    gpt = DecoderLayer(attention.w_q.in_features, attention.heads, encoder_layer.ffn.linear1.out_features,
-                       dropout=0.0, norm_first=norm_first, cross_attention=False).double()
-    gpt.self_attn.load_state_dict(encoder_layer.self_attn.state_dict())
-    gpt.ffn.load_state_dict(encoder_layer.ffn.state_dict())
-    gpt.norm1.load_state_dict(encoder_layer.norm1.state_dict())
-    gpt.norm3.load_state_dict(encoder_layer.norm2.state_dict())
+    gpt = build_decoder_layer(attention.w_q.in_features, attention.heads, encoder_layer.ffn.linear1.out_features,
+                              dropout=0.0, norm_first=norm_first, cross_attention=False).double()
+    gpt.load_state_dict({name.replace("norm2.", "norm3."): value for name, value in encoder_layer.state_dict().items()})
     return gpt
 
 
@@ -306,7 +337,7 @@ def test_a_decoder_only_block_is_torch_encoder_layer_with_a_causal_mask_float64(
                                         dtype=torch.float64)
     _randomise(theirs, g)
     gpt = _gpt_layer_from_encoder_layer(encoder_layer_from_torch(theirs), norm_first)
-    assert gpt.cross_attn is None
+    assert gpt.cross_attn is None and gpt.norm2 is None and gpt.dropout2 is None
     x = torch.randn(batch, seq, d_model, generator=g, dtype=torch.float64)
     tokens = _padded(batch, seq, 9, g)
     # Gradients on: PyTorch's inference fast path would zero the padded positions instead.
@@ -321,15 +352,16 @@ def test_a_decoder_only_block_is_torch_encoder_layer_with_a_causal_mask_float64(
 
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_a_decoder_only_stack_is_our_encoder_with_a_causal_mask_float64(norm_first):
-    """Decoder(cross_attention=False) with memory=None == Encoder with the same weights and a causal mask."""
+    """A Decoder of decoder-only layers made of an Encoder's own parts, with memory=None == that Encoder under a
+    causal mask: the two layers differ only in their wiring's optional middle sublayer."""
     torch.manual_seed(12)
     d_model, heads, d_ff, layers, seq = 12, 3, 10, 3, 6
-    encoder = Encoder(d_model, heads, d_ff, layers, dropout=0.0, norm_first=norm_first).double()
+    encoder = build_encoder(d_model, heads, d_ff, layers, dropout=0.0, norm_first=norm_first).double()
     _randomise(encoder, torch.Generator().manual_seed(13))
-    decoder = Decoder(d_model, heads, d_ff, layers, dropout=0.0, norm_first=norm_first, cross_attention=False)
-    decoder = decoder.double()
-    decoder.layers = nn.ModuleList(_gpt_layer_from_encoder_layer(layer, norm_first) for layer in encoder.layers)
-    decoder.norm.load_state_dict(encoder.norm.state_dict())
+    decoder = Decoder((DecoderLayer(layer.self_attn, None, layer.ffn, layer.norm1, None, layer.norm2, 0.0, norm_first)
+                       for layer in encoder.layers), encoder.norm)
+    built = build_decoder(d_model, heads, d_ff, layers, dropout=0.0, norm_first=norm_first, cross_attention=False)
+    built.load_state_dict(decoder.state_dict())  # strict: the builder's layout, without a norm2 in any layer
     x = torch.randn(2, seq, d_model, dtype=torch.float64)
     with torch.no_grad():
         difference = (decoder(x, None, tgt_mask=causal_mask(seq)) - encoder(x, causal_mask(seq))).abs().max()
@@ -339,9 +371,26 @@ def test_a_decoder_only_stack_is_our_encoder_with_a_causal_mask_float64(norm_fir
 def test_a_cross_attention_layer_without_memory_says_it_needs_the_memory():
     x = torch.randn(2, 3, 8)
     with pytest.raises(ValueError, match="needs the encoder's memory"):
-        DecoderLayer(8, 2, 12, dropout=0.0)(x, None)
+        build_decoder_layer(8, 2, 12, dropout=0.0)(x, None)
     with pytest.raises(ValueError, match="needs the encoder's memory"):
-        Decoder(8, 2, 12, 2, dropout=0.0)(x, None, tgt_mask=causal_mask(3))
+        build_decoder(8, 2, 12, 2, dropout=0.0)(x, None, tgt_mask=causal_mask(3))
+
+
+def test_a_decoder_layer_refuses_a_shared_norm_and_a_cross_attention_without_its_norm():
+    layer = build_decoder_layer(8, 2, 12)
+    parts = dict(self_attn=layer.self_attn, cross_attn=layer.cross_attn, ffn=layer.ffn, norm1=layer.norm1,
+                 norm2=layer.norm2, norm3=layer.norm3)
+    for shared in ({"norm3": layer.norm1}, {"norm2": layer.norm3}, {"cross_attn": None, "norm2": None,
+                                                                     "norm3": layer.norm1}):
+        with pytest.raises(ValueError, match="the same norm module"):
+            DecoderLayer(**{**parts, **shared})
+    for unpaired in ({"norm2": None}, {"cross_attn": None}):
+        with pytest.raises(ValueError, match="give cross_attn and norm2, or neither"):
+            DecoderLayer(**{**parts, **unpaired})
+    # The parts are the layer's own: one built from them computes what it computes.
+    again = DecoderLayer(**parts, dropout=0.1).eval()
+    x, memory = torch.randn(2, 3, 8), torch.randn(2, 4, 8)
+    assert torch.equal(again(x, memory), layer.eval()(x, memory))
 
 
 # -- load_torch_transformer refuses what it cannot copy faithfully --------------------------------
@@ -356,7 +405,7 @@ def _torch_transformer(**kwargs):
 
 def _ours_for_torch(**kwargs):
     options = dict(d_model=12, heads=3, n_encoder_layers=2, n_decoder_layers=2, d_ff=10, dropout=0.0)
-    return Transformer(11, 11, **{**options, **kwargs})
+    return _transformer(11, 11, **{**options, **kwargs})
 
 
 @pytest.mark.parametrize(("ours", "theirs", "named"), [
@@ -406,17 +455,40 @@ def _student_transformer():
 
 
 student = _student_transformer()
+def builder_for(cls, mistake=""):
+    """build_decoder_layer for the layer class ``cls`` (the library's choice of parts), or with one mistake in it."""
+    def build(d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu", cross_attention=True):
+        cross = {"inverted": not cross_attention, "never": False, "always cross-attention": True}.get(
+            mistake, cross_attention)
+        self_attn = student.MultiHeadAttention(d_model, heads, dropout=0.0 if mistake == "attention dropout" else
+                                               dropout)
+        cross_attn = self_attn if mistake == "one attention" else student.MultiHeadAttention(d_model, heads,
+                                                                                            dropout=dropout)
+        norm1 = student.LayerNorm(d_model)
+        return cls(
+            self_attn,
+            cross_attn if cross else None,
+            student.FeedForward(d_model, d_ff, "relu" if mistake == "hard-coded relu" else activation, dropout),
+            norm1,
+            student.LayerNorm(d_model) if cross or mistake == "norm2 always" else None,
+            norm1 if mistake == "shared norm" else student.LayerNorm(d_model),
+            0.0 if mistake == "layer dropout" else dropout,
+            False if mistake == "no norm_first" else norm_first,
+        )
+
+    return build
 
 
 def test_checks_pass_on_the_solution(capsys):
     check_target_mask(student.target_mask)
     check_decoder_layer_init(student.DecoderLayer)
+    check_build_decoder_layer(student.build_decoder_layer)
     check_decoder_layer_post_norm(student.DecoderLayer)
     check_decoder_layer_pre_norm(student.DecoderLayer)
     check_greedy(student.greedy)
     check_logits_that_change(student.logits_that_change)
     out = capsys.readouterr()
-    assert out.out.count("✔") == 6 and out.err == ""
+    assert out.out.count("✔") == 7 and out.err == ""
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -454,6 +526,11 @@ def test_function_checks_fail_on_the_stub(check):
 def test_layer_checks_fail_on_the_stub(check):
     with pytest.raises(CheckFailure, match="not implemented yet"):
         check(StubLayer)
+
+
+def test_builder_check_fails_on_the_stub():
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        check_build_decoder_layer(_stub)
 
 
 # Mistakes in target_mask.
@@ -535,21 +612,72 @@ def test_mistake_free_layer_copy_passes():
     check_decoder_layer_pre_norm(layer_mistake(""), seed=4, dtype=torch.float64)
 
 
-def test_init_check_names_shared_norms_and_missing_dropout():
-    class SharedNorm(student.DecoderLayer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.norm3 = self.norm2
+def _constructor_mistake(mistake):
+    """The library's layer with one mistake in what its constructor does with the parts it is given."""
+    class Mistaken(student.DecoderLayer):
+        def __init__(self, self_attn, cross_attn, ffn, norm1, norm2, norm3, dropout=0.1, norm_first=False):
+            if mistake == "no refusals":  # the library's constructor, without its two ValueErrors
+                nn.Module.__init__(self)
+                self.norm_first = norm_first
+                self.self_attn, self.cross_attn, self.ffn = self_attn, cross_attn, ffn
+                self.norm1, self.norm2, self.norm3 = norm1, norm2, norm3
+                self.dropout1, self.dropout3 = nn.Dropout(dropout), nn.Dropout(dropout)
+                self.dropout2 = nn.Dropout(dropout) if cross_attn is not None else None
+                return
+            super().__init__(self_attn, cross_attn, ffn, norm1, norm2, norm3, dropout, norm_first)
+            if mistake == "norms swapped":
+                self.norm2, self.norm3 = norm3, norm2
+            elif mistake == "own norm":
+                self.norm1 = student.LayerNorm(norm1.weight.shape[0])
+            elif mistake == "no dropout3":
+                del self.dropout3
+            elif mistake == "dropout2 always":
+                self.dropout2 = nn.Dropout(dropout)
+            elif mistake == "dropout p fixed":
+                self.dropout1 = nn.Dropout(0.1)
 
-    class NoDropout3(student.DecoderLayer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            del self.dropout3
+    return Mistaken
 
-    with pytest.raises(CheckFailure, match="one and the same module"):
-        check_decoder_layer_init(SharedNorm)
-    with pytest.raises(CheckFailure, match="no dropout3"):
-        check_decoder_layer_init(NoDropout3)
+
+@pytest.mark.parametrize(("mistake", "message"), [
+    ("norms swapped", r"self\.norm2 holds the module given as norm3: the parameters come in the order"),
+    ("own norm", r"self\.norm1 is not the module given as norm1: store the given part itself"),
+    ("no dropout3", "gives a layer without dropout3"),
+    ("dropout2 always", r"DecoderLayer\(self_attn, None, .* gives a layer with a dropout2: a decoder-only block"),
+    ("dropout p fixed", r"dropout1\.p is 0\.1: pass dropout on"),
+    ("no refusals", r"DecoderLayer\(self_attn, cross_attn, ffn, norm1, None, norm3\) should raise a ValueError"),
+])
+def test_init_check_names_mistakes_in_the_constructor(mistake, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_decoder_layer_init(_constructor_mistake(mistake))
+
+
+def test_init_check_names_a_shared_norm_that_the_layer_lets_through():
+    class RefusesUnpairedOnly(student.DecoderLayer):
+        """The library's constructor, refusing a cross_attn without norm2 but not a norm in two places."""
+        def __init__(self, self_attn, cross_attn, ffn, norm1, norm2, norm3, dropout=0.1, norm_first=False):
+            super().__init__(self_attn, cross_attn, ffn, norm1, norm2, student.LayerNorm(norm1.weight.shape[0]),
+                             dropout, norm_first)
+            self.norm3 = norm3
+
+    with pytest.raises(CheckFailure, match=r"DecoderLayer\(self_attn, cross_attn, ffn, norm, norm2, norm\) should "
+                                           r"raise a ValueError \(one norm in two sublayers"):
+        check_decoder_layer_init(RefusesUnpairedOnly)
+
+
+@pytest.mark.parametrize(("mistake", "message"), [
+    ("shared norm", r"raised ValueError: two sublayers are given the same norm module"),
+    ("norm2 always", r"raised ValueError: norm2 belongs to the cross-attention sublayer"),
+    ("one attention", "self_attn and cross_attn one and the same module: create two MultiHeadAttention"),
+    ("attention dropout", r"self_attn\.dropout should drop with p=0\.25 too"),
+    ("layer dropout", r"dropout1\.p 0\.0: pass dropout on to DecoderLayer"),
+    ("hard-coded relu", r"Built with activation='gelu', the FFN of your build_decoder_layer's layer computes ReLU"),
+    ("no norm_first", r"Built with norm_first=True, .* pass norm_first on to DecoderLayer"),
+    ("always cross-attention", "cross_attention=False .* self.cross_attn should be None"),
+])
+def test_builder_check_names_mistakes_in_the_choice_of_parts(mistake, message):
+    with pytest.raises(CheckFailure, match=message):
+        check_build_decoder_layer(builder_for(student.DecoderLayer, mistake))
 
 
 # Mistakes in greedy generation.
@@ -632,12 +760,20 @@ def test_using_the_reference_is_not_own_work():
         check_greedy(stepformer.transformer.greedy)
 
     class UsesPyTorch(nn.Module):
-        def __init__(self, d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
+        def __init__(self, self_attn, cross_attn, ffn, norm1, norm2, norm3, dropout=0.1, norm_first=False):
             super().__init__()
-            self.inner = nn.TransformerDecoderLayer(d_model, heads, d_ff, dropout, batch_first=True)
+            self.inner = nn.TransformerDecoderLayer(norm1.weight.shape[0], 1, 4, dropout, batch_first=True)
+
+    def builds_pytorch_layer(d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu",
+                             cross_attention=True):
+        return nn.TransformerDecoderLayer(d_model, heads, d_ff, dropout, activation, batch_first=True)
 
     with pytest.raises(CheckFailure, match="Not your own work"):
         check_decoder_layer_init(UsesPyTorch)
+    with pytest.raises(CheckFailure, match="Not your own work"):
+        check_build_decoder_layer(builds_pytorch_layer)
+    with pytest.raises(CheckFailure, match="Not your own work"):
+        check_build_decoder_layer(stepformer.transformer.build_decoder_layer)
 
 
 def test_replay_of_a_module_check_needs_no_module(monkeypatch, tmp_path):
@@ -686,12 +822,6 @@ def test_target_mask_check_names_a_single_mask_refused_by_the_signature():
 def option_mistake(mistake):
     """The library's layer, written out, with one mistake in an option the earlier checks never used."""
     class Mistaken(student.DecoderLayer):
-        def __init__(self, d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu",
-                     cross_attention=True):
-            super().__init__(d_model, heads, d_ff, dropout, norm_first,
-                             "relu" if mistake == "hard-coded relu" else activation,
-                             cross_attention or mistake == "always cross-attention")
-
         def forward(self, x, memory, src_mask=None, tgt_mask=None, cache=None):
             add_and_norm = student.add_and_norm
             if mistake == "memory always needed" and memory is None:
@@ -730,8 +860,6 @@ def test_option_mistake_free_layer_passes():
 @pytest.mark.parametrize(("check", "mistake", "message"), [
     (check_decoder_layer_post_norm, "no dropout2", "skips dropout2"),
     (check_decoder_layer_pre_norm, "no dropout3", "skips dropout3"),
-    (check_decoder_layer_post_norm, "hard-coded relu", "built with activation='gelu'"),
-    (check_decoder_layer_init, "always cross-attention", "cross_attention=False .* self.cross_attn should be None"),
     (check_decoder_layer_init, "no memory check", "memory=None should raise a ValueError"),
     (check_decoder_layer_pre_norm, "memory always needed", "Without cross-attention the layer needs no memory"),
     (check_decoder_layer_post_norm, "mask always given", r"tgt_len=1\) and tgt_mask=None: .*raised AttributeError"),
@@ -820,14 +948,11 @@ def test_target_mask_check_names_the_causal_mask_alone_only_when_the_value_is_it
 
 
 def _init_mistake(mistake):
-    class Mistaken(student.DecoderLayer):
-        def __init__(self, d_model, heads, d_ff, dropout=0.1, norm_first=False, activation="relu",
-                     cross_attention=True):
-            flipped = not cross_attention if mistake == "inverted" else cross_attention
-            super().__init__(d_model, heads, d_ff, dropout, norm_first, activation, flipped)
-            if mistake == "never":
-                self.cross_attn = None
+    """(check, student): the builder with a mistake in its cross_attention, or the layer with one in its forward."""
+    if mistake in ("inverted", "never"):
+        return check_build_decoder_layer, builder_for(student.DecoderLayer, mistake)
 
+    class Mistaken(student.DecoderLayer):
         def forward(self, x, memory, src_mask=None, tgt_mask=None, cache=None):
             if mistake == "reads the cache":
                 cache.self_attn  # noqa: B018
@@ -842,12 +967,12 @@ def _init_mistake(mistake):
                 return x
             return super().forward(x, memory, src_mask, tgt_mask, cache)
 
-    return Mistaken
+    return check_decoder_layer_init, Mistaken
 
 
 @pytest.mark.parametrize(("mistake", "named", "not_named"), [
     ("inverted", "the condition is inverted", "no parameter"),
-    ("never", "has self.cross_attn None: create it", "inverted"),
+    ("never", r"gives the layer no cross-attention \(self.cross_attn is None\): create it", "inverted"),
     ("reads the cache", "Read the cache's parts only when cache is not None", "should raise a ValueError"),
     ("other attribute", "raised AttributeError", "cache"),
     ("skips cross", "never calls self.cross_attn", "raised"),
@@ -855,7 +980,8 @@ def _init_mistake(mistake):
 ])
 def test_init_check_names_only_verified_mistakes(mistake, named, not_named):
     with pytest.raises(CheckFailure, match=named) as failure:
-        check_decoder_layer_init(_init_mistake(mistake))
+        check, wrong = _init_mistake(mistake)
+        check(wrong)
     assert not_named not in str(failure.value)
 
 
@@ -971,9 +1097,12 @@ def _message(check, student):
 
 @pytest.mark.parametrize(("check", "student"), [
     (check_target_mask, lambda tgt, pad_id: student.padding_mask(tgt, pad_id) & student.causal_mask(tgt.shape[2])),
-    (check_decoder_layer_init, _init_mistake("inverted")),
-    (check_decoder_layer_init, _init_mistake("reads the cache")),
-    (check_decoder_layer_init, _init_mistake("skips cross")),
+    _init_mistake("inverted"),
+    _init_mistake("reads the cache"),
+    _init_mistake("skips cross"),
+    (check_build_decoder_layer, builder_for(student.DecoderLayer, "no norm_first")),
+    (check_build_decoder_layer, builder_for(student.DecoderLayer, "hard-coded relu")),
+    (check_decoder_layer_init, _constructor_mistake("norms swapped")),
     *((check_greedy, _loop(mistake)) for mistake in ("rows from src_len", "argmax over batch", "rows", "reset")),
     (check_logits_that_change, _measured("no abs")),
 ])

@@ -44,8 +44,10 @@ class DecoderLayer(nn.Module):
     value, mask, cache=...)`` (chapter 03's, or chapter 10's, which also rotates positions),
     ``ffn`` as ``ffn(x)``, and ``norm1``-``norm3`` are three separate norms, one per sublayer.
     ``cross_attn=None`` with ``norm2=None`` leaves the middle sublayer out: a decoder-only (GPT)
-    block, with no ``norm2`` or ``dropout2`` either. Attribute names are
-    ``torch.nn.TransformerDecoderLayer``'s, with ``cross_attn`` for its ``multihead_attn``;
+    block, with no ``norm2`` or ``dropout2`` either. One norm module given twice, or only one of
+    ``cross_attn`` and ``norm2``, raises ``ValueError``. ``dropout`` acts on each sublayer's output
+    before the residual add (``dropout1``-``dropout3``); ``norm_first`` chooses pre-norm. Attribute
+    names are ``torch.nn.TransformerDecoderLayer``'s, with ``cross_attn`` for its ``multihead_attn``;
     :func:`build_decoder_layer` builds PyTorch's layer from this course's parts.
     """
 
@@ -116,7 +118,12 @@ def build_decoder_layer(
     cross_attention: bool = True,
 ) -> DecoderLayer:
     """``torch.nn.TransformerDecoderLayer(d_model, heads, d_ff, dropout, activation, norm_first=...)`` from the
-    course's parts; ``cross_attention=False``: a decoder-only block (no ``cross_attn``, ``norm2``, ``dropout2``)."""
+    course's parts: two multi-head attentions (03), the feed-forward network (04), three LayerNorms (05).
+
+    ``dropout`` goes where PyTorch puts it: the attention weights, the FFN's hidden units and each
+    sublayer's output; ``activation`` goes to the FFN. ``cross_attention=False``: a decoder-only
+    block (``None`` for ``cross_attn`` and ``norm2``).
+    """
     return DecoderLayer(
         MultiHeadAttention(d_model, heads, dropout=dropout),
         MultiHeadAttention(d_model, heads, dropout=dropout) if cross_attention else None,
@@ -130,7 +137,8 @@ def build_decoder_layer(
 
 
 class Decoder(nn.Module):
-    """A stack of :class:`DecoderLayer` s, then a final norm (``norm``; none: ``nn.Identity``), as in torch's."""
+    """A stack of layers (:class:`DecoderLayer`), each reading the same ``memory``, then a final norm (``norm``;
+    none: ``nn.Identity``), as in ``torch.nn.TransformerDecoder``."""
 
     def __init__(self, layers: Iterable[nn.Module], norm: nn.Module | None = None) -> None:
         super().__init__()
@@ -165,8 +173,8 @@ def build_decoder(
     final_norm: bool = True,
     cross_attention: bool = True,
 ) -> Decoder:
-    """``torch.nn.TransformerDecoder`` of ``layers`` :func:`build_decoder_layer` layers, with a final LayerNorm if
-    ``final_norm``."""
+    """``torch.nn.TransformerDecoder`` of ``layers`` :func:`build_decoder_layer` layers, each built afresh with its own
+    weights, with a final LayerNorm if ``final_norm``; ``cross_attention=False``: a decoder-only (GPT) stack."""
     return Decoder(
         (build_decoder_layer(d_model, heads, d_ff, dropout, norm_first, activation, cross_attention)
          for _ in range(layers)),

@@ -1,11 +1,13 @@
 """Checks for chapter 08: the target mask, the decoder layer, greedy generation, and a measurement of teacher forcing.
 
-The decoder layer's oracle is PyTorch's own ``torch.nn.TransformerDecoderLayer`` (``batch_first=True``)
-with seeded weights copied into the student's module, run with a causal and padding target mask and a
-padding mask of the source. To name a mistake, a check compares the student's output with this module's
-written-out decoder layer, run with that mistake switched on. Greedy generation is compared with a loop
-written out here, on a small seeded model whose sentences end at different steps. Every touch of a
-student object goes through :func:`call`.
+The decoder layer is given its parts. Its checks hand the student's ``DecoderLayer`` parts of their own
+(an attention, a feed-forward network, PyTorch's LayerNorm), so that they check its wiring alone; the
+oracle is PyTorch's own ``torch.nn.TransformerDecoderLayer`` (``batch_first=True``) with seeded weights
+copied into those parts, run with a causal and padding target mask and a padding mask of the source. To
+name a mistake, a check compares the student's output with this module's written-out decoder layer, run
+with that mistake switched on. ``build_decoder_layer``, the choice of parts, has a check of its own. Greedy
+generation is compared with a loop written out here, on a small seeded model whose sentences end at
+different steps. Every touch of a student object goes through :func:`call`.
 """
 
 import contextlib
@@ -244,7 +246,6 @@ def _reference_layer(state: dict[str, Tensor], heads: int, x: Tensor, memory: Te
                      tgt_mask: Tensor | None, norm_first: bool, mistake: str = "", activation: str = "relu") -> Tensor:
     """One decoder layer from the weights in ``state``, or a named mistake of it."""
     norm_first = not norm_first if mistake == "swapped placement" else norm_first
-    activation = "relu" if mistake == "relu for gelu" else activation
     tgt_mask = None if mistake == "no target mask" else tgt_mask
     src_mask = None if mistake == "no source mask" else src_mask
 
@@ -284,7 +285,7 @@ def _mistaken(state: dict[str, Tensor], heads: int, x: Tensor, memory: Tensor, s
         return torch.full_like(x, math.nan)
 
 
-def _layer_mistakes(norm_first: bool, masked_source: bool, activation: str = "relu") -> dict[str, str]:
+def _layer_mistakes(norm_first: bool, masked_source: bool) -> dict[str, str]:
     hints = {
         "cross reads the decoder": (
             "Your cross-attention reads its keys and values from the decoder, not from the encoder's memory: it is "
@@ -308,10 +309,6 @@ def _layer_mistakes(norm_first: bool, masked_source: bool, activation: str = "re
         hints["no source mask"] = (
             "Your cross-attention ignores src_mask, so the target reads the source's padding: pass src_mask to "
             "self.cross_attn(h, memory, memory, src_mask).")
-    if activation == "gelu":
-        hints["relu for gelu"] = (
-            "Your layer computes ReLU although it was built with activation='gelu': pass activation on to "
-            "FeedForward(d_model, d_ff, activation, dropout) instead of leaving it at its default.")
     return hints
 
 
@@ -342,22 +339,206 @@ def _layer_state(layer: nn.TransformerDecoderLayer) -> dict[str, Tensor]:
     return state
 
 
-def _layer_shapes(s: dict[str, int]) -> dict[str, list[int]]:
+def _layer_shapes(s: dict[str, int], cross_attention: bool = True) -> dict[str, list[int]]:
     d, d_ff = s["d_model"], s["d_ff"]
     shapes = {}
-    for attn in ("self_attn", "cross_attn"):
+    for attn in ("self_attn", "cross_attn") if cross_attention else ("self_attn",):
         shapes |= {f"{attn}.{p}.weight": [d, d] for p in ("w_q", "w_k", "w_v", "w_o")}
         shapes |= {f"{attn}.{p}.bias": [d] for p in ("w_q", "w_k", "w_v", "w_o")}
     shapes |= {"ffn.linear1.weight": [d_ff, d], "ffn.linear1.bias": [d_ff], "ffn.linear2.weight": [d, d_ff],
                "ffn.linear2.bias": [d]}
-    for norm in ("norm1", "norm2", "norm3"):
+    for norm in ("norm1", "norm2", "norm3") if cross_attention else ("norm1", "norm3"):
         shapes |= {f"{norm}.weight": [d], f"{norm}.bias": [d]}
     return shapes
 
 
 LAYER_HINT = ("Keep the attribute names of torch.nn.TransformerDecoderLayer, with cross_attn for its multihead_attn: "
-              "self_attn and cross_attn (two given MultiHeadAttention), ffn (the given FeedForward), norm1, norm2 and "
-              "norm3 (three LayerNorm(d_model)).")
+              "store the given parts as self.self_attn, self.cross_attn, self.ffn, self.norm1, self.norm2 and "
+              "self.norm3.")
+BUILD_HINT = ("build_decoder_layer gives DecoderLayer two MultiHeadAttention(d_model, heads, dropout=dropout), one "
+              "FeedForward(d_model, d_ff, activation, dropout) and three LayerNorm(d_model).")
+PART_NAMES = ("self_attn", "cross_attn", "ffn", "norm1", "norm2", "norm3")
+
+
+def _signature(parts: dict[str, Any], dropout: float, norm_first: bool) -> str:
+    """How a message writes the call that built a layer from ``parts`` (None where a part is left out)."""
+    given = ", ".join(name if parts[name] is not None else "None" for name in PART_NAMES)
+    return f"DecoderLayer({given}, dropout={dropout}, norm_first={norm_first})"
+
+
+def _layer_from_parts(cls: Callable[..., Any], parts: dict[str, Any], dropout: float, norm_first: bool) -> Any:
+    """The student's layer, given ``parts`` in the order of its signature; a failure names the call by its parts."""
+    try:
+        return call(cls, *(parts[name] for name in PART_NAMES), dropout=dropout, norm_first=norm_first)
+    except CodeRaised as failure:  # its own message would print every part's repr
+        raise CodeRaised(f"{_signature(parts, dropout, norm_first)} raised {failure.error}: {failure.text}",
+                         failure.error, failure.text) from None
+
+
+class _Attention(nn.Module):
+    """The check's own multi-head attention, as a layer is given it: ``w_q``, ``w_k``, ``w_v``, ``w_o`` and dropout
+    on the attention weights, called as ``attention(query, key, value, mask, cache=None)``; a query row without any
+    key left reads nothing (zeros), as in the course's attention."""
+
+    def __init__(self, d_model: int, heads: int, dropout: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.heads = heads
+        self.w_q, self.w_k, self.w_v, self.w_o = (nn.Linear(d_model, d_model, dtype=dtype) for _ in range(4))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
+                cache: Any = None) -> Tensor:
+        def split(t: Tensor) -> Tensor:
+            return rearrange(t, "batch seq (heads d_head) -> batch heads seq d_head", heads=self.heads)
+
+        q, k, v = split(self.w_q(query)), split(self.w_k(key)), split(self.w_v(value))
+        scores = einsum(q, k, "batch heads q_len d_head, batch heads k_len d_head -> batch heads q_len k_len")
+        scores = scores / math.sqrt(q.shape[-1])
+        if mask is not None:
+            has_key = mask.any(dim=-1, keepdim=True)
+            scores = scores.masked_fill(~mask, -math.inf).masked_fill(~has_key, 0.0)
+        weights = scores.softmax(-1)
+        if mask is not None:
+            weights = weights.masked_fill(~has_key, 0.0)
+        out = einsum(self.dropout(weights), v,
+                     "batch heads q_len k_len, batch heads k_len d_head -> batch heads q_len d_head")
+        return self.w_o(rearrange(out, "batch heads q_len d_head -> batch q_len (heads d_head)"))
+
+
+class _FeedForward(nn.Module):
+    """The check's own FFN, as a layer is given it: linear2(dropout(activation(linear1(x))))."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, dropout: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(d_model, d_ff, dtype=dtype)
+        self.linear2 = nn.Linear(d_ff, d_model, dtype=dtype)
+        self.dropout = nn.Dropout(dropout)
+        self.gelu = activation == "gelu"
+
+    def forward(self, x: Tensor) -> Tensor:
+        pre = self.linear1(x)
+        return self.linear2(self.dropout(F.gelu(pre) if self.gelu else torch.relu(pre)))  # exact GELU, as PyTorch's
+
+
+def _parts(s: dict[str, int], dropout: float = 0.0, activation: str = "relu", cross_attention: bool = True,
+           dtype: torch.dtype = torch.float32) -> dict[str, nn.Module | None]:
+    """The parts of the check's own that a layer is given, one object each, the norms PyTorch's LayerNorm: the
+    student's wiring is checked alone, whatever the notebook's parts and builder do."""
+    d = s["d_model"]
+    with torch.random.fork_rng(devices=[]):  # their initialisation would move the student's RNG
+        return {"self_attn": _Attention(d, s["heads"], dropout, dtype),
+                "cross_attn": _Attention(d, s["heads"], dropout, dtype) if cross_attention else None,
+                "ffn": _FeedForward(d, s["d_ff"], activation, dropout, dtype),
+                "norm1": nn.LayerNorm(d, dtype=dtype),
+                "norm2": nn.LayerNorm(d, dtype=dtype) if cross_attention else None,
+                "norm3": nn.LayerNorm(d, dtype=dtype)}
+
+
+def _build_layer(cls: Callable[..., Any], s: dict[str, int], dropout: float, norm_first: bool,
+                 activation: str = "relu", cross_attention: bool = True, dtype: torch.dtype = torch.float32) -> Any:
+    """The student's DecoderLayer given the check's own parts."""
+    return _layer_from_parts(cls, _parts(s, dropout, activation, cross_attention, dtype), dropout, norm_first)
+
+
+def _stored(module: nn.Module, parts: dict[str, Any]) -> dict[str, str]:
+    """For each part's attribute: the name of the given part it holds, "None", "missing" or "other"."""
+    found = {}
+    for name in PART_NAMES:
+        if not hasattr(module, name):
+            found[name] = "missing"
+            continue
+        value = getattr(module, name)
+        held = next((given for given, part in parts.items() if part is not None and part is value), "other")
+        found[name] = "None" if value is None else held
+    return found
+
+
+def _check_stores_parts(cls: Callable[..., Any], s: dict[str, int], cross_attention: bool) -> None:
+    """Built from the check's own parts: each stored under its name, dropout1-dropout3 (no dropout2 without
+    cross-attention) with the given p."""
+    parts = _parts(s, cross_attention=cross_attention)
+    built = _signature(parts, 0.25, False)
+    module = _layer_from_parts(cls, parts, 0.25, False)
+    stored = call(_stored, module, parts)
+    for name in PART_NAMES:
+        expected = name if parts[name] is not None else "None"
+        got = stored[name]
+        if got == expected:
+            continue
+        if got == "missing":
+            raise CheckFailure(f"{built} gives a layer without self.{name}. {LAYER_HINT}")
+        if expected == "None":
+            raise CheckFailure(f"{built} gives a layer whose self.{name} is not None: without cross-attention the "
+                               f"layer keeps {name} None as it is given.")
+        if got == "other":
+            raise CheckFailure(f"{built} gives a layer whose self.{name} is not the module given as {name}: store the "
+                               f"given part itself (self.{name} = {name}); the layer is its wiring, and "
+                               "build_decoder_layer chooses its parts.")
+        held = "None" if got == "None" else f"the module given as {got}"
+        raise CheckFailure(f"{built} gives a layer whose self.{name} holds {held}: the parameters come in the order "
+                           "(self_attn, cross_attn, ffn, norm1, norm2, norm3, dropout, norm_first), and each part is "
+                           "stored under its own name.")
+    dropouts = call(_layout, module)["dropouts"]
+    for name in ("dropout1", "dropout2", "dropout3") if cross_attention else ("dropout1", "dropout3"):
+        p = dropouts.get(name)
+        if p is None:
+            raise CheckFailure(f"{built} gives a layer without {name}: each sublayer's output gets its own "
+                               "nn.Dropout(dropout), named dropout1, dropout2 and dropout3 as in PyTorch.")
+        if p != 0.25:
+            raise CheckFailure(f"{built} gives a layer whose {name}.p is {p}: pass dropout on to nn.Dropout(dropout).")
+    if not cross_attention and "dropout2" in dropouts:
+        raise CheckFailure(f"{built} gives a layer with a dropout2: a decoder-only block has no middle sublayer, so "
+                           "it has neither norm2 nor dropout2 (self.dropout2 = None), one layout for every such "
+                           "block.")
+
+
+def _check_refuses(cls: Callable[..., Any], s: dict[str, int]) -> None:
+    """ValueError for a cross-attention without its norm2 (or the other way round) and for one norm in two places."""
+    parts = _parts(s)
+    pairing = "norm2 belongs to the cross-attention sublayer: a layer gets cross_attn and norm2, or neither"
+    sharing = "one norm in two sublayers would give both the same weight and bias: each sublayer needs its own"
+    cases = [
+        ({**parts, "norm2": None}, "DecoderLayer(self_attn, cross_attn, ffn, norm1, None, norm3)", pairing),
+        ({**parts, "cross_attn": None}, "DecoderLayer(self_attn, None, ffn, norm1, norm2, norm3)", pairing),
+        ({**parts, "norm3": parts["norm1"]}, "DecoderLayer(self_attn, cross_attn, ffn, norm, norm2, norm)", sharing),
+        ({**parts, "cross_attn": None, "norm2": None, "norm3": parts["norm1"]},
+         "DecoderLayer(self_attn, None, ffn, norm, None, norm)", sharing),
+    ]
+    for given, written, why in cases:
+        error = call(_error_of, cls, *(given[name] for name in PART_NAMES), dropout=0.25, norm_first=False)
+        if error != "ValueError":
+            raised = "no error" if error is None else f"a {error}"
+            raise CheckFailure(f"{written} should raise a ValueError ({why}); it raised {raised}.")
+
+
+def _ffn_activation(module: nn.Module, x: Tensor) -> str:
+    """Which activation the layer's FFN computes: "relu", "gelu", or "" (neither, or not the given FeedForward)."""
+    try:
+        ffn = module.ffn
+        pre = x @ ffn.linear1.weight.T + ffn.linear1.bias
+        out = ffn(x)
+        for name, activation in (("gelu", F.gelu), ("relu", torch.relu)):
+            if torch.allclose(out, activation(pre) @ ffn.linear2.weight.T + ffn.linear2.bias, atol=1e-5):
+                return name
+    except Exception:  # another FFN than the given one: nothing to say about it here
+        pass
+    return ""
+
+
+def _placement(module: nn.Module, x: Tensor, memory: Tensor) -> str:
+    """Which placement the built layer computes: its output against its own class rebuilt from its parts with
+    norm_first True and False ("pre", "post", or "" when neither or both)."""
+    try:
+        cls = type(module)
+        parts = [getattr(module, name) for name in PART_NAMES]
+        module.eval()
+        with torch.no_grad():
+            out = module(x, memory)
+            same = {name: torch.allclose(out, cls(*parts, dropout=0.0, norm_first=first).eval()(x, memory), atol=1e-5)
+                    for name, first in (("pre", True), ("post", False))}
+    except Exception:  # a layer that cannot be rebuilt from its parts: nothing to say about it here
+        return ""
+    return next(iter(name for name, equal in same.items() if equal)) if sum(same.values()) == 1 else ""
 
 
 def _inputs(s: dict[str, int], dtype: torch.dtype, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -443,37 +624,78 @@ def _check_runs_with_memory(module: Any, x: Tensor, memory: Tensor) -> None:
                            "None, and there a missing memory raises a ValueError.")
 
 
+def _build(build: Callable[..., Any], s: dict[str, int], **options: Any) -> Any:
+    return call(build, s["d_model"], s["heads"], s["d_ff"], **options)
+
+
 @check(forbid=BUILT_IN_DECODER)
-def check_decoder_layer_init(cls: Callable[..., Any], seed: int = 0) -> None:
-    """self_attn, cross_attn, ffn, norm1-norm3, dropout1-dropout3; no cross_attn without cross-attention; ValueError
-    for a missing memory."""
+def check_build_decoder_layer(build: Callable[..., Any], seed: int = 0) -> None:
+    """torch.nn.TransformerDecoderLayer's parts: two MultiHeadAttention, a FeedForward, three separate LayerNorms,
+    given dropout, activation and norm_first; cross_attention=False leaves out cross_attn and norm2."""
     s = _sizes(seed)
-    module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.25)
+    module = _build(build, s, dropout=0.25)
+    what = "The layer that your build_decoder_layer builds"
     if call(_set_to_none, module, "cross_attn"):
-        other = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.25, cross_attention=False)
+        other = _build(build, s, dropout=0.25, cross_attention=False)
         if any(name.startswith("cross_attn.") for name in call(_layout, other)["shapes"]):
-            raise CheckFailure("Your DecoderLayer built with cross_attention=True (the default) has self.cross_attn "
-                               "None, and built with cross_attention=False it has a cross-attention: the condition "
-                               "is inverted. Create cross_attn when cross_attention is True.")
-        raise CheckFailure("Your DecoderLayer built with cross_attention=True (the default) has self.cross_attn None: "
-                           "create it, a MultiHeadAttention(d_model, heads, dropout=dropout), when cross_attention is "
-                           "True.")
-    layout = _expect_parameters(module, _layer_shapes(s), "Your DecoderLayer", LAYER_HINT)
-    if ["self_attn", "cross_attn"] in layout["aliases"]:
-        raise CheckFailure("Your self_attn and cross_attn are one and the same module: create two "
+            raise CheckFailure("Your build_decoder_layer with cross_attention=True (the default) gives the layer no "
+                               "cross-attention, and with cross_attention=False it gives it one: the condition is "
+                               "inverted. Give it a cross_attn (and a norm2) when cross_attention is True.")
+        raise CheckFailure("Your build_decoder_layer with cross_attention=True (the default) gives the layer no "
+                           "cross-attention (self.cross_attn is None): create it, a MultiHeadAttention(d_model, heads, "
+                           "dropout=dropout), when cross_attention is True, with its own norm2.")
+    if ["self_attn", "cross_attn"] in call(_layout, module)["aliases"]:  # before the shapes: one set of weights
+        raise CheckFailure(f"{what} has self_attn and cross_attn one and the same module: create two "
                            "MultiHeadAttention objects, one for each sublayer.")
+    layout = _expect_parameters(module, _layer_shapes(s), what, f"{BUILD_HINT} {LAYER_HINT}")
     for name in ("dropout1", "dropout2", "dropout3"):
-        p = layout["dropouts"].get(name)
-        if p is None:
-            raise CheckFailure(f"Your DecoderLayer has no {name}: each of the three sublayers' outputs gets its own "
-                               "nn.Dropout(dropout), named dropout1, dropout2 and dropout3 as in PyTorch.")
-        if p != 0.25:
-            raise CheckFailure(f"With dropout=0.25, {name}.p is {p}: pass dropout on to nn.Dropout(dropout).")
+        if layout["dropouts"].get(name) != 0.25:
+            raise CheckFailure(f"With dropout=0.25, {what.lower()} has {name}.p {layout['dropouts'].get(name)}: "
+                               "pass dropout on to DecoderLayer(..., dropout, norm_first).")
     for name in ("self_attn.dropout", "cross_attn.dropout", "ffn.dropout"):
         if layout["dropouts"].get(name) != 0.25:
             raise CheckFailure(f"With dropout=0.25, {name} should drop with p=0.25 too (as in PyTorch): pass dropout "
                                "to both MultiHeadAttention(..., dropout=dropout) and to FeedForward(d_model, d_ff, "
                                "activation, dropout).")
+    g = torch.Generator().manual_seed(seed + 23)
+    x = torch.randn(2, 3, s["d_model"], generator=g)
+    memory = torch.randn(2, 4, s["d_model"], generator=g)
+    gelu = _build(build, s, dropout=0.0, activation="gelu")
+    if call(_ffn_activation, gelu, x) == "relu":
+        raise CheckFailure("Built with activation='gelu', the FFN of your build_decoder_layer's layer computes ReLU: "
+                           "pass activation on to FeedForward(d_model, d_ff, activation, dropout) instead of leaving "
+                           "it at its default.")
+    placement = call(_placement, _build(build, s, dropout=0.0, norm_first=True), x, memory)
+    if placement == "post":
+        raise CheckFailure("Built with norm_first=True, the layer of your build_decoder_layer computes what your "
+                           "DecoderLayer computes with norm_first=False, from the same parts: pass norm_first on to "
+                           "DecoderLayer(..., dropout, norm_first).")
+    decoder_only = _build(build, s, dropout=0.25, cross_attention=False)
+    shapes = call(_layout, decoder_only)["shapes"]
+    cross = sorted(name for name in shapes if name.startswith("cross_attn."))
+    if cross or not call(_is_none, decoder_only, "cross_attn"):
+        found = f" it has parameters {cross[:2]} ..." if cross else ""
+        raise CheckFailure(f"With cross_attention=False (a decoder-only block) self.cross_attn should be None;{found} "
+                           "create the cross-attention only when cross_attention is True.")
+    if any(name.startswith("norm2.") for name in shapes):
+        raise CheckFailure("With cross_attention=False (a decoder-only block) your build_decoder_layer still gives "
+                           "the layer a norm2: norm2 belongs to the cross-attention sublayer, so pass None for both "
+                           "cross_attn and norm2.")
+    _expect_parameters(decoder_only, _layer_shapes(s, cross_attention=False),
+                       "With cross_attention=False, the layer that your build_decoder_layer builds", LAYER_HINT)
+    passed("build_decoder_layer: torch.nn.TransformerDecoderLayer's parts, separate norms, with the given dropout, "
+           "activation and norm_first; no cross_attn or norm2 with cross_attention=False")
+
+
+@check(forbid=BUILT_IN_DECODER)
+def check_decoder_layer_init(cls: Callable[..., Any], seed: int = 0) -> None:
+    """DecoderLayer keeps its given parts, makes dropout1-dropout3 (no dropout2 without cross-attention), refuses a
+    norm in two places or a cross_attn without its norm2, and raises a ValueError for a missing memory."""
+    s = _sizes(seed)
+    _check_stores_parts(cls, s, cross_attention=True)
+    _check_stores_parts(cls, s, cross_attention=False)
+    _check_refuses(cls, s)
+    module = _build_layer(cls, s, 0.0, False)
     x = torch.randn(2, 3, s["d_model"], generator=torch.Generator().manual_seed(seed))
     error = call(_error_of, module, x, None, None, None)
     if error != "ValueError":
@@ -482,14 +704,8 @@ def check_decoder_layer_init(cls: Callable[..., Any], seed: int = 0) -> None:
         raise CheckFailure("A layer with cross-attention called with memory=None should raise a ValueError (it has "
                            f"nothing to attend to); it raised {'no error' if error is None else f'a {error}'}. Check "
                            "`memory is None` before the cross-attention sublayer.")
-    decoder_only = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.25, cross_attention=False)
-    cross = sorted(name for name in call(_layout, decoder_only)["shapes"] if name.startswith("cross_attn."))
-    if cross or not call(_is_none, decoder_only, "cross_attn"):
-        found = f" it has parameters {cross[:2]} ..." if cross else ""
-        raise CheckFailure(f"With cross_attention=False (a decoder-only block) self.cross_attn should be None;{found} "
-                           "create the cross-attention only when cross_attention is True.")
-    passed("DecoderLayer: self_attn, cross_attn, ffn, separate norm1-norm3, dropout1-dropout3; cross_attn None "
-           "without cross-attention; ValueError for memory=None")
+    passed("DecoderLayer keeps its given parts, has dropout1-dropout3 (no dropout2 without cross-attention), refuses a "
+           "shared norm or a cross_attn without norm2, and raises a ValueError for memory=None")
 
 
 def _compare(module: Any, oracle: nn.Module, state: dict[str, Tensor], s: dict[str, int], norm_first: bool,
@@ -507,7 +723,7 @@ def _compare(module: Any, oracle: nn.Module, state: dict[str, Tensor], s: dict[s
     if torch.isnan(got).any():
         hint = "Your output contains NaN: did a mask reach the softmax inverted (True means 'may attend')?"
     else:
-        hint = next((h for mistake, h in _layer_mistakes(norm_first, src_mask is not None, activation).items()
+        hint = next((h for mistake, h in _layer_mistakes(norm_first, src_mask is not None).items()
                      if close(got, _mistaken(state, s["heads"], x, memory, src_mask, tgt_mask, norm_first, mistake,
                                              activation), dtype)),
                     "Compare each sublayer with torch.nn.TransformerDecoderLayer's on a small example: masked "
@@ -544,16 +760,16 @@ DROPOUT_MISTAKES = {
 
 def _check_dropout_and_activation(cls: Callable[..., Any], s: dict[str, int], norm_first: bool, dtype: torch.dtype,
                                   seed: int, x: Tensor, memory: Tensor, src_mask: Tensor, tgt_mask: Tensor) -> None:
-    """Built with activation='gelu' and dropout=1.0: PyTorch's GELU layer in eval(); in training every sublayer's
-    output is dropped, which leaves x (pre-norm) or norm3(norm2(norm1(x))) (post-norm)."""
+    """Given GELU parts and dropout=1.0: PyTorch's GELU layer in eval(); in training every sublayer's output is
+    dropped, which leaves x (pre-norm) or norm3(norm2(norm1(x))) (post-norm)."""
     name = "pre-norm" if norm_first else "post-norm"
-    module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=1.0, norm_first=norm_first, activation="gelu")
+    module = _build_layer(cls, s, 1.0, norm_first, activation="gelu", dtype=dtype)
     _expect_parameters(module, _layer_shapes(s), "Your DecoderLayer", LAYER_HINT)
     oracle = _torch_layer(s, norm_first, dtype, seed + 1, activation="gelu")
     state = _layer_state(oracle)
     call(_load, module, state)
     _compare(module, oracle, state, s, norm_first, dtype, x, memory, src_mask, tgt_mask,
-             "built with activation='gelu' and dropout=1.0, in eval() mode (where dropout does nothing)", "gelu")
+             "given a GELU FeedForward and dropout=1.0, in eval() mode (where dropout does nothing)", "gelu")
     call(_set_training, module, True)
     got = expect_tensor(call(module, x, memory, src_mask, tgt_mask), "the output in training", tuple(x.shape),
                         "batch tgt_len d_model", dtype)
@@ -571,11 +787,12 @@ def _check_dropout_and_activation(cls: Callable[..., Any], s: dict[str, int], no
 
 def _check_decoder_only(cls: Callable[..., Any], s: dict[str, int], norm_first: bool, dtype: torch.dtype, seed: int,
                         x: Tensor) -> None:
-    """cross_attention=False is a decoder-only (GPT) block: PyTorch's encoder layer under a causal mask, whose
+    """cross_attn=None, norm2=None is a decoder-only (GPT) block: PyTorch's encoder layer under a causal mask, whose
     norm2 is our norm3."""
     name = "pre-norm" if norm_first else "post-norm"
-    what = f"a {name} layer built with cross_attention=False (a decoder-only block), memory=None and a causal mask"
-    module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.0, norm_first=norm_first, cross_attention=False)
+    what = (f"a {name} layer given cross_attn=None and norm2=None (a decoder-only block), memory=None and a causal "
+            "mask")
+    module = _build_layer(cls, s, 0.0, norm_first, cross_attention=False, dtype=dtype)
     oracle = _torch_encoder_layer(s, norm_first, dtype, seed + 2)
     state = {key.replace("norm2.", "norm3."): value for key, value in _encoder_layer_state(oracle).items()}
     if "norm2.weight" in call(_layout, module)["shapes"]:  # unused here: its own values, so that using it shows
@@ -756,9 +973,10 @@ def _check_cache_path(module: Any, oracle: nn.Module, state: dict[str, Tensor], 
 
 
 def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_first: bool) -> str:
-    """Every case of one norm placement; returns what the passed() line may say about the cache path."""
+    """Every case of one norm placement, the layer given the check's own parts; returns what the passed() line may
+    say about the cache path."""
     s = _sizes(seed)
-    module = call(cls, s["d_model"], s["heads"], s["d_ff"], dropout=0.0, norm_first=norm_first)
+    module = _build_layer(cls, s, 0.0, norm_first, dtype=dtype)
     _expect_parameters(module, _layer_shapes(s), "Your DecoderLayer", LAYER_HINT)
     oracle = _torch_layer(s, norm_first, dtype, seed)
     state = _layer_state(oracle)
@@ -784,19 +1002,21 @@ def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_fi
 
 @check(forbid=BUILT_IN_DECODER)
 def check_decoder_layer_post_norm(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Equal to torch.nn.TransformerDecoderLayer(norm_first=False) with copied weights, causal and padding masks."""
+    """Given parts with copied weights: equal to torch.nn.TransformerDecoderLayer(norm_first=False), causal and
+    padding masks."""
     cache = _check_layer(cls, seed, dtype, norm_first=False)
     passed(f"post-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks, for one "
-           f"sentence and one position, with activation='gelu', dropout only in training, and as a decoder-only block"
+           f"sentence and one position, with a GELU FFN, dropout only in training, and as a decoder-only block"
            f"{cache} ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_DECODER)
 def check_decoder_layer_pre_norm(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Equal to torch.nn.TransformerDecoderLayer(norm_first=True) with copied weights, causal and padding masks."""
+    """Given parts with copied weights: equal to torch.nn.TransformerDecoderLayer(norm_first=True), causal and
+    padding masks."""
     cache = _check_layer(cls, seed, dtype, norm_first=True)
     passed(f"pre-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks, for one "
-           f"sentence and one position, with activation='gelu', dropout only in training, and as a decoder-only block"
+           f"sentence and one position, with a GELU FFN, dropout only in training, and as a decoder-only block"
            f"{cache} ({dtype_name(dtype)})")
 
 
