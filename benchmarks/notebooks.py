@@ -1,6 +1,6 @@
 """How long each solution notebook takes, top to bottom, and its slowest cell.
 
-    .venv/bin/python benchmarks/notebooks.py                      # every chapter: about 6 minutes on 2 cores
+    .venv/bin/python benchmarks/notebooks.py                      # every chapter: about 2 minutes on 2 idle cores
     .venv/bin/python benchmarks/notebooks.py --chapters 10_gqa    # one
 
 A student runs the whole notebook many times, and nbgrader gives each cell 60 s when it grades: this
@@ -13,10 +13,8 @@ Not a test.
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -25,24 +23,29 @@ import nbformat
 import torch
 from tqdm import tqdm
 
+from stepformer.course.sandbox import Limits
+from stepformer.runs import commit as run_commit
+from stepformer.runs import save_json
+
 ROOT = Path(__file__).resolve().parents[1]
-CELL_LIMIT = 60  # nbgrader's per-cell time-out in the course's nbgrader_config.py
+CELL_LIMIT = Limits.cell_seconds  # the grader's per-cell time-out
 
 
 def _time(path: Path) -> dict:
     nb = nbformat.read(path, as_version=4)
     cells: list[tuple[float, int]] = []
 
-    class Timed(nbclient.NotebookClient):
-        async def async_execute_cell(self, cell, cell_index, *args, **kwargs):  # type: ignore[override]
-            started = time.perf_counter()
-            result = await super().async_execute_cell(cell, cell_index, *args, **kwargs)
-            cells.append((time.perf_counter() - started, cell_index))
-            return result
+    starts: dict[int, float] = {}
+
+    def cell_started(cell, cell_index: int) -> None:
+        starts[cell_index] = time.perf_counter()
+
+    def cell_done(cell, cell_index: int, execute_reply) -> None:
+        cells.append((time.perf_counter() - starts[cell_index], cell_index))
 
     started = time.perf_counter()
-    Timed(nb, timeout=10 * CELL_LIMIT, kernel_name="python3",
-          resources={"metadata": {"path": str(path.parent)}}).execute()
+    nbclient.NotebookClient(nb, timeout=10 * CELL_LIMIT, kernel_name="python3", on_cell_execute=cell_started,
+                            on_cell_executed=cell_done, resources={"metadata": {"path": str(path.parent)}}).execute()
     seconds, index = max(cells)
     cell = nb.cells[index]
     name = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") or f"cell {index}"
@@ -64,13 +67,11 @@ def main() -> None:
         paths = [p for p in paths if p.parent.name in args.chapters]
     load = os.getloadavg()[0]
     rows = [_time(path) for path in tqdm(paths, desc="solution notebooks", unit="notebook")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = run_commit(ROOT)
     record = {"date": datetime.date.today().isoformat(), "commit": commit, "cpus": os.cpu_count(),
               "processor": platform.processor() or platform.machine(), "python": platform.python_version(),
               "torch": torch.__version__, "load_before": round(load, 2), "cell_limit": CELL_LIMIT, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    save_json(record, args.out)
     print(f"{record['date']}, commit {commit}, {record['cpus']} cores, torch {record['torch']}, "
           f"load average {load:.1f} before the run\n")
     print("| chapter | seconds | slowest cell | its seconds |\n| --- | --- | --- | --- |")

@@ -74,6 +74,11 @@ class CodeRaised(CheckFailure):
         return CodeRaised, (str(self), self.error, self.text)
 
 
+def raised_error(failure: CheckFailure) -> str | None:
+    """The name of the exception that the student's code raised, where ``failure`` reports one (not a stub)."""
+    return failure.error if isinstance(failure, CodeRaised) else None
+
+
 def check(fn: Callable[..., None] | None = None, *, forbid: dict[str, str] | None = None):
     """Mark a check: its calls of student code are recorded or replayed under one key.
 
@@ -631,7 +636,7 @@ def draw_sizes(g: torch.Generator, axes: Sequence[str], span: int, first: int = 
     return dict(zip(axes, (torch.randperm(span, generator=g)[: len(axes)] + first).tolist(), strict=True))
 
 
-def distinct_sizes(seed: int, axes: Sequence[str], *, span: int, first: int = 2, fixed: Sequence[int] | None = None,
+def distinct_sizes(seed: int, axes: Sequence[str], *, span: int, fixed: Sequence[int] | None = None,
                    accept: Callable[[dict[str, int]], bool] | None = None,
                    products: dict[str, tuple[str, str]] | None = None) -> dict[str, int]:
     """A fixture's sizes, pairwise distinct so that a swapped axis changes a shape and cannot pass.
@@ -647,7 +652,7 @@ def distinct_sizes(seed: int, axes: Sequence[str], *, span: int, first: int = 2,
         return with_products(dict(zip(axes, fixed, strict=True)))
     g = torch.Generator().manual_seed(seed)
     while True:
-        sizes = with_products(draw_sizes(g, axes, span, first))
+        sizes = with_products(draw_sizes(g, axes, span))
         if len(set(sizes.values())) == len(sizes) and (accept is None or accept(sizes)):
             return sizes
 

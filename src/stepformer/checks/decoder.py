@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from stepformer.checks._core import (
     CheckFailure,
-    CodeRaised,
     call,
     check,
     close,
@@ -40,6 +39,7 @@ from stepformer.checks._core import (
     expect_tensor,
     kind,
     passed,
+    raised_error,
 )
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import set_training as _set_training
@@ -183,7 +183,7 @@ def check_target_mask(fn: Callable[..., Any], seed: int = 0) -> None:
                     hint = ("\nYour target_mask returns the causal mask alone, without the padding mask: the padding "
                             "keys must be hidden too, padding_mask(tgt, pad_id) & causal_mask(...), which broadcast "
                             "to (batch, 1, tgt_len, tgt_len).")
-            if not hint and isinstance(failure, CodeRaised) and failure.error == "IndexError":
+            if not hint and raised_error(failure) == "IndexError":
                 past = call(_shape_indexes_past_the_end, fn, tokens, pad_id)
                 if past:
                     hint = (f"\nYour target_mask reads tgt.shape[{past[0]}], but tgt has two axes, (batch, tgt_len): "

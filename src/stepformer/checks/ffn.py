@@ -12,7 +12,6 @@ from torch import Tensor, nn
 
 from stepformer.checks._core import (
     CheckFailure,
-    CodeRaised,
     call,
     check,
     close,
@@ -21,6 +20,7 @@ from stepformer.checks._core import (
     dtype_name,
     kind,
     passed,
+    raised_error,
 )
 from stepformer.checks._noise import binomial_bounds, dropped_count_problem
 from stepformer.checks.attention import _expect_kept
@@ -175,7 +175,7 @@ def check_feedforward_structure(cls: Callable[..., Any], seed: int = 0) -> None:
     try:
         call(cls, s["d_model"], s["d_ff"], activation="swish")
     except CheckFailure as failure:
-        if "ValueError" not in str(failure):
+        if raised_error(failure) != "ValueError":
             raise CheckFailure(f"An unknown activation should raise a ValueError, got: {failure}") from None
     else:
         raise CheckFailure("FeedForward(..., activation='swish') should raise a ValueError that names the "
@@ -444,7 +444,7 @@ def check_matching_swiglu_hidden(fn: Callable[..., Any], seed: int = 0) -> None:
         try:
             value = call(fn, d_model, d_ff)
         except CheckFailure as failure:
-            if not isinstance(failure, CodeRaised) or failure.error != "ZeroDivisionError":
+            if raised_error(failure) != "ZeroDivisionError":
                 raise
             # Python raises ZeroDivisionError only for a division (or modulo) by 0: that much is known.
             raise CheckFailure(

@@ -20,7 +20,6 @@ from torch import Tensor, nn
 
 from stepformer.checks._core import (
     CheckFailure,
-    CodeRaised,
     call,
     check,
     close,
@@ -31,6 +30,7 @@ from stepformer.checks._core import (
     kind,
     one_thread,
     passed,
+    raised_error,
 )
 from stepformer.checks._modules import error_of as _error_of
 
@@ -186,7 +186,7 @@ def check_kv_cache_append(cls: Callable[..., Any], seed: int = 0, dtype: torch.d
         except CheckFailure as failure:
             if total == 0:
                 raise CheckFailure(_sentence(str(failure), _empty_cache_hint(str(failure), cache, "append"))) from None
-            if isinstance(failure, CodeRaised) and failure.error == "ValueError":
+            if raised_error(failure) == "ValueError":
                 # These keys continue the cache by construction: the check that refused them is too eager.
                 raise CheckFailure(
                     f"Appending {new} position(s) to a cache of {total} failed. {failure} These keys continue the "

@@ -20,6 +20,7 @@ from stepformer.checks._core import (
     dtype_name,
     kind,
     passed,
+    raised_error,
 )
 
 AXES = ("batch", "heads", "q_len", "k_len", "d_k")
@@ -128,7 +129,7 @@ def _padding_result(fn: Callable[..., Any], tokens: Tensor, pad_id: int) -> Tens
     try:
         mask = call(fn, tokens, pad_id)
     except CheckFailure as failure:
-        if "TypeCheckError" in str(failure) and "return value" in str(failure):
+        if raised_error(failure) == "TypeCheckError" and "return value" in failure.text:
             squeezed = (" With batch=1, a squeeze() without an axis drops the batch axis too: squeeze only the "
                         "axis you mean." if batch == 1 else "")
             raise CheckFailure(f"padding_mask returned a mask of the wrong shape. {SHAPE_HINT} (Here batch={batch}, "
@@ -413,7 +414,7 @@ def _expect_value_error(fn: Callable[..., Any], args: tuple, why: str) -> None:
     try:
         result = call(fn, *args)
     except CheckFailure as failure:
-        if isinstance(failure, CodeRaised) and failure.error == "ValueError":
+        if raised_error(failure) == "ValueError":
             return
         if "not implemented yet" in str(failure):
             raise

@@ -66,14 +66,13 @@ def _block_sizes(seed: int) -> dict[str, int]:
         sizes = dict(zip(BLOCK_AXES, (3, 5, 2, 4, 6, 7), strict=True))
     else:
         g = torch.Generator().manual_seed(seed)
-        # By hand, not with draw_sizes: d_head is drawn (even, by randint) between the two permutations.
         while True:
-            kv_heads, group = (torch.randperm(3, generator=g)[:2] + 2).tolist()
-            d_head = 2 * int(torch.randint(1, 5, (1,), generator=g))
-            batch, seq, d_ff = (torch.randperm(10, generator=g)[:3] + 2).tolist()
-            sizes = dict(zip(BLOCK_AXES, (batch, seq, kv_heads, group, d_head, d_ff), strict=True))
-            values = [*sizes.values(), kv_heads * group]
-            if len(set(values)) == len(values) and seq >= 4:
+            grouping = draw_sizes(g, ("kv_heads", "group"), span=3)
+            d_head = 2 * int(torch.randint(1, 5, (1,), generator=g))  # even, drawn between the two
+            drawn = {**draw_sizes(g, ("batch", "seq", "d_ff"), span=10), **grouping, "d_head": d_head}
+            sizes = {axis: drawn[axis] for axis in BLOCK_AXES}
+            values = [*sizes.values(), sizes["kv_heads"] * sizes["group"]]
+            if len(set(values)) == len(values) and sizes["seq"] >= 4:
                 break
     heads = sizes["kv_heads"] * sizes["group"]
     return {**sizes, "heads": heads, "d_model": heads * sizes["d_head"]}

@@ -179,15 +179,18 @@ def _build(cls: Any, s: dict[str, int], dtype: torch.dtype, seed: int, bias: boo
 def _reference(state: dict[str, Tensor], heads: int, query: Tensor, key: Tensor, value: Tensor,
                mask: Tensor | None, *, split: str = "heads d_head", merge: str = "heads d_head", w_o: bool = True,
                scale: float | None = None, roles: tuple[str, str, str] = ("w_q", "w_k", "w_v"),
-               drop: Tensor | None = None) -> Tensor:
+               drop: Tensor | None = None, prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Multi-head attention written out, with switches for the usual mistakes (to name them); ``drop``
-    multiplies the attention weights (dropout with a known mask)."""
+    multiplies the attention weights (dropout with a known mask); ``prefix``: cached keys and values
+    ``(batch, heads, cached, d_head)`` read before the projected ones, as a decoding step reads its cache."""
     def project(name: str, x: Tensor) -> Tensor:
         bias = state.get(f"{name}.bias")
         return x @ state[f"{name}.weight"].T + (0.0 if bias is None else bias)
 
     q, k, v = (rearrange(project(role, x), f"batch seq ({split}) -> batch heads seq d_head", heads=heads)
                for role, x in zip(roles, (query, key, value), strict=True))
+    if prefix is not None:
+        k, v = torch.cat([prefix[0], k], dim=-2), torch.cat([prefix[1], v], dim=-2)
     scale = math.sqrt(q.shape[-1]) if scale is None else scale
     scores = einsum(q, k, "batch heads q_len d_head, batch heads k_len d_head -> batch heads q_len k_len") / scale
     if mask is not None:
@@ -552,25 +555,6 @@ def _run_with_cache(module: nn.Module, x: Tensor, mask: Tensor | None, keys: Ten
     return {"out": out if type(out) is Tensor else kind(out), "error": "", "given": cache.given}
 
 
-def _cached_reference(state: dict[str, Tensor], heads: int, x: Tensor, keys: Tensor, values: Tensor,
-                      mask: Tensor | None) -> Tensor:
-    """Self-attention over ``x`` whose queries read the cached ``keys``/``values`` and then ``x``'s own."""
-    def project(name: str, t: Tensor) -> Tensor:
-        y = t @ state[f"{name}.weight"].T + state[f"{name}.bias"]
-        return rearrange(y, "batch seq (heads d_head) -> batch heads seq d_head", heads=heads)
-
-    q = project("w_q", x)
-    k = torch.cat([keys, project("w_k", x)], dim=-2)
-    v = torch.cat([values, project("w_v", x)], dim=-2)
-    scores = einsum(q, k, "batch heads q_len d_head, batch heads total d_head -> batch heads q_len total")
-    scores = scores / math.sqrt(q.shape[-1])
-    if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf)
-    out = einsum(scores.softmax(-1), v, "batch heads q_len total, batch heads total d_head -> batch heads q_len d_head")
-    return rearrange(out, "batch heads q_len d_head -> batch q_len (heads d_head)") @ state["w_o.weight"].T + \
-        state["w_o.bias"]
-
-
 def _check_cache(module: Any, state: dict[str, Tensor], s: dict[str, int], dtype: torch.dtype, seed: int) -> None:
     """Decoding steps: one new position, then two under a causal mask aligned to the last key, each reading
     ``cached`` earlier positions that the check's cache gives back from ``update``."""
@@ -594,7 +578,7 @@ def _check_cache(module: Any, state: dict[str, Tensor], s: dict[str, int], dtype
         if result["error"]:
             never = " (cache.update was never called)" if not result["given"] else ""
             raise CheckFailure(f"{where}, your forward raised {result['error']}{never}.")
-        expected = _cached_reference(state, h, x_, keys, values, mask)
+        expected = _reference(state, h, x_, x_, x_, mask, prefix=(keys, values))
         out = _expect_kept(result["out"], f"the output {what} with a cache", (b, x_.shape[1], s["d_model"]),
                            "batch q_len d_model", dtype)
         if close(out, expected, dtype):

@@ -22,6 +22,7 @@ from stepformer.checks._core import (
     expect_tensor,
     kind,
     passed,
+    raised_error,
     show,
 )
 
@@ -105,7 +106,7 @@ def _encoding(fn: Callable[..., Any], seq_len: int, d_model: int) -> Tensor:
     try:
         result = call(fn, seq_len, d_model)
     except CheckFailure as failure:
-        if not (isinstance(failure, CodeRaised) and failure.error == "TypeError" and
+        if not (raised_error(failure) == "TypeError" and
                 re.match(r".*expected Tensor .*but got (float|int)", failure.text)):
             raise
         raise CheckFailure(

@@ -30,10 +30,12 @@ from stepformer.checks._core import (
     close,
     difference,
     distinct_sizes,
+    draw_sizes,
     dtype_name,
     expect_tensor,
     kind,
     passed,
+    raised_error,
 )
 from stepformer.checks._modules import error_of as _error_of
 
@@ -874,7 +876,7 @@ def _visits_error_hint(fn: Callable[..., Any], failure: CheckFailure, args: tupl
     error: does the result with as many query blocks as key blocks lie along one axis?"""
     if min(args) < 1 or args[1] < args[0]:
         return ""
-    if "ValueError" not in str(failure):
+    if raised_error(failure) != "ValueError":
         hint = _same_axis_hint(fn, ())
         return " " + hint if hint else ""
     zero = (0, *args[1:])
@@ -908,7 +910,7 @@ def _expect_value_error(fn: Callable[..., Any], args: tuple[int, int, int, int],
 def _visit_sizes(seed: int) -> tuple[int, int, int]:
     """Two distinct block sizes (2 to 5) and a length that both divide."""
     g = torch.Generator().manual_seed(seed + 71)
-    block_q, block_k = (torch.randperm(4, generator=g)[:2] + 2).tolist()
+    block_q, block_k = draw_sizes(g, ("block_q", "block_k"), span=4).values()
     length = math.lcm(block_q, block_k) * int(torch.randint(1, 3, (1,), generator=g))
     length *= 2 if length < 8 else 1
     return length, block_q, block_k
@@ -937,7 +939,7 @@ def check_causal_block_visits_partial(fn: Callable[..., Any], seed: int = 0) -> 
     """q_len == k_len with block sizes that do not divide the length (partial last blocks) and block sizes larger
     than the length."""
     g = torch.Generator().manual_seed(seed + 73)
-    block_q, block_k = (torch.randperm(4, generator=g)[:2] + 3).tolist()
+    block_q, block_k = draw_sizes(g, ("block_q", "block_k"), span=4, first=3).values()
     n = next(m for m in range(int(torch.randint(13, 30, (1,), generator=g)), 100) if m % block_q and m % block_k)
     for args, what in (((n, n, block_q, block_k), "square, blocks that do not divide the length"),
                        ((n, n, block_k, block_q), "square, the block sizes the other way round"),
@@ -954,7 +956,7 @@ def check_causal_block_visits_offset(fn: Callable[..., Any], seed: int = 0) -> N
     """q_len < k_len, the queries the last q_len of k_len positions: with blocks that divide the lengths and that do
     not, one query (decoding), and a prefill; k_len < q_len raises ValueError."""
     g = torch.Generator().manual_seed(seed + 79)
-    block_q, block_k = (torch.randperm(4, generator=g)[:2] + 2).tolist()
+    block_q, block_k = draw_sizes(g, ("block_q", "block_k"), span=4).values()
     q_len = block_q * int(torch.randint(2, 4, (1,), generator=g))
     k_len = q_len + block_k * int(torch.randint(2, 4, (1,), generator=g))
     # An offset of block_q - 1 would make "the first query, placed k_len - q_len later" equal "the last query, placed

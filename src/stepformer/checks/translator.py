@@ -27,7 +27,6 @@ from torch import Tensor, nn
 
 from stepformer.checks._core import (
     CheckFailure,
-    CodeRaised,
     call,
     check,
     close,
@@ -36,6 +35,7 @@ from stepformer.checks._core import (
     kind,
     one_thread,
     passed,
+    raised_error,
 )
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import parameters_of as _parameters_of
@@ -65,11 +65,6 @@ def _lengths(batch: int, longest: int, shortest: int, g: torch.Generator) -> lis
 
 
 # -- what the student's code did, seen from inside (each run through call(), so recorded and replayed) --------
-
-def _raised(failure: CheckFailure) -> str | None:
-    """The name of the exception that the student's code raised, where ``failure`` reports one (not a stub)."""
-    return failure.error if isinstance(failure, CodeRaised) else None
-
 
 def _then(failure: CheckFailure, hint: str) -> CheckFailure:
     """The failure's message with ``hint`` after it, as a sentence of its own."""
@@ -386,7 +381,7 @@ def _loss_error_hint(fn: Callable[..., Any], dtype: torch.dtype) -> str:
     try:
         got = call(fn, logits, target, 0, smoothing=0.1, reduction="mean")
     except CheckFailure as failure:
-        return _where(fn, logits, target, 0, smoothing=0.1, reduction="mean") if _raised(failure) else ""
+        return _where(fn, logits, target, 0, smoothing=0.1, reduction="mean") if raised_error(failure) else ""
     if type(got) is not Tensor or got.dim() != 0:
         return ""
     log_probs = torch.log_softmax(logits, dim=-1)
@@ -435,7 +430,7 @@ def check_label_smoothed_loss(fn: Callable[..., Any], seed: int = 0, dtype: torc
             try:
                 result = call(fn, logits, target, pad_id, smoothing=smoothing, reduction=reduction)
             except CheckFailure as failure:
-                if not _raised(failure):
+                if not raised_error(failure):
                     raise
                 raise _then(failure, _loss_error_hint(fn, dtype)) from None
             got = _expect_scalar(result, f"The loss with {what}", dtype)
@@ -571,7 +566,7 @@ def check_inverse_sqrt_lr(fn: Callable[..., Any], seed: int = 0) -> None:
             try:
                 got = call(fn, step, peak, warmup)
             except CheckFailure as failure:
-                if _raised(failure) != "ValueError":
+                if raised_error(failure) != "ValueError":
                     raise
                 raise _then(failure, _guard_hint(fn, step, peak, warmup)) from None
             if type(got) is not float:
@@ -592,7 +587,7 @@ def check_inverse_sqrt_lr(fn: Callable[..., Any], seed: int = 0) -> None:
         try:
             got = call(fn, step, 1e-3, 1)
         except CheckFailure as failure:
-            if _raised(failure) != "ValueError":
+            if raised_error(failure) != "ValueError":
                 raise
             raise _then(failure, _guard_hint(fn, step, 1e-3, 1)) from None
         if type(got) is not float or not math.isclose(got, expected, rel_tol=1e-9):
@@ -842,7 +837,7 @@ def _compare_steps(fn: Callable[..., Any], seed: int, vocab: int,
     try:
         losses, params = _run_steps(fn, seed, vocab, steps)
     except CheckFailure as failure:
-        if not _raised(failure):
+        if not raised_error(failure):
             raise
         raise _then(failure, _step_error_hint(fn, seed, vocab, steps)) from None
     expected_losses, expected_params = _step_twin(seed, vocab, steps)
@@ -1062,7 +1057,7 @@ def _beam_error_hint(fn: Callable[..., Any], scores: Tensor, log_probs: Tensor, 
         # Without the annotations' checks: a mixed-up axis may return the wrong shape, which shows which.
         got = call(_unchecked, fn, square, square_log_probs, 2)
     except CheckFailure as failure:
-        return _where(fn, square, square_log_probs, 2) if _raised(failure) else ""
+        return _where(fn, square, square_log_probs, 2) if raised_error(failure) else ""
     if type(got) is not tuple or len(got) != 3 or type(got[0]) is not Tensor:
         return ""
     for hint, wrong in _square_variants(square, square_log_probs, 2).items():
@@ -1083,7 +1078,7 @@ def check_beam_step(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = 
         try:
             result = call(fn, scores, log_probs, k)
         except CheckFailure as failure:
-            if not (error := _raised(failure)):
+            if not (error := raised_error(failure)):
                 raise
             raise _then(failure, _beam_error_hint(fn, scores, log_probs, k, error)) from None
         if type(result) is not tuple or len(result) != 3 or any(type(r) is not Tensor for r in result):
@@ -1299,7 +1294,7 @@ def check_memorise(functions: tuple[Callable[..., Any], Callable[..., Any], Call
         try:
             losses = call(memorise, model, src, tgt, _PAD, steps=steps, peak_lr=peak_lr, warmup=warmup)
         except CheckFailure as failure:
-            if not _raised(failure):
+            if not raised_error(failure):
                 raise
             raise _then(failure, _memorise_steps_hint(memorise, seed, src, tgt, raised=True)) from None
         if type(losses) is not list or len(losses) != steps or any(type(x) is not float for x in losses):
