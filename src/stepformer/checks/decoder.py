@@ -16,7 +16,6 @@ import inspect
 import math
 import re
 import types
-import typing
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +29,7 @@ from torch import Tensor, nn
 
 from stepformer.checks._core import (
     CheckFailure,
+    CodeRaised,
     call,
     check,
     close,
@@ -882,21 +882,6 @@ class _CacheAttention(nn.Module):
         return out @ self.weights["w_o.weight"].T + self.weights["w_o.bias"]
 
 
-def _layer_cache(module: nn.Module, self_cache: _StepCache, cross_cache: _StepCache) -> Any:
-    """A LayerCache of the class the student's forward is annotated with (chapter 09's, taken from the notebook),
-    holding the check's own caches; a plain stand-in where the annotation names none."""
-    try:
-        annotation = inspect.signature(type(module).forward, eval_str=True).parameters["cache"].annotation
-    except Exception:  # no such parameter, or an annotation that does not evaluate: the stand-in
-        annotation = None
-    for candidate in typing.get_args(annotation) or (annotation,):
-        if isinstance(candidate, type) and candidate is not type(None):
-            with contextlib.suppress(Exception):
-                # Both fields given: no default factory runs, so nothing of the course's library is called.
-                return candidate(self_attn=self_cache, cross_attn=cross_cache)
-    return types.SimpleNamespace(self_attn=self_cache, cross_attn=cross_cache)
-
-
 def _decode_step_by_step(module: nn.Module, state: dict[str, Tensor], heads: int, x: Tensor, memory: Tensor,
                          src_mask: Tensor) -> dict[str, Any]:
     """Swap the check's cache-aware attention into the student's layer and feed it one target position at a time,
@@ -906,7 +891,7 @@ def _decode_step_by_step(module: nn.Module, state: dict[str, Tensor], heads: int
     names = {id(self_cache): "self", id(cross_cache): "cross"}
     module.self_attn = _CacheAttention(state, "self_attn", heads, names, log)
     module.cross_attn = _CacheAttention(state, "cross_attn", heads, names, log)
-    cache = _layer_cache(module, self_cache, cross_cache)
+    cache = types.SimpleNamespace(self_attn=self_cache, cross_attn=cross_cache)  # a LayerCache: its two fields
     try:
         steps = [module(x[:, t:t + 1], memory, src_mask, tgt_mask=None, cache=cache) for t in range(x.shape[1])]
     except Exception as error:  # a cache in the wrong place can break a step: the log says which was wrong
@@ -938,8 +923,7 @@ def _check_cache_path(module: Any, oracle: nn.Module, state: dict[str, Tensor], 
     name = "pre-norm" if norm_first else "post-norm"
     what = f"Decoding a {name} layer one target position at a time with a LayerCache"
     if routes == {"none"} and not result["error"]:
-        raise CheckFailure(f"{'Decoding a pre-norm' if norm_first else 'Decoding a post-norm'} layer one target "
-                           "position at a time with a LayerCache, your attention modules got cache=None at every "
+        raise CheckFailure(f"{what}, your attention modules got cache=None at every "
                            "step: pass cache.self_attn to self-attention and cache.cross_attn to cross-attention, "
                            "as the keyword cache.")
     if "other" in routes:
@@ -972,9 +956,8 @@ def _check_cache_path(module: Any, oracle: nn.Module, state: dict[str, Tensor], 
             "and tgt_mask is None: hand the caches to the attention and let it read the cached positions.")
 
 
-def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_first: bool) -> str:
-    """Every case of one norm placement, the layer given the check's own parts; returns what the passed() line may
-    say about the cache path."""
+def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_first: bool) -> None:
+    """Every case of one norm placement, the layer given the check's own parts, the cache path included."""
     s = _sizes(seed)
     module = _build_layer(cls, s, 0.0, norm_first, dtype=dtype)
     _expect_parameters(module, _layer_shapes(s), "Your DecoderLayer", LAYER_HINT)
@@ -997,27 +980,26 @@ def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_fi
     _check_dropout_and_activation(cls, s, norm_first, dtype, seed, x, memory, src_mask, tgt_mask)
     _check_decoder_only(cls, s, norm_first, dtype, seed, x)
     _check_cache_path(module, oracle, state, s, norm_first, dtype, x, memory, src_mask)
-    return "; decoding with a LayerCache equals the causal pass"
 
 
 @check(forbid=BUILT_IN_DECODER)
 def check_decoder_layer_post_norm(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """Given parts with copied weights: equal to torch.nn.TransformerDecoderLayer(norm_first=False), causal and
     padding masks."""
-    cache = _check_layer(cls, seed, dtype, norm_first=False)
+    _check_layer(cls, seed, dtype, norm_first=False)
     passed(f"post-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks, for one "
            f"sentence and one position, with a GELU FFN, dropout only in training, and as a decoder-only block"
-           f"{cache} ({dtype_name(dtype)})")
+           f"; decoding with a LayerCache equals the causal pass ({dtype_name(dtype)})")
 
 
 @check(forbid=BUILT_IN_DECODER)
 def check_decoder_layer_pre_norm(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
     """Given parts with copied weights: equal to torch.nn.TransformerDecoderLayer(norm_first=True), causal and
     padding masks."""
-    cache = _check_layer(cls, seed, dtype, norm_first=True)
+    _check_layer(cls, seed, dtype, norm_first=True)
     passed(f"pre-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks, for one "
            f"sentence and one position, with a GELU FFN, dropout only in training, and as a decoder-only block"
-           f"{cache} ({dtype_name(dtype)})")
+           f"; decoding with a LayerCache equals the causal pass ({dtype_name(dtype)})")
 
 
 # -- exercise 3: greedy generation for a batch -------------------------------------------------
