@@ -467,7 +467,7 @@ def builder_for(cls, mistake=""):
         norm1 = student.LayerNorm(d_model)
         return cls(
             self_attn,
-            cross_attn if cross else None,
+            cross_attn if (not cross if mistake == "cross_attn inverted" else cross) else None,
             student.FeedForward(d_model, d_ff, "relu" if mistake == "hard-coded relu" else activation, dropout),
             norm1,
             student.LayerNorm(d_model) if cross or mistake == "norm2 always" else None,
@@ -668,6 +668,7 @@ def test_init_check_names_a_shared_norm_that_the_layer_lets_through():
 @pytest.mark.parametrize(("mistake", "message"), [
     ("shared norm", r"raised ValueError: two sublayers are given the same norm module"),
     ("norm2 always", r"raised ValueError: norm2 belongs to the cross-attention sublayer"),
+    ("cross_attn inverted", r"\(8, 2, 11, dropout=0\.25, cross_attention=True\) raised ValueError: norm2 belongs"),
     ("one attention", "self_attn and cross_attn one and the same module: create two MultiHeadAttention"),
     ("attention dropout", r"self_attn\.dropout should drop with p=0\.25 too"),
     ("layer dropout", r"dropout1\.p 0\.0: pass dropout on to DecoderLayer"),

@@ -200,7 +200,8 @@ def _call_own_work(fn: Callable[..., Any], args: tuple, kwargs: dict, forbid: di
     except NotImplementedError as error:
         raise CheckFailure(f"{_name(fn)} is not implemented yet (it raised NotImplementedError).") from error
     except Exception as error:
-        shown = ", ".join(describe(a) for a in (*args, *kwargs.values()))
+        # Keywords keep their names: shown by position, dropout=0.25 would read as the next parameter.
+        shown = ", ".join([*(describe(a) for a in args), *(f"{key}={describe(a)}" for key, a in kwargs.items())])
         name, text = type(error).__name__, str(error)
         raise CodeRaised(f"{_name(fn)}({shown}) raised {name}: {text}", name, text) from error
     if tripped:

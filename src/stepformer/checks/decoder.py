@@ -633,7 +633,7 @@ def check_build_decoder_layer(build: Callable[..., Any], seed: int = 0) -> None:
     """torch.nn.TransformerDecoderLayer's parts: two MultiHeadAttention, a FeedForward, three separate LayerNorms,
     given dropout, activation and norm_first; cross_attention=False leaves out cross_attn and norm2."""
     s = _sizes(seed)
-    module = _build(build, s, dropout=0.25)
+    module = _build(build, s, dropout=0.25, cross_attention=True)  # named: a message shows the call
     what = "The layer that your build_decoder_layer builds"
     if call(_set_to_none, module, "cross_attn"):
         other = _build(build, s, dropout=0.25, cross_attention=False)
