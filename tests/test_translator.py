@@ -27,6 +27,7 @@ from stepformer.translator.batching import Encoded, collate, encode_pairs, token
 from stepformer.translator.config import preset
 from stepformer.translator.data import load_split
 from stepformer.translator.evaluate import gpu_readme_row, gpu_rows
+from stepformer.translator.model import build_model
 from stepformer.translator.recipe import beam_step, inverse_sqrt_lr, label_smoothed_loss
 from stepformer.translator.search import beam_search, best_extensions, greedy_search
 from stepformer.translator.tokenizer import SubwordTokenizer
@@ -287,6 +288,15 @@ def weights(path: Path) -> dict:
 
 
 @pytest.mark.slow
+def test_every_preset_builds_the_parameters_that_checkpoints_written_before_the_composition_hold():
+    """Checkpoints keep loading: the names and shapes of every preset's parameters as commit 56c7c49 built them
+    (chapter 08's Transformer built from its keyword arguments) are the ones the composed model has."""
+    before = json.loads((ROOT / "tests" / "fixtures" / "translator_state_56c7c49.json").read_text(encoding="utf-8"))
+    for name, shapes in before["presets"].items():
+        model = build_model(preset(name), before["vocab"], 0)
+        assert {key: list(value.shape) for key, value in model.state_dict().items()} == shapes, name
+
+
 def test_a_killed_run_resumes_to_the_same_weights(tmp_path, real_data):
     args = [*TINY, "--steps", "30", "--set", "checkpoint_every=5", "--data-dir", str(real_data)]
     run_cli("train", "--out", str(tmp_path / "whole"), *args)
