@@ -120,3 +120,16 @@ def test_rotary_positions_and_grouped_heads_come_from_the_config_at_construction
     assert layer.self_attn.kv_heads == 1 and layer.self_attn.rope is not None
     assert layer.cross_attn.rope is None  # cross-attention's queries and keys lie on two sentences
     assert isinstance(layer.norm1, nn.LayerNorm)
+
+
+def test_the_config_describes_an_encoder_decoder_whole() -> None:
+    """Source vocabulary and encoder depth live in the config: the model it builds is the model it describes."""
+    config = ModelConfig.original(VOCAB, d_model=D_MODEL, heads=HEADS, layers=2, d_ff=D_FF, src_vocab=VOCAB + 4,
+                                  encoder_layers=3)
+    model = configured_transformer(config)
+    assert model.src_embed.tokens.num_embeddings == VOCAB + 4 and model.tgt_embed.tokens.num_embeddings == VOCAB
+    assert (len(model.encoder.layers), len(model.decoder.layers)) == (3, 2)
+    assert ModelConfig(**config.to_dict()) == config  # what a checkpoint stores rebuilds the same model
+    for name in ("src_vocab", "encoder_layers"):
+        with pytest.raises(ValueError, match=name):
+            ModelConfig.original(VOCAB, **{name: 0})

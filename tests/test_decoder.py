@@ -137,12 +137,12 @@ def _transformer(src_vocab, tgt_vocab, **options):
     model from parts.configured_transformer, which composes chapter 08's Transformer with chapter 10's attention."""
     if not ({"kv_heads", "fast"} & set(options) or options.get("positional") == "rope"):
         return build_transformer(src_vocab, tgt_vocab, **options)
-    renamed = {"positional": "positions", "n_decoder_layers": "layers", "activation": "ffn"}
-    changes = {renamed.get(key, key): value for key, value in options.items() if key not in ("n_encoder_layers",
-                                                                                             "norm_first")}
+    renamed = {"positional": "positions", "n_decoder_layers": "layers", "n_encoder_layers": "encoder_layers",
+               "activation": "ffn"}
+    changes = {renamed.get(key, key): value for key, value in options.items() if key not in ("norm_first", "pad_id")}
     changes["placement"] = "pre" if options.get("norm_first") else "post"
-    return configured_transformer(ModelConfig.original(tgt_vocab, **changes), src_vocab,
-                                  options.get("n_encoder_layers", 6))
+    config = ModelConfig.original(tgt_vocab, src_vocab=src_vocab, **{"encoder_layers": 6, **changes})
+    return configured_transformer(config, options.get("pad_id", 0))
 
 
 def _small_model(seed=0, **kwargs):

@@ -261,8 +261,9 @@ def test_cache_of_a_gqa_layer_holds_kv_heads_heads_and_equals_the_full_pass():
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_transformer_cache_holds_kv_heads_and_cached_decoding_equals_uncached(kv_heads):
     torch.manual_seed(6)
-    config = ModelConfig.original(30, d_model=32, heads=4, layers=2, d_ff=64, dropout=0.0, kv_heads=kv_heads)
-    model = configured_transformer(config, encoder_layers=1).eval()
+    config = ModelConfig.original(30, d_model=32, heads=4, layers=2, d_ff=64, dropout=0.0, kv_heads=kv_heads,
+                                  encoder_layers=1)
+    model = configured_transformer(config).eval()
     src = torch.randint(3, 30, (2, 6))
     tokens, logits = generate_cached(model, src, 8, 1, -1)
     expected_tokens, expected_logits = generate(model, src, 8, 1, -1)

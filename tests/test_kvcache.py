@@ -55,8 +55,9 @@ def _model(positional="sinusoidal", kv_heads=None, dtype=torch.float64, seed=0, 
            dropout=0.1, norm_first=False):
     torch.manual_seed(seed)
     config = ModelConfig.original(29, d_model=heads * d_head, heads=heads, layers=layers, d_ff=20, dropout=dropout,
-                                  placement="pre" if norm_first else "post", positions=positional, kv_heads=kv_heads)
-    model = configured_transformer(config, src_vocab=23, encoder_layers=2, pad_id=PAD)
+                                  placement="pre" if norm_first else "post", positions=positional, kv_heads=kv_heads,
+                                  src_vocab=23, encoder_layers=2)
+    model = configured_transformer(config, pad_id=PAD)
     return model.to(dtype)
 
 
@@ -246,8 +247,8 @@ def test_fast_cached_decoding_equals_fast_and_plain_uncached(kv_heads, positiona
     plain = _model(positional, kv_heads, seed=7, dropout=0.0)
     torch.manual_seed(7)
     config = ModelConfig.original(29, d_model=8, heads=4, layers=2, d_ff=20, dropout=0.0, positions=positional,
-                                  kv_heads=kv_heads, fast=True)
-    fast = configured_transformer(config, src_vocab=23, encoder_layers=2, pad_id=PAD).to(torch.float64)
+                                  kv_heads=kv_heads, fast=True, src_vocab=23, encoder_layers=2)
+    fast = configured_transformer(config, pad_id=PAD).to(torch.float64)
     fast.load_state_dict(plain.state_dict())
     src = _padded_source(seed=3)
     cached_tokens, cached_logits = generate_cached(fast, src, 6, BOS, EOS)

@@ -241,9 +241,9 @@ def from_marian(hf: nn.Module, fast: bool = True) -> Transformer:
             vocab=c.decoder_vocab_size, d_model=c.d_model, heads=c.encoder_attention_heads, layers=c.decoder_layers,
             d_ff=c.encoder_ffn_dim, placement="post", final_norm=False, ffn=c.activation_function,
             positions="sinusoidal", max_len=c.max_position_embeddings, tie_embeddings=shared,
-            scale_embeddings=True, dropout=0.0, fast=fast,
+            scale_embeddings=True, dropout=0.0, fast=fast, src_vocab=c.vocab_size, encoder_layers=c.encoder_layers,
         ),
-        src_vocab=c.vocab_size, encoder_layers=c.encoder_layers, pad_id=c.pad_token_id,
+        pad_id=c.pad_token_id,
     )  # fmt: skip
     ours = _like(ours, hf.lm_head.weight)
     order = sines_first_order(c.d_model)

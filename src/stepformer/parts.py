@@ -40,7 +40,9 @@ class ModelConfig:
     Sizes: ``vocab`` tokens, ``d_model`` features, ``heads`` query heads and ``kv_heads``
     key/value heads (``None``: as many as ``heads``; 1: multi-query), ``layers`` layers,
     ``d_ff`` hidden units of the feed-forward network, ``max_len`` positions for a learned
-    table. The parts:
+    table; an encoder-decoder's ``vocab`` and ``layers`` are its target side's and decoder's, and
+    ``src_vocab`` and ``encoder_layers`` its source's and encoder's (``None``: the same), so that
+    one config describes the whole model. The parts:
 
     - ``norm``: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm), with ``norm_eps``;
     - ``placement``: ``"post"`` (the 2017 paper, BERT: ``norm(x + f(x))``) or ``"pre"``
@@ -60,26 +62,30 @@ class ModelConfig:
       and norms, and RoPE as a complex multiplication (same parameters, same results).
     """
 
-    vocab: int
+    vocab: int  # the output vocabulary: an encoder-decoder's target side
     d_model: int
     heads: int
-    layers: int
+    layers: int  # an encoder-decoder's decoder layers
     d_ff: int
-    kv_heads: int | None = None
+    kv_heads: int | None = None  # None: as many as heads, plain multi-head attention
+    # The defaults below are a GPT-2-like decoder-only model, what chapter 12 builds most; ModelConfig.original
+    # gives the 2017 encoder-decoder.
     norm: str = "layer"
-    norm_eps: float = 1e-5
-    placement: str = "pre"
-    final_norm: bool = True
+    norm_eps: float = 1e-5  # torch.nn.LayerNorm's; BERT uses 1e-12, LLaMA's RMSNorm 1e-6
+    placement: str = "pre"  # trains without the warmup post-norm needs (Xiong et al. 2020); the 2017 paper: "post"
+    final_norm: bool = True  # pre-norm's residual stream is never normalised otherwise
     ffn: str = "gelu"
     positions: str = "learned"
-    max_len: int = 1024
+    max_len: int = 1024  # rows of a learned table and of the sinusoidal buffer; RoPE needs none
     bias: bool = True
-    tie_embeddings: bool = True
-    scale_embeddings: bool = False
+    tie_embeddings: bool = True  # one table in and out (Press and Wolf 2017): vocab x d_model fewer parameters
+    scale_embeddings: bool = False  # the 2017 paper's sqrt(d_model); GPT-2 and LLaMA do not scale
     embedding_norm: bool = False
     segments: int = 0
-    dropout: float = 0.0
-    fast: bool = True
+    dropout: float = 0.0  # for evaluation and conversion; training sets it (the 2017 paper: 0.1)
+    fast: bool = True  # the same parameters and results, fused kernels; the chapters' own parts read better
+    src_vocab: int | None = None  # an encoder-decoder's source vocabulary; None: vocab (a joint vocabulary)
+    encoder_layers: int | None = None  # an encoder-decoder's encoder layers; None: layers
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("norm", self.norm, NORMS), ("placement", self.placement, PLACEMENTS),
@@ -97,6 +103,9 @@ class ModelConfig:
             raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
         if self.segments < 0:
             raise ValueError(f"segments must be 0 (none) or more, got {self.segments}")
+        for name in ("src_vocab", "encoder_layers"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (or None: as vocab and layers), got {getattr(self, name)}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -233,23 +242,22 @@ def decoder_stack(config: ModelConfig, layers: int | None = None, cross_attentio
                    make_norm(config) if config.final_norm else None)  # fmt: skip
 
 
-def configured_transformer(
-    config: ModelConfig, src_vocab: int | None = None, encoder_layers: int | None = None, pad_id: int = 0
-) -> Transformer:
+def configured_transformer(config: ModelConfig, pad_id: int = 0) -> Transformer:
     """Chapter 08's :class:`Transformer` with the parts that ``config`` names, initialised as chapter 08's.
 
-    ``config.vocab`` is the target vocabulary and ``config.layers`` the decoder's depth; ``src_vocab`` and
-    ``encoder_layers`` default to them. Embeddings are chapter 07's (scaled by sqrt(d_model), with
-    ``config.positions``; rotary positions add nothing there and rotate in every self-attention).
+    ``config.vocab`` is the target vocabulary and ``config.layers`` the decoder's depth; ``config.src_vocab`` and
+    ``config.encoder_layers`` the source's and the encoder's (``None``: the same). ``pad_id`` is the tokenizer's,
+    not the model's. Embeddings are chapter 07's (scaled by sqrt(d_model), with ``config.positions``; rotary
+    positions add nothing there and rotate in every self-attention).
     """
     if not config.scale_embeddings or config.embedding_norm or config.segments:
         raise ValueError("chapter 07's embeddings scale by sqrt(d_model) and have no norm or segments: set "
                          "scale_embeddings=True, embedding_norm=False, segments=0")
-    src_vocab = config.vocab if src_vocab is None else src_vocab
+    src_vocab = config.vocab if config.src_vocab is None else config.src_vocab
     return initialise(Transformer(
         Embedding(src_vocab, config.d_model, config.positions, config.max_len, config.dropout),
         Embedding(config.vocab, config.d_model, config.positions, config.max_len, config.dropout),
-        encoder_stack(config, encoder_layers),
+        encoder_stack(config, config.encoder_layers),
         decoder_stack(config),
         nn.Linear(config.d_model, config.vocab),
         pad_id,
