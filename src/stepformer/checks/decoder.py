@@ -43,7 +43,7 @@ from stepformer.checks._core import (
 )
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import set_training as _set_training
-from stepformer.checks.encoder import _expect_parameters, _layer_norm, _layout, _load, _quiet, _randomise
+from stepformer.checks.encoder import _expect_parameters, _layer_norm, _layout, _load, _quiet, _randomise, _stored
 from stepformer.checks.encoder import _layer_state as _encoder_layer_state
 from stepformer.checks.encoder import _run_torch as _run_encoder_layer
 from stepformer.checks.encoder import _torch_layer as _torch_encoder_layer
@@ -438,19 +438,6 @@ def _build_layer(cls: Callable[..., Any], s: dict[str, int], dropout: float, nor
                  activation: str = "relu", cross_attention: bool = True, dtype: torch.dtype = torch.float32) -> Any:
     """The student's DecoderLayer given the check's own parts."""
     return _layer_from_parts(cls, _parts(s, dropout, activation, cross_attention, dtype), dropout, norm_first)
-
-
-def _stored(module: nn.Module, parts: dict[str, Any]) -> dict[str, str]:
-    """For each part's attribute: the name of the given part it holds, "None", "missing" or "other"."""
-    found = {}
-    for name in PART_NAMES:
-        if not hasattr(module, name):
-            found[name] = "missing"
-            continue
-        value = getattr(module, name)
-        held = next((given for given, part in parts.items() if part is not None and part is value), "other")
-        found[name] = "None" if value is None else held
-    return found
 
 
 def _check_stores_parts(cls: Callable[..., Any], s: dict[str, int], cross_attention: bool) -> None:

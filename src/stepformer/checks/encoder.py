@@ -620,12 +620,17 @@ class _Part(nn.Module):
         return self.name
 
 
-def _kept(module: nn.Module, parts: dict[str, nn.Module]) -> dict[str, str]:
-    """For each part's name: ``"kept"`` (the module holds that very object under it), ``"other"`` or ``"missing"``."""
+def _stored(module: nn.Module, parts: dict[str, Any]) -> dict[str, str]:
+    """For each part's attribute: the name of the given part it holds, "None", "missing" or "other" (chapter 08's
+    decoder layer too, whose absent parts are given as None)."""
     found = {}
-    for name, part in parts.items():
-        held = getattr(module, name, None)
-        found[name] = "kept" if held is part else "missing" if held is None else "other"
+    for name in parts:
+        if not hasattr(module, name):
+            found[name] = "missing"
+            continue
+        value = getattr(module, name)
+        held = next((given for given, part in parts.items() if part is not None and part is value), "other")
+        found[name] = "None" if value is None else held
     return found
 
 
@@ -679,10 +684,10 @@ def check_encoder_layer_init(answers: tuple[Callable[..., Any], Callable[..., An
         parts = {"self_attn": _Part("self_attn"), "ffn": _Part("ffn"), "norm1": nn.LayerNorm(d_model),
                  "norm2": nn.LayerNorm(d_model)}
     module = call(cls, *parts.values(), dropout=0.25)
-    kept = call(_kept, module, parts)
-    for name, how in kept.items():
-        if how != "kept":
-            held = "has no attribute" if how == "missing" else "holds another object as"
+    stored = call(_stored, module, parts)
+    for name, how in stored.items():
+        if how != name:
+            held = "has no attribute" if how in ("missing", "None") else "holds another object as"
             raise CheckFailure(f"EncoderLayer(self_attn, ffn, norm1, norm2) {held} self.{name}: keep each part it is "
                                f"given under its own name (PyTorch's), self.{name} = {name}.")
     layout = call(_layout, module)
