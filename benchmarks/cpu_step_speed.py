@@ -109,7 +109,9 @@ def worker(args: argparse.Namespace) -> None:
                 send({"ready": True, "stepformer": str(imported.parent), "torch": torch.__version__,
                       "threads": torch.get_num_threads(), "hardware": trainer.hardware(torch.device("cpu")),
                       "precision": str(amp_dtype or torch.float32).removeprefix("torch."),
-                      "max_tokens": given["config"].max_tokens, "fast": given["config"].fast,
+                      "max_tokens": given["config"].max_tokens,
+                      # a checkout before the model became one ModelConfig had one 'fast' for both
+                      "fast": getattr(given["config"], "packed_dropout", getattr(given["config"], "fast", None)),
                       "tokenizer_sha256": _sha256(out_dir / "tokenizer.json")})
             else:
                 # Read after the clock: the new trainer's results are tensors, read here, not in the block.

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for every run")
     parser.add_argument("--sweep", action="store_true", help="one seed per --variant, scored on val only")
-    parser.add_argument("--variant", action="append", default=[], help='e.g. \'{"dropout": 0.3}\' (with --sweep)')
+    parser.add_argument("--variant", action="append", default=[], help='e.g. \'{"model.dropout": 0.3}\' (with --sweep)')
     parser.add_argument("--import-report", type=Path, metavar="GPU_RUN_JSON",
                         help="make a device run's report a results file of the book (--results), scored here")
     parser.add_argument("--results", type=Path, default=ROOT / "book" / "results" / "gpu.json")

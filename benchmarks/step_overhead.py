@@ -43,15 +43,15 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from stepformer.runs import Distributed, commit, hardware  # noqa: E402
 from stepformer.translator.batching import Encoded, PaddedTable, token_batches  # noqa: E402
-from stepformer.translator.config import TranslatorConfig  # noqa: E402
+from stepformer.translator.config import MODEL, TranslatorConfig  # noqa: E402
 from stepformer.translator.fast import cross_entropy_sum, loss_for, swap_dropout  # noqa: E402
 from stepformer.translator.model import build_model, compile_model  # noqa: E402
 from stepformer.translator.train import make_optimizer, train_step  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
 # The gpu preset's structure at a size where arithmetic costs nothing.
-CONFIG = TranslatorConfig(vocab_size=1000, d_model=16, heads=4, layers=3, d_ff=32, dropout=0.3, max_tokens=192,
-                          max_steps=1, precision="fp32")
+CONFIG = TranslatorConfig(model=replace(MODEL, vocab=1000, d_model=16, heads=4, layers=3, d_ff=32, dropout=0.3),
+                          max_tokens=192, max_steps=1, precision="fp32")
 
 
 class OpCounter(TorchDispatchMode):
@@ -69,8 +69,8 @@ class OpCounter(TorchDispatchMode):
 def synthetic_data(sentences: int = 400, seed: int = 0) -> Encoded:
     """Sentence pairs of 4 to 24 random tokens, so that batches come in several shapes, as real ones do."""
     rng = random.Random(seed)
-    src = [[rng.randrange(3, CONFIG.vocab_size) for _ in range(rng.randint(4, 24))] for _ in range(sentences)]
-    tgt = [[rng.randrange(3, CONFIG.vocab_size) for _ in range(rng.randint(4, 22))] for _ in range(sentences)]
+    src = [[rng.randrange(3, CONFIG.model.vocab) for _ in range(rng.randint(4, 24))] for _ in range(sentences)]
+    tgt = [[rng.randrange(3, CONFIG.model.vocab) for _ in range(rng.randint(4, 22))] for _ in range(sentences)]
     return Encoded(src, tgt)
 
 
@@ -81,7 +81,7 @@ class Trainer:
         torch.manual_seed(0)
         self.config = replace(CONFIG, precision=precision, compile=compiled)
         device = torch.device("cpu")
-        model = build_model(self.config, CONFIG.vocab_size, PAD)
+        model = build_model(self.config, CONFIG.model.vocab, PAD)
         self.loss_fn = loss_for(device)
         if path == "gpu":  # what a GPU step issues: PyTorch's dropout and the one-call loss
             model, self.loss_fn = swap_dropout(model, nn.Dropout), cross_entropy_sum

@@ -75,8 +75,9 @@ def step_fn(model, optimizer, amp, device, config, pad_id, loss_fn=fused_label_s
 
 
 def tied_torch_model(ours, config):
-    theirs = TorchModel(ours, config.d_model, config.heads, config.layers, config.d_ff, config.dropout,
-                        norm_first=config.norm_first)
+    model = config.model
+    theirs = TorchModel(ours, model.d_model, model.heads, model.layers, model.d_ff, model.dropout,
+                        norm_first=model.placement == "pre")
     theirs.generator.weight = theirs.tgt_embed.tokens.weight
     theirs.embed.tokens.weight = theirs.tgt_embed.tokens.weight
     return theirs
@@ -102,8 +103,8 @@ def main() -> None:
     print(f"{hardware(device)}; autocast {amp}; measured matmul peak {peak / 1e12:.2f} TFLOP/s (2048², best of 10)")
 
     src_text, tgt_text = load_split("train", config.src_lang, config.tgt_lang, args.data_dir, progress=False)
-    tokenizer = SubwordTokenizer.train(src_text + tgt_text, config.vocab_size)
-    data = encode_pairs(tokenizer, src_text, tgt_text, config.max_len)
+    tokenizer = SubwordTokenizer.train(src_text + tgt_text, config.model.vocab)
+    data = encode_pairs(tokenizer, src_text, tgt_text, config.model.max_len)
     batches = token_batches(data, config.max_tokens, config.seed, 0)[: args.warmup + args.batches]
     tensors = [tuple(t.to(device) for t in collate(data, b, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id))
                for b in batches]
@@ -112,7 +113,7 @@ def main() -> None:
     ours = build_model(config, tokenizer.vocab_size, tokenizer.pad_id).to(device)
     # The same dropout for both (fast.PackedDropout where the trainer uses it), so that the rows compare models.
     theirs = tied_torch_model(ours, config).to(device)
-    if config.fast:
+    if config.packed_dropout:
         packed_dropout(theirs)
     counts = {n: sum(p.numel() for p in m.parameters()) for n, m in (("ours", ours), ("torch", theirs))}
     if counts["ours"] != counts["torch"]:

@@ -71,7 +71,7 @@ def tokenizer(texts):
 
 @pytest.fixture(scope="module")
 def captions(tokenizer, texts) -> dict[str, Captions]:
-    return {name: encode_captions(tokenizer, lines, TINY.max_len) for name, lines in texts.items()}
+    return {name: encode_captions(tokenizer, lines, TINY.model.max_len) for name, lines in texts.items()}
 
 
 def tiny_lm(vocab: int, seed: int = 0) -> LanguageModel:
@@ -292,7 +292,7 @@ def test_too_small_a_vocabulary_for_long_words_is_an_error(tokenizer, captions):
 
 def test_the_frequency_baseline_is_the_share_of_masked_pieces_that_are_the_most_frequent_one(texts):
     tokenizer = train_tokenizer(texts["en"] + texts["de"], 800)  # enough pieces for English words of 5+ letters
-    captions = {name: encode_captions(tokenizer, texts[name], TINY.max_len) for name in ("en", "en_val")}
+    captions = {name: encode_captions(tokenizer, texts[name], TINY.model.max_len) for name in ("en", "en_val")}
     frequent = frequent_ids(captions["en"], tokenizer)
     pieces = [i for s in captions["en"].sequences for i in s[1:-1]]
     assert pieces.count(frequent["any"]) == max(pieces.count(i) for i in set(pieces))
@@ -323,10 +323,10 @@ def test_lora_training_changes_only_the_lora_weights_and_merging_keeps_the_logit
     model = tiny_lm(tokenizer.vocab_size)
     base = {name: p.detach().clone() for name, p in model.named_parameters()}
     wrapped = add_lora(model, ("w_q", "w_v"), r=4, alpha=8)
-    assert len(wrapped) == 2 * TINY.layers
+    assert len(wrapped) == 2 * TINY.model.layers
     record = train_tiny(model, captions["de"], tokenizer, 10, measure_memory=True)
-    d_model, kv_width = TINY.d_model, TINY.kv_heads * TINY.d_model // TINY.heads
-    assert record["trainable_parameters"] == TINY.layers * 4 * ((d_model + d_model) + (d_model + kv_width))
+    d_model, kv_width = TINY.model.d_model, TINY.model.kv_heads * TINY.model.d_model // TINY.model.heads
+    assert record["trainable_parameters"] == TINY.model.layers * 4 * ((d_model + d_model) + (d_model + kv_width))
     for name, p in model.named_parameters():
         if "lora_" in name:
             continue
@@ -342,7 +342,7 @@ def test_lora_training_changes_only_the_lora_weights_and_merging_keeps_the_logit
     model.eval()
     with torch.no_grad():
         adapted = model(probe)
-        assert merge_lora(model) == 2 * TINY.layers
+        assert merge_lora(model) == 2 * TINY.model.layers
         assert not any(isinstance(m, LoRALinear) for m in model.modules())
         torch.testing.assert_close(model(probe), adapted, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(tiny_lm(tokenizer.vocab_size)(probe), adapted, atol=1e-4)
@@ -376,7 +376,7 @@ def test_all_writes_every_result_and_refuses_to_overwrite_without_replace(tmp_pa
     assert code == 0, err
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     assert results["seed"] == 1234 and results["commit"] and "threads" in results["hardware"]
-    assert results["tokenizer"]["vocab_size"] == PRESETS["tiny"].vocab_size + 1  # <mask>
+    assert results["tokenizer"]["vocab_size"] == PRESETS["tiny"].model.vocab + 1  # <mask>
     language_model = results["language_model"]
     assert language_model["steps"] == 4 and language_model["config"]["kv_heads"] < language_model["config"]["heads"]
     for state in ("untrained", "trained"):

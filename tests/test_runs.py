@@ -211,7 +211,7 @@ def train_command(out: Path, data: Path, *extra: str, program: tuple[str, ...] =
                   ) -> list[str]:
     # The tiny preset keeps its dropout (0.1): each process draws its own masks, which a resume must continue.
     return [*TORCHRUN, *program, "train", "--out", str(out), "--preset", "tiny", "--no-progress", "--set",
-            "vocab_size=300", "--set", "max_tokens=1024", "--set", "eval_every=1000", "--data-dir", str(data), *extra]
+            "model.vocab=300", "--set", "max_tokens=1024", "--set", "eval_every=1000", "--data-dir", str(data), *extra]
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -327,7 +328,7 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path, real_data):
 
 @pytest.mark.slow
 def test_two_processes_give_the_losses_of_one_on_the_same_global_batch(tmp_path, real_data):
-    args = [*TINY, "--steps", "6", "--set", "dropout=0", "--set", "checkpoint_every=1000",
+    args = [*TINY, "--steps", "6", "--set", "model.dropout=0", "--set", "checkpoint_every=1000",
             "--data-dir", str(real_data)]
     run_cli("train", "--out", str(tmp_path / "one"), *args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -420,8 +421,8 @@ def test_a_checkpoint_refuses_another_vocabulary(tmp_path, tokenizer):
 
     config = preset("tiny")
     small = SubwordTokenizer.train(["ein hund", "a dog", "zwei hunde", "two dogs"] * 50, 300)
-    model = build_model(config.with_overrides({"vocab_size": "300"}), small.vocab_size, small.pad_id)
-    state = {"format": 1, "config": config.with_overrides({"vocab_size": "300"}).to_dict(),
+    model = build_model(config.with_overrides({"model.vocab": "300"}), small.vocab_size, small.pad_id)
+    state = {"format": 1, "config": config.with_overrides({"model.vocab": "300"}).to_dict(),
              "tokenizer": small.to_json(), "fingerprint": small.fingerprint, "model": model.state_dict(),
              "step": 1, "elapsed_s": 1.0, "commit": "test"}
     save_atomically(state, tmp_path / "a.pt")
@@ -431,6 +432,71 @@ def test_a_checkpoint_refuses_another_vocabulary(tmp_path, tokenizer):
     save_atomically({**state, "fingerprint": tokenizer.fingerprint}, tmp_path / "b.pt")
     with pytest.raises(ValueError, match="different vocabularies"):
         average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "avg.pt")
+
+
+FORMER_SETTINGS = {  # the model's settings as checkpoints before the ModelConfig kept them (the gpu preset's)
+    "vocab_size": 8000, "max_len": 128, "d_model": 256, "heads": 4, "layers": 3, "d_ff": 1024, "kv_heads": None,
+    "dropout": 0.3, "norm_first": True, "activation": "relu", "fast": True,
+}
+
+
+def test_the_model_is_one_model_config_and_a_former_flat_config_reads_into_it():
+    from stepformer.translator.config import TranslatorConfig
+
+    gpu = preset("gpu")
+    assert isinstance(gpu.model, ModelConfig) and gpu.model.dropout == 0.3 and gpu.model.placement == "pre"
+    assert TranslatorConfig.from_dict(gpu.to_dict()) == gpu
+    former = {**{k: v for k, v in gpu.to_dict().items() if k not in ("model", "packed_dropout")}, **FORMER_SETTINGS}
+    assert TranslatorConfig.from_dict(former) == gpu
+    post = TranslatorConfig.from_dict({**former, "norm_first": False, "activation": "gelu", "kv_heads": 2})
+    assert (post.model.placement, post.model.ffn, post.model.kv_heads) == ("post", "gelu", 2)
+    plain = TranslatorConfig.from_dict({**former, "fast": False})  # one 'fast' chose fused kernels and packed dropout
+    assert (plain.model.fast, plain.packed_dropout) == (False, False)
+    with pytest.raises(ValueError, match="are the model's"):
+        TranslatorConfig.from_dict({**gpu.to_dict(), "d_model": 512})
+    with pytest.raises(ValueError, match=r"unknown model settings \['d_modle'\]"):
+        TranslatorConfig.from_dict({**gpu.to_dict(), "model": {**gpu.model.to_dict(), "d_modle": 512}})
+
+
+def test_settings_of_the_model_are_set_by_model_dot_name_and_former_names_are_refused_with_the_new_one():
+    config = preset("cpu").with_overrides({"model.dropout": "0.1", "model.kv_heads": "2", "warmup": "800"})
+    assert (config.model.dropout, config.model.kv_heads, config.warmup) == (0.1, 2, 800)
+    assert preset("cpu").with_overrides({"model.kv_heads": "None"}).model.kv_heads is None
+    for former, new in (("dropout", "model.dropout"), ("norm_first", "model.placement"), ("vocab_size", "model.vocab"),
+                        ("activation", "model.ffn")):
+        with pytest.raises(ValueError, match=f"'{former}' is a setting of the model: {new}"):
+            preset("cpu").with_overrides({former: "1"})
+    with pytest.raises(ValueError, match="placement must be one of"):
+        preset("cpu").with_overrides({"model.placement": "middle"})
+    with pytest.raises(ValueError, match="model.heads must be a int"):
+        preset("cpu").with_overrides({"model.heads": "four"})
+
+
+def test_a_resumed_run_refuses_another_model_setting_by_its_name():
+    from stepformer.translator.checkpoints import resumed_config
+
+    saved = preset("cpu")
+    assert resumed_config(saved, saved.with_overrides({"max_minutes": "90"})).max_minutes == 90
+    with pytest.raises(ValueError, match=r"model\.d_ff: saved 1024, given 2048"):
+        resumed_config(saved, saved.with_overrides({"model.d_ff": "2048"}))
+
+
+def test_a_checkpoint_written_with_the_former_flat_config_loads(tmp_path):
+    from stepformer.runs import save_atomically
+    from stepformer.translator.evaluate import Translator
+
+    small = SubwordTokenizer.train(["ein hund", "a dog", "zwei hunde", "two dogs"] * 50, 300)
+    tiny = preset("tiny")
+    former = {**{k: v for k, v in tiny.to_dict().items() if k not in ("model", "packed_dropout")}, **FORMER_SETTINGS,
+              "vocab_size": 300,
+              "d_model": 64, "layers": 2, "d_ff": 128, "dropout": 0.1}
+    model = build_model(tiny.with_overrides({"model.vocab": "300"}), small.vocab_size, small.pad_id)
+    save_atomically({"format": 1, "config": former, "tokenizer": small.to_json(), "fingerprint": small.fingerprint,
+                     "model": model.state_dict(), "step": 1, "elapsed_s": 1.0, "commit": "test"}, tmp_path / "old.pt")
+    loaded = Translator.load(tmp_path / "old.pt", device=torch.device("cpu"))
+    assert loaded.config.model == replace(tiny.model, vocab=300)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(loaded.model.state_dict()[key], value)
 
 
 def test_averaging_is_the_mean_of_the_weights(tmp_path):

@@ -125,11 +125,11 @@ def test_packed_dropout_like_nn_dropout_in_every_other_respect():
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_the_translator_uses_packed_dropout_exactly_when_fast(fast):
-    config = preset("tiny").with_overrides({"fast": str(fast)})
+def test_the_translator_uses_packed_dropout_exactly_when_asked(fast):
+    config = preset("tiny").with_overrides({"packed_dropout": str(fast)})
     model = build_model(config, 50, 0)
     dropouts = [m for m in model.modules() if isinstance(m, nn.Dropout)]
-    assert dropouts and all(m.p == config.dropout for m in dropouts)
+    assert dropouts and all(m.p == config.model.dropout for m in dropouts)
     assert all(isinstance(m, PackedDropout) for m in dropouts) == fast
     assert any(isinstance(m, PackedDropout) for m in dropouts) == fast
     plain = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.4), nn.Sequential(nn.Dropout(0.1)))

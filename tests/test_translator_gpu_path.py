@@ -119,7 +119,7 @@ def test_the_written_out_loss_equals_pytorchs_label_smoothed_cross_entropy():
 
 def tiny_model_and_batch(seed: int):
     torch.manual_seed(seed)
-    config = preset("tiny").with_overrides({"d_model": "16", "d_ff": "32", "vocab_size": "50"})
+    config = preset("tiny").with_overrides({"model.d_model": "16", "model.d_ff": "32", "model.vocab": "50"})
     model = build_model(config, 50, PAD)
     generator = torch.Generator().manual_seed(seed)
     data = Encoded([torch.randint(4, 50, (n,), generator=generator).tolist() for n in (3, 7, 5, 6)],
@@ -248,7 +248,7 @@ def test_the_compiled_model_takes_every_batch_shape_without_compiling_again():
     from stepformer.translator.model import compile_model
 
     torch.manual_seed(0)
-    config = preset("tiny").with_overrides({"d_model": "16", "d_ff": "32", "vocab_size": "60"})
+    config = preset("tiny").with_overrides({"model.d_model": "16", "model.d_ff": "32", "model.vocab": "60"})
     # The model as it runs on a GPU: PyTorch's dropout (PackedDropout's in-place draw breaks the graph on a CPU).
     model = swap_dropout(build_model(config, 60, PAD), torch.nn.Dropout)
     generator = torch.Generator().manual_seed(0)

@@ -104,7 +104,7 @@ def from_llama(hf: nn.Module, fast: bool = True) -> LanguageModel:
         _norm(layer.norm3, theirs.post_attention_layernorm)
     _norm(ours.decoder.norm, hf.model.norm)
     if not config.tie_embeddings:
-        _copy(ours.lm_head.weight, hf.lm_head.weight)
+        _copy(ours.generator.weight, hf.lm_head.weight)
     return ours
 
 
@@ -145,7 +145,7 @@ def from_gpt2(hf: nn.Module, fast: bool = True) -> LanguageModel:
         _norm(layer.norm3, theirs.ln_2)
     _norm(ours.decoder.norm, t.ln_f)
     if not config.tie_embeddings:
-        _copy(ours.lm_head.weight, hf.lm_head.weight)
+        _copy(ours.generator.weight, hf.lm_head.weight)
     return ours
 
 
@@ -189,10 +189,10 @@ def from_bert(hf: nn.Module, fast: bool = True) -> EncoderModel:
     _linear(ours.mlm_dense, head.transform.dense.weight, head.transform.dense.bias)
     _norm(ours.mlm_norm, head.transform.LayerNorm)
     if not config.tie_embeddings:
-        _copy(ours.mlm_out.weight, head.decoder.weight)
+        _copy(ours.generator.weight, head.decoder.weight)
     # The forward adds decoder.bias. Tied, head.bias is that same tensor; untied, it is a second one that
     # nothing reads.
-    _copy(ours.mlm_out.bias, head.decoder.bias)
+    _copy(ours.generator.bias, head.decoder.bias)
     return ours
 
 

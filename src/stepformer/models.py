@@ -115,8 +115,9 @@ class LanguageModel(nn.Module):
     """A decoder-only language model (GPT-2, LLaMA): embeddings, masked self-attention layers, logits.
 
     ``embed`` (:class:`Embeddings`), ``decoder`` (chapter 08's ``Decoder`` of layers without
-    cross-attention) and ``lm_head`` (``nn.Linear(d_model, vocab, bias=False)``, sharing the
-    embedding table when ``config.tie_embeddings``). Position ``t``'s logits predict token
+    cross-attention) and ``generator`` (``nn.Linear(d_model, vocab, bias=False)``, sharing the
+    embedding table when ``config.tie_embeddings``), the output layer's name in chapter 08's ``Transformer``
+    (Hugging Face's ``lm_head``). Position ``t``'s logits predict token
     ``t + 1`` from tokens ``0 ... t``.
     """
 
@@ -125,10 +126,10 @@ class LanguageModel(nn.Module):
         self.config = config
         self.embed = Embeddings(config)
         self.decoder = decoder_stack(config, cross_attention=False)
-        self.lm_head = nn.Linear(config.d_model, config.vocab, bias=False)
+        self.generator = nn.Linear(config.d_model, config.vocab, bias=False)
         self.apply(_init_weights)
         if config.tie_embeddings:
-            self.lm_head.weight = self.embed.tokens.weight
+            self.generator.weight = self.embed.tokens.weight
 
     @jaxtyped(typechecker=beartype)
     def forward(
@@ -150,7 +151,7 @@ class LanguageModel(nn.Module):
         mask = None if seq == 1 and padding is None else causal_mask(seq, start + seq, device=tokens.device)
         if padding is not None:
             mask = mask & rearrange(padding, "batch k_len -> batch 1 1 k_len")
-        return self.lm_head(self.decoder(self.embed(tokens, start), None, None, mask, cache))
+        return self.generator(self.decoder(self.embed(tokens, start), None, None, mask, cache))
 
 
 class EncoderModel(nn.Module):
@@ -158,9 +159,9 @@ class EncoderModel(nn.Module):
 
     ``embed`` (:class:`Embeddings`, with segments and a norm in BERT's configuration),
     ``encoder`` (chapter 07's ``Encoder``), and the head that predicts a masked token from its
-    vector: ``mlm_dense`` (d_model → d_model), the feed-forward's activation, ``mlm_norm``, and
-    ``mlm_out`` (d_model → vocab, with a bias, sharing the embedding table when
-    ``config.tie_embeddings``).
+    vector: ``mlm_dense`` (d_model → d_model), the feed-forward's activation, ``mlm_norm``, and the
+    output layer ``generator`` (d_model → vocab, with a bias, sharing the embedding table when
+    ``config.tie_embeddings``; Hugging Face's ``cls.predictions.decoder``).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -175,10 +176,10 @@ class EncoderModel(nn.Module):
             config.ffn
         ]
         self.mlm_norm = make_norm(config)
-        self.mlm_out = nn.Linear(config.d_model, config.vocab)
+        self.generator = nn.Linear(config.d_model, config.vocab)
         self.apply(_init_weights)
         if config.tie_embeddings:
-            self.mlm_out.weight = self.embed.tokens.weight
+            self.generator.weight = self.embed.tokens.weight
 
     @jaxtyped(typechecker=beartype)
     def encode(
@@ -200,7 +201,7 @@ class EncoderModel(nn.Module):
     ) -> Float[Tensor, "batch seq vocab"]:
         """The masked-LM logits at every position: what token belongs there."""
         hidden = self.encode(tokens, padding, segments)
-        return self.mlm_out(self.mlm_norm(self.mlm_activation(self.mlm_dense(hidden))))
+        return self.generator(self.mlm_norm(self.mlm_activation(self.mlm_dense(hidden))))
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -105,6 +105,6 @@ def prepare_data(run: RunConfig, data_dir: Path | str | None = None, eval_split:
     en, de = load_split("train", "en", "de", data_dir, progress=progress)
     en_val, de_val = load_split(eval_split, "en", "de", data_dir, progress=progress)
     en_val, de_val = en_val[:run.eval_limit], de_val[:run.eval_limit]
-    tokenizer = train_tokenizer(en + de, run.vocab_size)
-    encode = lambda texts: encode_captions(tokenizer, texts, run.max_len)  # noqa: E731
+    tokenizer = train_tokenizer(en + de, run.model.vocab)
+    encode = lambda texts: encode_captions(tokenizer, texts, run.model.max_len)  # noqa: E731
     return Data(tokenizer, encode(en), encode(en_val), encode(de), encode(de_val), en_val, eval_split)

@@ -34,8 +34,9 @@ REPORTING_FIELDS = ("log_every",)
 def resumed_config(saved: TranslatorConfig, given: TranslatorConfig) -> TranslatorConfig:
     """The saved run's settings with the budget given now (a run may be extended); any other
     difference is refused, since it would silently make the resumed run another run."""
-    differences = [f"{k}: saved {v!r}, given {given.to_dict()[k]!r}" for k, v in saved.to_dict().items()
-                   if k not in BUDGET_FIELDS + REPORTING_FIELDS and given.to_dict()[k] != v]
+    now = given.settings()
+    differences = [f"{k}: saved {v!r}, given {now[k]!r}" for k, v in saved.settings().items()
+                   if k not in BUDGET_FIELDS + REPORTING_FIELDS and now[k] != v]
     if differences:
         raise ValueError("resuming with other settings than the saved run's: " + "; ".join(differences))
     return given

@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
         "train", help="train a translator (downloads Multi30k on first use)",
         description="Train a translator into --out: checkpoints, metrics.jsonl, curves.png, then averaged.pt. "
         "The presets: " + "; ".join(
-            f"{name} ({c.layers}+{c.layers} layers, d_model {c.d_model}, "
+            f"{name} ({c.model.layers}+{c.model.layers} layers, d_model {c.model.d_model}, "
             + (f"{c.max_minutes:g} min" if c.max_minutes else f"{c.max_steps} steps") + ")"
             for name, c in PRESETS.items()),
     )
@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=int, help="stop after this many passes over the training data")
     train.add_argument("--minutes", type=float, help="stop after this much wall-clock time (resumed runs count all)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="change any other setting, e.g. --set warmup=800 --set label_smoothing=0 (repeatable)")
+                       help="change any other setting, e.g. --set warmup=800 --set model.dropout=0.3 (the model's "
+                       "settings as model.NAME; repeatable)")
     train.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     _data_options(train)
     train.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to stderr)")

@@ -10,23 +10,44 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
+from stepformer.parts import ModelConfig
+
+# The translator's model: chapter 08's Transformer as the course trains it on Multi30k, one encoder-decoder
+# description (parts.ModelConfig) that builds it; the presets change it with dataclasses.replace.
+MODEL = ModelConfig(
+    vocab=8000,  # joint BPE for both languages; 8k suits 29k sentence pairs (the model takes the tokenizer's count)
+    d_model=256,
+    heads=4,
+    layers=3,  # encoder layers = decoder layers (encoder_layers None)
+    d_ff=1024,
+    kv_heads=None,  # multi-head attention; fewer: GQA (chapter 10)
+    norm="layer",
+    placement="pre",  # pre-norm trains stably with a large learning rate and short warmup
+    final_norm=True,
+    ffn="relu",
+    positions="sinusoidal",
+    max_len=128,  # positions; longer sentences are cut (and counted): Multi30k's longest has 54 tokens
+    tie_embeddings=True,  # one table for source, target and output: a joint vocabulary (Press and Wolf 2017)
+    scale_embeddings=True,  # chapter 07's embeddings, the 2017 paper's sqrt(d_model)
+    dropout=0.2,  # a small corpus overfits: more than the paper's 0.1
+    fast=True,  # PyTorch's fused attention and LayerNorm inside the course's modules (tested equal)
+)
+
+# The settings of checkpoints and results written before the model became one ModelConfig, and where each went.
+FORMER_MODEL_KEYS = {
+    "vocab_size": "vocab", "max_len": "max_len", "d_model": "d_model", "heads": "heads", "layers": "layers",
+    "d_ff": "d_ff", "kv_heads": "kv_heads", "dropout": "dropout", "norm_first": "placement", "activation": "ffn",
+    "fast": "fast",
+}
+
 
 @dataclass(frozen=True)
 class TranslatorConfig:
     # --- the task
     src_lang: str = "de"
     tgt_lang: str = "en"
-    vocab_size: int = 8000  # joint BPE for both languages; 8k suits 29k sentence pairs
-    max_len: int = 128  # positions; longer sentences are cut (and counted): Multi30k's longest has 54 tokens
-    # --- the model (chapter 08's Transformer)
-    d_model: int = 256
-    heads: int = 4
-    layers: int = 3  # encoder layers = decoder layers
-    d_ff: int = 1024
-    kv_heads: int | None = None  # None: multi-head attention; fewer: GQA (chapter 10)
-    dropout: float = 0.2  # a small corpus overfits: more than the paper's 0.1
-    norm_first: bool = True  # pre-norm trains stably with a large learning rate and short warmup
-    activation: str = "relu"
+    # --- the model (chapter 08's Transformer, configured: parts.ModelConfig; settings model.d_model, ...)
+    model: ModelConfig = MODEL
     # --- the optimisation
     label_smoothing: float = 0.1
     peak_lr: float = 1e-3
@@ -58,9 +79,10 @@ class TranslatorConfig:
     # --- speed
     precision: str = "auto"  # auto: bf16 where the hardware has it (CUDA, or a CPU with AMX/AVX-512 bf16), else fp32
     compile: bool = False
-    # PyTorch's fused attention and LayerNorm inside the course's modules (tested equal), and dropout
-    # masks drawn four elements per random number (fast.PackedDropout: the same distribution).
-    fast: bool = True
+    # Dropout masks drawn four elements per random number (fast.PackedDropout): the same distribution as
+    # nn.Dropout, other masks, faster on a CPU. A way of drawing, like compile's own random numbers, not a part
+    # of the model: its parameters and its function in eval() mode are the same either way.
+    packed_dropout: bool = True
     # --- decoding
     beam: int = 4
     length_penalty: float = 1.0
@@ -72,8 +94,8 @@ class TranslatorConfig:
             raise ValueError(f"cooldown is a fraction of the budget, from 0 to 1; got {self.cooldown}")
         if self.src_lang == self.tgt_lang:
             raise ValueError(f"source and target language are both {self.src_lang!r}")
-        if self.d_model % self.heads:
-            raise ValueError(f"d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
+        if not isinstance(self.model, ModelConfig):
+            raise TypeError(f"model must be a ModelConfig, got {type(self.model).__name__}")
         if self.precision not in ("auto", "fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be auto, fp32, bf16 or fp16, got {self.precision!r}")
         if self.max_steps is None and self.max_epochs is None and self.max_minutes is None:
@@ -94,28 +116,64 @@ class TranslatorConfig:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
+        """Every setting, the model's as a dict under ``"model"``: what checkpoints and results files keep."""
         return asdict(self)
+
+    def settings(self) -> dict[str, object]:
+        """Every setting by the name ``--set`` takes: ``peak_lr``, ..., and the model's as ``model.d_model``, ..."""
+        flat = {k: v for k, v in self.to_dict().items() if k != "model"}
+        return {**flat, **{f"model.{k}": v for k, v in self.model.to_dict().items()}}
 
     @classmethod
     def from_dict(cls, values: dict) -> "TranslatorConfig":
+        """The config :meth:`to_dict` gave, or one written before the model was a ``ModelConfig`` (its model
+        settings, ``d_model``, ``norm_first``, ``activation``, ..., read into ``model``)."""
         known = {f.name for f in fields(cls)}
+        values = dict(values)
+        former = {key: values.pop(key) for key in FORMER_MODEL_KEYS if key in values}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown settings {unknown}; the settings are {sorted(known)}")
-        values = dict(values)
+        if former:
+            if "model" in values:
+                raise ValueError(f"settings {sorted(former)} are the model's: give them in 'model' only")
+            values["model"] = _former_model(former)
+            values.setdefault("packed_dropout", former.get("fast", True))  # one 'fast' chose both
+        elif isinstance(values.get("model"), dict):
+            model_fields = {f.name for f in fields(ModelConfig)}
+            unknown = sorted(set(values["model"]) - model_fields)
+            if unknown:
+                raise ValueError(f"unknown model settings {unknown}; the model's settings are {sorted(model_fields)}")
+            values["model"] = ModelConfig(**values["model"])
         if isinstance(values.get("betas"), list):
             values["betas"] = tuple(values["betas"])
         return cls(**values)
 
     def with_overrides(self, overrides: dict[str, str]) -> "TranslatorConfig":
-        """A copy with settings given as text (``--set warmup=800``), each parsed to its field's type."""
-        kinds = {f.name: f.type for f in fields(self)}
-        parsed = {}
+        """A copy with settings given as text (``--set warmup=800``, ``--set model.dropout=0.3``), each parsed to its
+        field's type."""
+        kinds = {f.name: f.type for f in fields(self) if f.name != "model"}
+        model_kinds = {f"model.{f.name}": f.type for f in fields(ModelConfig)}
+        parsed, model = {}, {}
         for key, text in overrides.items():
-            if key not in kinds:
-                raise ValueError(f"unknown setting {key!r}; the settings are {sorted(kinds)}")
-            parsed[key] = _parse(text, kinds[key], key)
-        return replace(self, **parsed)
+            if key in kinds:
+                parsed[key] = _parse(text, kinds[key], key)
+            elif key in model_kinds:
+                model[key.removeprefix("model.")] = _parse(text, model_kinds[key], key)
+            elif key in FORMER_MODEL_KEYS:
+                raise ValueError(f"{key!r} is a setting of the model: model.{FORMER_MODEL_KEYS[key]}"
+                                 + (" (pre or post)" if key == "norm_first" else ""))
+            else:
+                raise ValueError(f"unknown setting {key!r}; the settings are {sorted(self.settings())}")
+        return replace(self, **parsed, **({"model": replace(self.model, **model)} if model else {}))
+
+
+def _former_model(former: dict) -> ModelConfig:
+    """The ``ModelConfig`` that a config written before it held (``vocab_size``, ``d_model``, ``norm_first``, ...)."""
+    former = dict(former)
+    if "norm_first" in former:
+        former["norm_first"] = "pre" if former["norm_first"] else "post"
+    return replace(MODEL, **{FORMER_MODEL_KEYS[key]: value for key, value in former.items()})
 
 
 def _parse(text: str, field_type: object, key: str) -> object:
@@ -139,7 +197,7 @@ def _parse(text: str, field_type: object, key: str) -> object:
 PRESETS: dict[str, TranslatorConfig] = {
     # Seconds on any CPU: for tests, the book's live run and a first try of the command.
     "tiny": TranslatorConfig(
-        vocab_size=1000, d_model=64, heads=4, layers=2, d_ff=128, dropout=0.1, warmup=50, peak_lr=2e-3,
+        model=replace(MODEL, vocab=1000, d_model=64, heads=4, layers=2, d_ff=128, dropout=0.1), warmup=50, peak_lr=2e-3,
         max_tokens=2048, max_minutes=None, max_steps=200, checkpoint_every=100, eval_every=100,
         eval_sentences=100, keep_checkpoints=2, precision="fp32", beam=2,
     ),
@@ -151,8 +209,9 @@ PRESETS: dict[str, TranslatorConfig] = {
     # dropout for the many more epochs a GPU gives in minutes; batches of 16k tokens, compiled; warmup
     # and checkpoints in epochs; the last 10 checkpoints (one per epoch) averaged.
     "gpu": TranslatorConfig(
-        dropout=0.3, peak_lr=3e-3, warmup_epochs=4.0, max_tokens=16384, max_minutes=5.0, max_epochs=150,
-        checkpoint_every_epochs=1.0, eval_every_epochs=20.0, keep_checkpoints=10, compile=True, length_penalty=1.4,
+        model=replace(MODEL, dropout=0.3), peak_lr=3e-3, warmup_epochs=4.0, max_tokens=16384, max_minutes=5.0,
+        max_epochs=150, checkpoint_every_epochs=1.0, eval_every_epochs=20.0, keep_checkpoints=10, compile=True,
+        length_penalty=1.4,
     ),
 }
 

@@ -69,11 +69,12 @@ class Translator:
         beam = self.config.beam if beam is None else beam
         length_penalty = self.config.length_penalty if length_penalty is None else length_penalty
         # Targets are unknown: encode the sources twice so that batching sorts by source length.
-        data = encode_pairs(self.tokenizer, texts, texts, self.config.max_len)
+        data = encode_pairs(self.tokenizer, texts, texts, self.config.model.max_len)
         data = Encoded(data.src, [[] for _ in texts])
         tok, config = self.tokenizer, self.config
         ids = translate_encoded(self.model, data, tok.pad_id, tok.bos_id, tok.eos_id, max_tokens, beam,
-                                length_penalty, config.max_len_a, config.max_len_b, config.max_len, use_cache, progress)
+                                length_penalty, config.max_len_a, config.max_len_b, config.model.max_len, use_cache,
+                                progress)
         return tok.decode(ids)
 
 

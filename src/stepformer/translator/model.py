@@ -1,10 +1,12 @@
 """The translator's model as the trainer runs it: chapter 08's Transformer, configured (chapter 10's attention, fused
 kernels if asked) with tied embeddings, compiled for batches of every shape if asked."""
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
-from stepformer.parts import ModelConfig, configured_transformer
+from stepformer.parts import configured_transformer
 from stepformer.runs import shape_checks
 from stepformer.transformer import Transformer
 from stepformer.translator.config import TranslatorConfig
@@ -16,19 +18,14 @@ def build_model(config: TranslatorConfig, vocab_size: int, pad_id: int) -> Trans
 
     Tying the three (Press and Wolf 2017; section 3.4 of the paper) fits a joint vocabulary: a
     subword is the same row whichever language it comes from, and the model has a third fewer
-    parameters to learn from 29,000 sentences. With ``config.fast`` its dropout draws its masks
+    parameters to learn from 29,000 sentences. ``config.model`` describes the whole model
+    (:class:`~stepformer.parts.ModelConfig`); its ``vocab`` is the size the tokenizer was asked for and
+    ``vocab_size`` the one it has. With ``config.packed_dropout`` its dropout draws its masks
     four elements per random number (:class:`.fast.PackedDropout`).
     """
-    model = configured_transformer(
-        ModelConfig(
-            vocab=vocab_size, d_model=config.d_model, heads=config.heads, layers=config.layers, d_ff=config.d_ff,
-            kv_heads=config.kv_heads, norm="layer", placement="pre" if config.norm_first else "post",
-            final_norm=True, ffn=config.activation, positions="sinusoidal", max_len=config.max_len,
-            tie_embeddings=True, scale_embeddings=True, dropout=config.dropout, fast=config.fast,
-        ),
-        pad_id=pad_id,
-    )  # fmt: skip
-    return packed_dropout(model) if config.fast else model
+    # The tokenizer's count, which BPE may round away from the size asked for (config.model.vocab).
+    model = configured_transformer(replace(config.model, vocab=vocab_size), pad_id)
+    return packed_dropout(model) if config.packed_dropout else model
 
 
 def compile_model(model: torch.nn.Module):

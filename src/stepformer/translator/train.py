@@ -66,11 +66,12 @@ def prepare_data(config: TranslatorConfig, out_dir: Path, data_dir: Path | None,
         tokenizer = SubwordTokenizer.from_json(tokenizer_file.read_text())
     else:
         # Both languages' training sentences, never val or test: the vocabulary is part of the model.
-        tokenizer = SubwordTokenizer.train(train_src + train_tgt, config.vocab_size)
-    train = encode_pairs(tokenizer, train_src, train_tgt, config.max_len)
-    val = encode_pairs(tokenizer, val_src, val_tgt, config.max_len)
+        tokenizer = SubwordTokenizer.train(train_src + train_tgt, config.model.vocab)
+    train = encode_pairs(tokenizer, train_src, train_tgt, config.model.max_len)
+    val = encode_pairs(tokenizer, val_src, val_tgt, config.model.max_len)
     log(f"data: {len(train):,} training pairs, {len(val):,} validation pairs; vocabulary {tokenizer.vocab_size:,} "
-        f"subwords; {train.truncated} training and {val.truncated} validation sentences cut to {config.max_len} tokens")
+        f"subwords; {train.truncated} training and {val.truncated} validation sentences cut to "
+        f"{config.model.max_len} tokens")
     return tokenizer, train, val, val_tgt
 
 
@@ -264,7 +265,7 @@ def validate(model, tokenizer, val: Encoded, val_refs: list[str], config, amp_dt
     with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
         ids = translate_encoded(model, sample, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id,
                                 config.max_tokens, 1, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
-                                max_positions=config.max_len)
+                                max_positions=config.model.max_len)
     texts = tokenizer.decode(ids)
     bleu = sacrebleu.corpus_bleu(texts, [val_refs[: len(sample)]])
     return {"val_loss": loss_sum / tokens, "val_perplexity": math.exp(loss_sum / tokens), "val_bleu": bleu.score}
