@@ -292,7 +292,7 @@ def _rate_mistakes(n: int, p: float, low: int, high: int) -> dict:
 
 
 def part_ffn_dropout(seeds: int) -> dict:
-    from stepformer.checks.ffn import _ffn_state, _input, _oracle_layer, _reaching_linear2, _sizes
+    from stepformer.checks.ffn import ACTIVATIONS, _ffn_state, _input, _oracle_layer, _reaching_linear2, _sizes
     from stepformer.ffn import FeedForward
 
     p = 0.25
@@ -301,7 +301,7 @@ def part_ffn_dropout(seeds: int) -> dict:
         base = _sizes(check_seed)
         s = {"batch": 12, "seq": 10, "d_model": base["d_ff"], "d_ff": base["d_model"]}
         x = _input(s, check_seed, torch.float64)
-        for activation in ("relu", "gelu"):
+        for activation in ACTIVATIONS:
             layer = _oracle_layer(s, activation, check_seed, torch.float64)
             module = FeedForward(s["d_model"], s["d_ff"], activation=activation, dropout=p).double()
             module.load_state_dict(_ffn_state(layer))
@@ -318,14 +318,15 @@ def part_ffn_dropout(seeds: int) -> dict:
                     reached, _ = _reaching_linear2(layer, module(x))
                     shares.append((reached[live].abs() <= 1e-8 * (1 + hidden.abs().max())).double().mean().item())
             key = f"seed={check_seed}, {activation}"
-            results["cases"][key] = _share_case(shares, n, p, "live_units", key)
+            results["cases"][key] = _share_case(shares, n, p, "live_units", key, comparisons=len(ACTIVATIONS))
     return results
 
 
-def _share_case(shares: list[float], n: int, p: float, units: str, key: str) -> dict:
-    """The spread of the dropped share over the seeds against the check's binomial interval, printed and returned."""
+def _share_case(shares: list[float], n: int, p: float, units: str, key: str, comparisons: int = 2) -> dict:
+    """The spread of the dropped share over the seeds against the check's binomial interval, printed and returned;
+    ``comparisons``: how many such shares one call of the check compares (they share its ALPHA)."""
     shares_t = torch.tensor(shares)
-    low, high = binomial_bounds(n, p, ALPHA / 2)  # two comparisons per check call, as there
+    low, high = binomial_bounds(n, p, ALPHA / comparisons)
     case = {
         units: n, "mean_share": shares_t.mean().item(), "sd_share": _sd(shares_t),
         "binomial_sd": math.sqrt(p * (1 - p) / n), "min_share": shares_t.min().item(),

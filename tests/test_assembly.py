@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from stepformer.encoder import build_encoder, build_encoder_layer
+from stepformer.ffn import FeedForward, SwiGLU
 from stepformer.masks import causal_mask
 from stepformer.parts import (
     ModelConfig,
@@ -18,6 +19,7 @@ from stepformer.parts import (
     decoder_stack,
     encoder_layer,
     encoder_stack,
+    make_ffn,
 )
 from stepformer.transformer import build_decoder, build_decoder_layer, build_transformer
 
@@ -65,7 +67,7 @@ def _run(name: str, module: nn.Module, g: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fast", [False, True])
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_both_ways_give_the_same_parameters_and_the_same_function(norm_first: bool, activation: str,
                                                                    fast: bool) -> None:
@@ -133,3 +135,20 @@ def test_the_config_describes_an_encoder_decoder_whole() -> None:
     for name in ("src_vocab", "encoder_layers"):
         with pytest.raises(ValueError, match=name):
             ModelConfig.original(VOCAB, **{name: 0})
+
+
+@pytest.mark.parametrize(("ffn", "approximate"), [("relu", None), ("gelu", "none"), ("gelu_tanh", "tanh")])
+def test_make_ffn_builds_chapter_04s_network_with_its_activation(ffn: str, approximate: str | None) -> None:
+    """The config's activation is FeedForward's own argument: nothing is swapped after construction."""
+    part = make_ffn(_config(False, ffn))
+    assert type(part) is FeedForward
+    if approximate is None:
+        assert isinstance(part.activation, nn.ReLU)
+    else:
+        assert isinstance(part.activation, nn.GELU) and part.activation.approximate == approximate
+    torch.manual_seed(0)
+    reference = FeedForward(D_MODEL, D_FF, ffn)
+    part.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 5, D_MODEL)
+    torch.testing.assert_close(part(x), reference(x), rtol=0, atol=0)
+    assert type(make_ffn(_config(False, "swiglu"))) is SwiGLU

@@ -1,6 +1,7 @@
 """stepformer.ffn against torch.nn.TransformerEncoderLayer and independent formulas; its checks catch mistakes."""
 
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -25,6 +26,8 @@ from stepformer.ffn import FeedForward, SwiGLU, matching_swiglu_hidden
 from tests.fixtures.student import student_copy
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-6}
+# PyTorch's own function for each activation FeedForward takes; nn.TransformerEncoderLayer takes any of them.
+TORCH_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 
 shapes = st.fixed_dictionaries({
     "batch": st.integers(1, 3),
@@ -48,11 +51,12 @@ def _assert_close(actual, expected, dtype):
 # -- the library against its oracles -------------------------------------------------------------
 
 @settings(max_examples=60, deadline=None)
-@given(shapes, st.sampled_from(["relu", "gelu"]))
+@given(shapes, st.sampled_from(list(TORCH_ACTIVATIONS)))
 def test_feedforward_matches_transformer_encoder_layer(s, activation):
     torch.manual_seed(s["seed"])
-    layer = nn.TransformerEncoderLayer(s["d_model"], 1, s["d_ff"], dropout=0.0, activation=activation,
-                                       batch_first=True, dtype=s["dtype"]).eval()
+    layer = nn.TransformerEncoderLayer(s["d_model"], 1, s["d_ff"], dropout=0.0,
+                                       activation=TORCH_ACTIVATIONS[activation], batch_first=True,
+                                       dtype=s["dtype"]).eval()
     ffn = FeedForward(s["d_model"], s["d_ff"], activation=activation).to(s["dtype"]).eval()
     ffn.load_state_dict({k: v for k, v in layer.state_dict().items() if k.startswith("linear")})
     x = _x(s)
@@ -79,7 +83,7 @@ def test_float64_agrees_to_1e6_on_seeded_shapes():
         g = torch.Generator().manual_seed(seed)
         batch, seq, d_model, d_ff = torch.randint(1, 12, (4,), generator=g).tolist()
         x = torch.randn(batch, seq, d_model, generator=g, dtype=torch.float64) * 3
-        for activation, oracle in (("relu", F.relu), ("gelu", F.gelu)):
+        for activation, oracle in TORCH_ACTIVATIONS.items():
             torch.manual_seed(seed)
             ffn = FeedForward(d_model, d_ff, activation).double()
             w1, b1, w2, b2 = (t.detach() for t in (ffn.linear1.weight, ffn.linear1.bias,
@@ -93,6 +97,19 @@ def test_gelu_is_the_exact_erf_form():
     z = torch.linspace(-4, 4, 101, dtype=torch.float64)
     torch.testing.assert_close(ffn.activation(z), 0.5 * z * (1 + torch.erf(z / 2**0.5)))
     assert (ffn.activation(z) - F.gelu(z, approximate="tanh")).abs().max() > 1e-4
+
+
+def test_gelu_tanh_is_gpt2s_approximation_set_at_construction():
+    ffn = FeedForward(4, 6, "gelu_tanh")
+    assert isinstance(ffn.activation, nn.GELU) and ffn.activation.approximate == "tanh"
+    z = torch.linspace(-6, 6, 12001, dtype=torch.float64)
+    gelu_new = 0.5 * z * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (z + 0.044715 * z**3)))  # GPT-2's, written out
+    torch.testing.assert_close(ffn.activation(z), gelu_new)
+    # "Differs from the exact GELU by up to about 5e-4", as the docstring says.
+    assert 4e-4 < (ffn.activation(z) - F.gelu(z)).abs().max() < 5e-4
+    # Same parameters under the same names as the other two activations: weights copy across.
+    assert {k: v.shape for k, v in ffn.state_dict().items()} == {
+        k: v.shape for k, v in FeedForward(4, 6, "gelu").state_dict().items()}
 
 
 def test_feedforward_is_position_wise():
@@ -162,8 +179,9 @@ def test_parameter_counts():
 
 
 def test_unknown_activation_is_refused():
-    with pytest.raises(ValueError, match="'relu' or 'gelu'"):
-        FeedForward(4, 8, activation="swish")
+    for name in ("swish", "GELU", "gelu_new", "tanh"):
+        with pytest.raises(ValueError, match="'relu', 'gelu' or 'gelu_tanh'"):
+            FeedForward(4, 8, activation=name)
 
 
 @pytest.mark.parametrize("module", [FeedForward(4, 8), SwiGLU(4, 8)], ids=["FeedForward", "SwiGLU"])
@@ -197,8 +215,8 @@ class Feed(nn.Module):
 
     def __init__(self, d_model, d_ff, activation="relu", dropout=0.0):
         super().__init__()
-        if activation not in ("relu", "gelu"):
-            raise ValueError(activation)
+        if activation not in ("relu", "gelu") + (() if self.mistake == "gelu_tanh_refused" else ("gelu_tanh",)):
+            raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
         self.name = activation
         bias = self.mistake != "no_bias"
         shape = (d_model, d_ff) if self.mistake != "transposed" else (d_ff, d_model)
@@ -209,6 +227,8 @@ class Feed(nn.Module):
     def act(self, z):
         if self.name == "gelu":
             return F.gelu(z, approximate="tanh" if self.mistake == "gelu_tanh" else "none")
+        if self.name == "gelu_tanh" and self.mistake != "gelu_tanh_is_relu":
+            return F.gelu(z, approximate="none" if self.mistake == "exact_for_gelu_tanh" else "tanh")
         return F.relu(z)
 
     def forward(self, x):
@@ -291,7 +311,19 @@ def test_checks_fail_on_the_stub(check):
     ("check", "mistake", "message"),
     [
         (check_feedforward_values, feed("act_after_linear2"), "activation after linear2"),
-        (check_feedforward_values, feed("gelu_tanh"), "tanh approximation"),
+        (check_feedforward_values, feed("gelu_tanh"), "activation='gelu', .*you used GELU's tanh approximation"),
+        # The third activation: the exact GELU given for it, ReLU given for it (a fall-through), refused.
+        (check_feedforward_values, feed("exact_for_gelu_tanh"),
+         r"With activation='gelu_tanh', .* \(same weights; largest difference .*\): activation='gelu_tanh' gave the "
+         r"exact GELU .*nn\.GELU\(approximate='tanh'\)"),
+        (check_feedforward_values, feed("gelu_tanh_is_relu"),
+         r"With activation='gelu_tanh', .*: activation='gelu_tanh' gave ReLU: each of 'relu', 'gelu' and 'gelu_tanh' "
+         "needs its own activation"),
+        (check_feedforward_structure, feed("gelu_tanh_refused"),
+         r"Feed_gelu_tanh_refused\(.*activation='gelu_tanh'\) raised ValueError: activation must be 'relu' or 'gelu', "
+         r"got 'gelu_tanh'\. FeedForward takes three activations, .* and refused 'gelu_tanh': 'gelu_tanh' is GELU's "
+         r"tanh approximation"),
+        (check_feedforward_values, feed("gelu_tanh_refused"), "refused 'gelu_tanh'"),
         (check_feedforward_values, feed("no_activation"), "there is no activation"),
         (check_feedforward_values, feed("mixes_positions"), "depends on the other positions"),
         (check_feedforward_structure, feed("no_bias"), "linear1.bias"),
@@ -332,8 +364,15 @@ def test_checks_name_the_mistake(check, mistake, message):
 
 def test_dropout_check_does_not_charge_a_wrong_forward(capsys):
     # A wrong activation costs the values check only: dropout is compared with the student's own eval output.
-    check_feedforward_dropout(feed("gelu_tanh"))
-    assert "scales them by 1/(1-p)" in capsys.readouterr().out
+    for slip in ("gelu_tanh", "exact_for_gelu_tanh", "gelu_tanh_is_relu"):
+        check_feedforward_dropout(feed(slip))
+        out = capsys.readouterr().out
+        assert "scales them by 1/(1-p)" in out and "with relu, " in out and "with gelu_tanh, " in out
+    # A refused activation costs the structure and values checks; dropout is checked with the other two, and says so.
+    check_feedforward_dropout(feed("gelu_tanh_refused"))
+    out = capsys.readouterr().out
+    assert "with gelu, " in out and "with gelu_tanh" not in out
+    assert "not with 'gelu_tanh', which your FeedForward refused" in out
     # A forward that does not end in linear2 leaves nothing to solve for: the check says what it did not verify.
     check_feedforward_dropout(feed("act_after_linear2"))
     assert "where it acts is checked once your forward ends in linear2" in capsys.readouterr().out
@@ -342,10 +381,31 @@ def test_dropout_check_does_not_charge_a_wrong_forward(capsys):
 def test_feedforward_structure_wants_a_value_error():
     class Lenient(Feed):
         def __init__(self, d_model, d_ff, activation="relu", dropout=0.0):
-            super().__init__(d_model, d_ff, "relu" if activation not in ("relu", "gelu") else activation, dropout)
+            known = activation in ("relu", "gelu", "gelu_tanh")
+            super().__init__(d_model, d_ff, activation if known else "relu", dropout)
 
-    with pytest.raises(CheckFailure, match="ValueError"):
+    with pytest.raises(CheckFailure, match="should raise a ValueError .*'relu', 'gelu' and 'gelu_tanh'"):
         check_feedforward_structure(Lenient)
+
+
+def test_dropout_check_needs_one_activation_it_can_build():
+    class Refuses(Feed):
+        def __init__(self, d_model, d_ff, activation="relu", dropout=0.0):
+            raise ValueError("no activation")
+
+    with pytest.raises(CheckFailure, match=r"raised ValueError: no activation\. .*refused 'relu'"):
+        check_feedforward_dropout(Refuses)
+
+
+@pytest.mark.parametrize("name", list(TORCH_ACTIVATIONS))
+def test_each_activation_is_compared_with_its_own_oracle(name):
+    """tanh in place of one of the three fails for that name, and the message names no mistake it did not see."""
+    class Swapped(Feed):
+        def act(self, z):
+            return torch.tanh(z) if self.name == name else super().act(z)
+
+    with pytest.raises(CheckFailure, match=f"With activation='{name}', your output differs .*step by step"):
+        check_feedforward_values(Swapped)
 
 
 def test_matching_check_names_the_mistake():

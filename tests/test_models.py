@@ -18,6 +18,7 @@ import transformers  # noqa: E402
 from torch import nn  # noqa: E402
 
 from stepformer import huggingface as hf_convert  # noqa: E402
+from stepformer.ffn import FeedForward  # noqa: E402
 from stepformer.masks import causal_mask  # noqa: E402
 from stepformer.models import (  # noqa: E402
     LanguageModel,
@@ -130,6 +131,8 @@ def test_gpt2s_tanh_gelu_is_not_the_exact_one() -> None:
     theirs = randomise(transformers.GPT2LMHeadModel(config), seed=5).to(torch.float64).eval()
     ours = hf_convert.from_gpt2(theirs).eval()
     for layer in ours.decoder.layers:
+        # Chapter 04's FeedForward, built with activation="gelu_tanh"; swapped here for the exact GELU.
+        assert type(layer.ffn) is FeedForward and layer.ffn.activation.approximate == "tanh"
         layer.ffn.activation = nn.GELU()
     x = tokens(0, 2, 12, 30)
     assert (ours(x) - theirs(x).logits).abs().max() > 1e-6

@@ -1,4 +1,4 @@
-"""Chapter 04: the position-wise feed-forward network (ReLU or GELU), SwiGLU, and parameter counts."""
+"""Chapter 04: the position-wise feed-forward network (ReLU or either GELU), SwiGLU, and parameter counts."""
 
 import torch.nn.functional as F
 from beartype import beartype
@@ -11,15 +11,18 @@ class FeedForward(nn.Module):
 
     ``linear1`` maps ``d_model -> d_ff`` and ``linear2`` maps ``d_ff -> d_model``, both with a
     bias (the names and the order are those of ``torch.nn.TransformerEncoderLayer``, so weights
-    copy across). ``activation`` is ``"relu"`` or ``"gelu"`` (the exact, erf-based GELU);
-    ``dropout`` acts on the ``d_ff`` hidden activations during training only.
+    copy across). ``activation`` is ``"relu"``, ``"gelu"`` (the exact, erf-based GELU) or
+    ``"gelu_tanh"``, GELU's tanh approximation 0.5 z (1 + tanh(sqrt(2/π) (z + 0.044715 z³))), which
+    GPT-2 was trained with (its ``gelu_new``). The two GELUs differ by up to about 5e-4: a model
+    trained with one computes another function with the other. ``dropout`` acts on the ``d_ff``
+    hidden activations during training only.
     """
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "relu", dropout: float = 0.0) -> None:
         super().__init__()
-        activations = {"relu": nn.ReLU, "gelu": nn.GELU}
+        activations = {"relu": nn.ReLU, "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh")}
         if activation not in activations:
-            raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
+            raise ValueError(f"activation must be 'relu', 'gelu' or 'gelu_tanh', got {activation!r}")
         self.linear1 = nn.Linear(d_model, d_ff)
         self.activation = activations[activation]()
         self.dropout = nn.Dropout(dropout)

@@ -133,25 +133,10 @@ def make_norm(config: ModelConfig) -> nn.Module:
     return nn.LayerNorm(d_model, eps=eps) if config.fast else LayerNorm(d_model, eps)
 
 
-class TanhGELUFeedForward(FeedForward):
-    """Chapter 04's feed-forward network with GELU's tanh approximation, GPT-2's ``gelu_new``.
-
-    0.5 x (1 + tanh(sqrt(2/π) (x + 0.044715 x³))) differs from the exact GELU by up to about
-    5e-4; a model trained with one computes another function with the other. Same parameters
-    (``linear1``, ``linear2``) as :class:`~stepformer.ffn.FeedForward`.
-    """
-
-    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0) -> None:
-        super().__init__(d_model, d_ff, "gelu", dropout)
-        self.activation = nn.GELU(approximate="tanh")
-
-
 def make_ffn(config: ModelConfig) -> nn.Module:
     """Chapter 04's feed-forward network (ReLU, GELU or its tanh approximation) or SwiGLU."""
     if config.ffn == "swiglu":
         return SwiGLU(config.d_model, config.d_ff)
-    if config.ffn == "gelu_tanh":
-        return TanhGELUFeedForward(config.d_model, config.d_ff, config.dropout)
     return FeedForward(config.d_model, config.d_ff, config.ffn, config.dropout)
 
 

@@ -1,6 +1,7 @@
 """Checks for chapter 04: the position-wise feed-forward network, SwiGLU, and matching parameter counts."""
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,6 +33,13 @@ BUILT_IN_LAYERS = {
     "torch.nn.TransformerDecoderLayer": "PyTorch's Transformer decoder layer",
 }
 FFN_AXES = "batch seq d_model"
+# The activations FeedForward takes, each with PyTorch's own function as its oracle and the words a message uses.
+ACTIVATIONS = {
+    "relu": (F.relu, "ReLU"),
+    "gelu": (F.gelu, "the exact GELU (erf)"),
+    "gelu_tanh": (partial(F.gelu, approximate="tanh"), "GELU's tanh approximation"),
+}
+ALLOWED = "'relu', 'gelu' and 'gelu_tanh'"
 
 
 def _sizes(seed: int) -> dict[str, int]:
@@ -116,12 +124,27 @@ FFN_BIAS_HINT = "nn.Linear has a bias by default, and the Transformer's FFN uses
 
 def _oracle_layer(s: dict[str, int], activation: str, seed: int, dtype: torch.dtype) -> nn.TransformerEncoderLayer:
     # The oracle's weights are part of the check's fixed input; fork_rng leaves the student's
-    # global RNG where it was.
+    # global RNG where it was. The layer takes its activation as a function (its names "relu" and
+    # "gelu" stand for F.relu and F.gelu), so the tanh approximation is given the same way.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 2000)
-        layer = nn.TransformerEncoderLayer(s["d_model"], 1, s["d_ff"], dropout=0.0, activation=activation,
-                                           batch_first=True, dtype=dtype)
+        layer = nn.TransformerEncoderLayer(s["d_model"], 1, s["d_ff"], dropout=0.0,
+                                           activation=ACTIVATIONS[activation][0], batch_first=True, dtype=dtype)
     return layer.eval().requires_grad_(False)
+
+
+def _build(cls: Callable[..., Any], s: dict[str, int], activation: str, **kwargs: Any) -> Any:
+    """The student's FeedForward for one of the three activations; a refusal says which name it refused."""
+    try:
+        return call(cls, s["d_model"], s["d_ff"], activation=activation, **kwargs)
+    except CheckFailure as failure:
+        if raised_error(failure) != "ValueError":
+            raise
+        raise failure.reworded(
+            f"{str(failure).rstrip('.')}. FeedForward takes three activations, {ALLOWED}, and refused {activation!r}"
+            + (": 'gelu_tanh' is GELU's tanh approximation, nn.GELU(approximate='tanh')." if activation == "gelu_tanh"
+               else ".")
+        ) from None
 
 
 def _ffn_state(layer: nn.TransformerEncoderLayer) -> dict[str, Tensor]:
@@ -138,23 +161,27 @@ def _ffn_diagnose(layer: nn.TransformerEncoderLayer, activation: str, x: Tensor,
         return ("the output at one position depends on the other positions. The FFN acts on each position "
                 "alone: apply nn.Linear to the last axis (d_model) and never mix the seq axis.")
     lin1, lin2 = layer.linear1, layer.linear2
-    act = {"relu": F.relu, "gelu": F.gelu}[activation]
-    other = "gelu" if activation == "relu" else "relu"
-    variants = {
+    act = ACTIVATIONS[activation][0]
+    variants: dict[str, Callable[[], Tensor]] = {
         "you applied the activation after linear2; it goes between the two layers: "
         "linear2(activation(linear1(x))).": lambda: act(lin2(lin1(x))),
         "you applied the activation after both layers; it goes between them only.": lambda: act(lin2(act(lin1(x)))),
         "there is no activation: without it the two layers collapse into one linear map.": lambda: lin2(lin1(x)),
-        f"activation={activation!r} gave {other.upper()}: pick the activation from the argument.":
-            lambda: lin2({"relu": F.relu, "gelu": F.gelu}[other](lin1(x))),
     }
-    if activation == "gelu":
-        variants = {
-            "you used GELU's tanh approximation (approximate='tanh'); this course's GELU is the exact one, "
-            "x·Φ(x) with the erf (nn.GELU() or F.gelu(x)), as in torch.nn.TransformerEncoderLayer.":
-                lambda: lin2(F.gelu(lin1(x), approximate="tanh")),
-            **variants,
-        }
+    # Each other activation, tried in its place; the hint names what the output equals.
+    for other, (fn, words) in ACTIVATIONS.items():
+        if other == activation:
+            continue
+        if (activation, other) == ("gelu", "gelu_tanh"):
+            hint = ("you used GELU's tanh approximation (approximate='tanh'); 'gelu' is the exact one, x·Φ(x) with "
+                    "the erf (nn.GELU() or F.gelu(x)), as in torch.nn.TransformerEncoderLayer.")
+        elif (activation, other) == ("gelu_tanh", "gelu"):
+            hint = ("activation='gelu_tanh' gave the exact GELU (nn.GELU()'s default, approximate='none'); "
+                    "'gelu_tanh' is its tanh approximation, nn.GELU(approximate='tanh') (GPT-2's).")
+        else:
+            hint = (f"activation={activation!r} gave {words}: each of {ALLOWED} needs its own activation; pick it "
+                    "from the argument.")
+        variants[hint] = lambda fn=fn: lin2(fn(lin1(x)))
     for hint, variant in variants.items():
         if close(got, variant(), dtype):
             return hint
@@ -165,8 +192,8 @@ def _ffn_diagnose(layer: nn.TransformerEncoderLayer, activation: str, x: Tensor,
 def check_feedforward_structure(cls: Callable[..., Any], seed: int = 0) -> None:
     """linear1 (d_model → d_ff) and linear2 (d_ff → d_model) with biases; shapes kept; bad activations refused."""
     s = _sizes(seed)
-    for activation in ("relu", "gelu"):
-        module = call(cls, s["d_model"], s["d_ff"], activation=activation)
+    for activation in ACTIVATIONS:
+        module = _build(cls, s, activation)
         _expect_parameters(module, _ffn_expected(s), "FeedForward", FFN_BIAS_HINT)
         for dtype in (torch.float32, torch.float64):
             state = _ffn_state(_oracle_layer(s, activation, seed, dtype))
@@ -179,20 +206,20 @@ def check_feedforward_structure(cls: Callable[..., Any], seed: int = 0) -> None:
             raise CheckFailure(f"An unknown activation should raise a ValueError, got: {failure}") from None
     else:
         raise CheckFailure("FeedForward(..., activation='swish') should raise a ValueError that names the "
-                           "allowed activations ('relu', 'gelu'); it was accepted.")
+                           f"allowed activations ({ALLOWED}); it was accepted.")
     passed("FeedForward has linear1 (d_model → d_ff) and linear2 (d_ff → d_model) with biases, keeps shapes "
-           "and dtypes, and refuses unknown activations")
+           "and dtypes for relu, gelu and gelu_tanh, and refuses unknown activations")
 
 
 @check(forbid=BUILT_IN_LAYERS)
 def check_feedforward_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-    """Equal to torch.nn.TransformerEncoderLayer's linear2(activation(linear1(x))), ReLU and GELU, weights copied;
-    batch=1 too."""
+    """Equal to torch.nn.TransformerEncoderLayer's linear2(activation(linear1(x))), ReLU and both GELUs, weights
+    copied; batch=1 too."""
     s = _sizes(seed)
     x = _input(s, seed, dtype)
-    for activation in ("relu", "gelu"):
+    for activation in ACTIVATIONS:
         layer = _oracle_layer(s, activation, seed, dtype)
-        module = call(cls, s["d_model"], s["d_ff"], activation=activation)
+        module = _build(cls, s, activation)
         _expect_parameters(module, _ffn_expected(s), "FeedForward", FFN_BIAS_HINT)
         call(_prepare, module, _ffn_state(layer), False)
         for sample in (x, x[:1]):
@@ -206,8 +233,8 @@ def check_feedforward_values(cls: Callable[..., Any], seed: int = 0, dtype: torc
                     f"With activation={activation!r}, your output differs from PyTorch's TransformerEncoderLayer "
                     f"(same weights; {found}): {_ffn_diagnose(layer, activation, sample, got, alone)}"
                 )
-    passed(f"equal to nn.TransformerEncoderLayer's feed-forward, ReLU and GELU, batch=1 too "
-           f"({dtype_name(dtype)})")
+    passed(f"equal to nn.TransformerEncoderLayer's feed-forward, ReLU, exact GELU and its tanh approximation, batch=1 "
+           f"too ({dtype_name(dtype)})")
 
 
 @jaxtyped(typechecker=beartype)
@@ -259,30 +286,40 @@ def _dropout_diagnose(layer: nn.TransformerEncoderLayer, x: Float[Tensor, "batch
 
 @check(forbid=BUILT_IN_LAYERS)
 def check_feedforward_dropout(cls: Callable[..., Any], seed: int = 0) -> None:
-    """In training, dropout sets each hidden activation to 0 or scales it by 1/(1-p), ReLU and GELU; in eval mode
-    it does nothing."""
+    """In training, dropout sets each hidden activation to 0 or scales it by 1/(1-p), ReLU and both GELUs; in eval
+    mode it does nothing."""
     base = _sizes(seed)
     # d_ff below d_model: linear2 is then one-to-one, so the hidden activations that reached it can be solved for
     # from the output, in eval mode and in training (the dropout draw itself is the student's). Compared with
-    # the student's own eval-mode hidden layer, so that a wrong activation costs the values check only.
+    # the student's own eval-mode hidden layer, so that a wrong activation costs the values check only; an
+    # activation the student's FeedForward refuses is left out here (the structure and values checks charge it),
+    # as long as one is left to test dropout with.
     s = {"batch": 12, "seq": 10, "d_model": base["d_ff"], "d_ff": base["d_model"]}
     # The units dropped among the live ones (|hidden| > 1e-3) are a Binomial(n, p) count: allowed is the exact
-    # binomial interval whose tails hold at most 1e-6 / 2 each (_noise.binomial_bounds; two comparisons a call, ReLU
-    # and GELU). benchmarks/check_noise.py, part "ffn_dropout", over 1000 dropout seeds with nn.Dropout(0.25): at
-    # seed 0, 282 live units with ReLU (share dropped 0.250 ± 0.026, binomial 0.026, range 0.170 ... 0.333; allowed
-    # 36 ... 109, 0.128 ... 0.387) and 590 with GELU (0.250 ± 0.018, range 0.195 ... 0.302; allowed 97 ... 202,
-    # 0.164 ... 0.342); at seed 303, 283 and 574 (allowed 0.131 ... 0.385 and 0.164 ... 0.343). A rate of 1 - p
-    # lies 14 (ReLU) and 23 (GELU) of its own binomial standard deviations beyond the interval, 2p 3.8 and 7.7
-    # (caught by GELU's comparison); p / 2 only 0.1 and 2.9 (not reliably caught: the share check is for the rate
-    # only, and nn.Dropout(1 - dropout) shows in the scale first, _dropout_diagnose).
+    # binomial interval whose tails hold at most 1e-6 / 6 each (_noise.binomial_bounds; three comparisons a call, one
+    # per activation, share the 1e-6). benchmarks/check_noise.py, part "ffn_dropout", over 1000 dropout seeds with
+    # nn.Dropout(0.25): at seed 0, 282 live units with ReLU (share dropped 0.250 ± 0.026, binomial 0.026, range
+    # 0.170 ... 0.333; allowed 36 ... 109, 0.128 ... 0.387), 590 with GELU (0.250 ± 0.018, range 0.195 ... 0.302;
+    # allowed 96 ... 203, 0.163 ... 0.344) and 589 with its tanh approximation (the same spread; allowed 96 ... 203);
+    # at seed 303, 283, 574 and 570 (allowed 0.127 ... 0.389, 0.162 ... 0.345 and 0.161 ... 0.346). A rate of 1 - p
+    # lies 14 (ReLU) and 22 to 23 (either GELU) of its own binomial standard deviations beyond the interval, 2p 3.7
+    # to 3.8 and 7.4 to 7.6 (caught by the GELUs' comparisons); p / 2 only 0.1 and 2.6 to 2.8 (not reliably caught:
+    # the share check is for the rate only, and nn.Dropout(1 - dropout) shows in the scale first, _dropout_diagnose).
     p = 0.25
     x = _input(s, seed, torch.float64)
-    shares: list[float] = []
-    for activation in ("relu", "gelu"):
+    shares: dict[str, float] = {}
+    refused: dict[str, CheckFailure] = {}
+    for activation in ACTIVATIONS:
         layer = _oracle_layer(s, activation, seed, torch.float64)
         state = _ffn_state(layer)
-        plain = call(cls, s["d_model"], s["d_ff"], activation=activation, dropout=0.0)
-        dropping = call(cls, s["d_model"], s["d_ff"], activation=activation, dropout=p)
+        try:
+            plain = _build(cls, s, activation, dropout=0.0)
+        except CheckFailure as failure:
+            if raised_error(failure) != "ValueError":
+                raise
+            refused[activation] = failure
+            continue
+        dropping = _build(cls, s, activation, dropout=p)
         _expect_parameters(dropping, _ffn_expected(s), "FeedForward", FFN_BIAS_HINT)
         call(_prepare, plain, state, False)
         call(_prepare, dropping, state, False)
@@ -319,17 +356,22 @@ def check_feedforward_dropout(cls: Callable[..., Any], seed: int = 0) -> None:
             raise CheckFailure(f"With dropout={p} and activation={activation!r} in training mode ({found}): {hint}")
         live = hidden.abs() > 1e-3
         count, n = int((reached[live].abs() <= 1e-8 * (1 + hidden.abs().max())).sum()), int(live.sum())
-        shares.append(count / n)
-        problem = dropped_count_problem(count, n, p)  # two comparisons per call
+        shares[activation] = count / n
+        problem = dropped_count_problem(count, n, p, comparisons=len(ACTIVATIONS))
         if problem is not None:
             raise CheckFailure(f"With dropout={p}, {count} of {n} hidden activations ({count / n:.0%}) were dropped "
                                f"(activation={activation!r}, sizes {_named(s)}); {problem}")
-    if len(shares) < 2:
+    if len(refused) == len(ACTIVATIONS):
+        raise next(iter(refused.values()))
+    left_out = (f"; not with {', '.join(map(repr, refused))}, which your FeedForward refused (see the structure check)"
+                if refused else "")
+    if not shares:
         passed("dropout is on in training and off in eval mode; where it acts is checked once your forward ends in "
-               "linear2 (see the values check)")
+               f"linear2 (see the values check){left_out}")
         return
-    passed(f"dropout sets hidden activations to 0 ({shares[0]:.0%} and {shares[1]:.0%} at p={p}) or scales them by "
-           "1/(1-p), ReLU and GELU, only in training mode")
+    measured = ", ".join(f"{share:.0%} with {activation}" for activation, share in shares.items())
+    passed(f"dropout sets hidden activations to 0 ({measured}, at p={p}) or scales them by 1/(1-p), only in training "
+           f"mode{left_out}")
 
 
 # -- SwiGLU ------------------------------------------------------------------------------------
