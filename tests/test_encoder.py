@@ -244,6 +244,13 @@ def test_check_plain_refuses_what_cannot_be_copied():
         encoder_layer_from_torch(nn.TransformerEncoderLayer(8, 2, 16, activation=nn.SiLU()))
     with pytest.raises(ValueError, match="eps"):
         encoder_layer_from_torch(nn.TransformerEncoderLayer(8, 2, 16, layer_norm_eps=1e-6))
+    tanh = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation=nn.GELU(approximate="tanh"), batch_first=True)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        fast_path, trained = tanh.eval()(x), tanh.train()(x)  # the reason it is refused: two functions, one layer
+    assert not torch.allclose(fast_path, trained, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="exact GELU in eval"):
+        encoder_layer_from_torch(tanh)
 
 
 def test_wrong_shapes_fail_naming_the_axis():

@@ -212,6 +212,11 @@ def check_plain(layer: nn.Module) -> tuple[str, float]:
         name = "relu"
     elif activation is F.gelu or (isinstance(activation, nn.GELU) and activation.approximate == "none"):
         name = "gelu"
+    elif isinstance(activation, nn.GELU):
+        # Not for want of a part: FeedForward has "gelu_tanh". PyTorch's layer itself has no one function here:
+        # its fast path (eval(), no gradients) computes the exact GELU for any nn.GELU it holds.
+        raise ValueError(f"a PyTorch layer holding {activation} computes the exact GELU in eval() without gradients "
+                         "and the tanh approximation otherwise: it cannot be copied as one function")
     else:
         raise ValueError(f"only activation='relu' or 'gelu' can be copied, got {activation}")
     if abs(layer.norm1.eps - 1e-5) > 1e-12:
