@@ -265,12 +265,17 @@ def test_the_compiled_model_takes_every_batch_shape_without_compiling_again():
     before = jaxtyping.config.jaxtyping_disable, shape_config.use_duck_shape
     compiled = compile_model(model)
     try:
-        compiled(*table.batch(batches[0])[:2]).sum().backward()  # the one compilation, forward and backward
+        # The one compilation, forward and backward, on a first batch whose three sizes happen to be equal
+        # (15 sentences of 15 tokens each side): with duck sizing on, every later batch would compile again.
+        square = [torch.randint(4, 60, (15, 15), generator=generator) for _ in range(2)]
+        compiled(*square).sum().backward()
         torch._dynamo.config.error_on_recompile = True
         for batch in batches[1:]:
             src, tgt_in, _ = table.batch(batch)
             compiled(src, tgt_in).sum().backward()
-    finally:  # compile_model sets these for its whole process: a test gives them back
+        # Both settings are the compiled call's own: the process has them as they were.
+        assert (jaxtyping.config.jaxtyping_disable, shape_config.use_duck_shape) == before
+    finally:
         torch._dynamo.config.error_on_recompile = False
         torch._dynamo.reset()
         jaxtyping.config.update("jaxtyping_disable", before[0])

@@ -35,20 +35,20 @@ def compile_model(model: torch.nn.Module):
     call, since only those vary between steps; ``dynamic=True`` would make every number symbolic, the
     dropout rates and norm epsilons too, and Dynamo would then trace the model a second time to make
     them constants again (benchmarks/step_overhead.py: the compile's time, cold and from the cache).
-    Sizes that happen to be equal in the first batch (15 sentences of 15 tokens) are not assumed equal
-    ever after: PyTorch's "duck sizing" is switched off for this process, or the next batch would
-    compile again. The shape checks are off inside the compiled call: the compiler cannot trace them.
+    Sizes that happen to be equal in the first batch (15 sentences of 15 tokens) are not to be assumed
+    equal ever after, so PyTorch's "duck sizing" (one symbol for equal sizes) is off inside the compiled
+    call; the shape checks are off there too: the compiler cannot trace them. Both settings are as they
+    were outside the call.
     """
     from torch.fx.experimental import _config as shape_config
 
-    shape_config.use_duck_shape = False
     compiled = torch.compile(model)
 
     def forward(src: Tensor, tgt_in: Tensor) -> Tensor:
         for tensor in (src, tgt_in):  # (batch, length)
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
             torch._dynamo.maybe_mark_dynamic(tensor, 1)
-        with shape_checks(False):
+        with shape_checks(False), shape_config.patch(use_duck_shape=False):
             return compiled(src, tgt_in)
 
     return forward
