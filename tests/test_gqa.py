@@ -438,6 +438,8 @@ class Attention(nn.Module):
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
         fewest = 0 if self.mistake == "no heads" else 1
+        if self.mistake == "bias attribute":
+            bias.real_part  # noqa: B018 (an attribute that a bool lacks)
         if self.mistake != "no validation" and (min(heads, kv_heads) < fewest or heads % kv_heads or d_model % heads):
             raise ValueError("sizes do not divide")
         self.heads, self.kv_heads, self.d_head = heads, kv_heads, d_model // heads
@@ -939,6 +941,21 @@ def test_self_attention_check_grades_a_rotary_embedding_given_as_rope(name, mess
     check_gqa_self_attention(GivenRope)
     with pytest.raises(CheckFailure, match=message):
         check_gqa_self_attention(given_rope(name))
+
+
+def test_init_check_names_a_step_for_a_given_rope_that_runs_on_a_bool():
+    class GuardInverted(StudentGQA):  # the d_head check of a given RotaryEmbedding run when rope is not one
+        def __init__(self, d_model, heads, kv_heads=None, bias=True, dropout=0.0, rope=False, fast=False):
+            if not isinstance(rope, nn.Module) and rope.d_head != d_model // heads:
+                raise ValueError("d_head")
+            super().__init__(d_model, heads, kv_heads, bias, dropout, rope=rope, fast=fast)
+
+    with pytest.raises(CheckFailure, match=r"(?s)AttributeError.*same sizes build with rope=<a RotaryEmbedding>.*"
+                                           r"isinstance\(rope, RotaryEmbedding\)"):
+        check_gqa_init(GuardInverted)
+    with pytest.raises(CheckFailure) as failure:  # an error of a bool that a given RotaryEmbedding does not cure
+        check_gqa_init(mistake("bias attribute"))
+    assert "AttributeError" in str(failure.value) and "RotaryEmbedding" not in str(failure.value)
 
 
 def test_a_given_rope_may_be_left_out_with_rope_true_but_not_taken_halfway(capsys):

@@ -982,7 +982,23 @@ def _construct(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 hint = (" The same sizes with rope=True build, and without rope (rope=False, the default) the "
                         "RotaryEmbedding's error is raised: your __init__ makes a RotaryEmbedding when rope is False: "
                         "its condition is inverted (self.rope = RotaryEmbedding(d_head) if rope else None).")
+        elif "rope" not in kwargs and "AttributeError" in text and "'bool' object" in text:
+            hint = _raised_without_given_rope(cls, args, kwargs)
         raise CheckFailure(f"{failure}{hint}") from failure
+
+
+def _raised_without_given_rope(cls: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> str:
+    """After ``cls(*args, **kwargs)`` (rope=False, the default) raised an AttributeError of a bool: whether the same
+    sizes build when rope is a RotaryEmbedding, which shows that the error comes from how rope=False is treated."""
+    d_model, heads = args[0], args[1]
+    try:
+        given = call(_given_rotary, cls, d_model // heads)
+        call(cls, *args, **kwargs, rope=given)
+    except CheckFailure:
+        return ""
+    return (" The same sizes build with rope=<a RotaryEmbedding>, and raise this error of a bool with rope=False (the "
+            "default), so a step meant for a RotaryEmbedding given as rope runs when rope is a bool: check the "
+            "condition around it (isinstance(rope, RotaryEmbedding)).")
 
 
 @check
