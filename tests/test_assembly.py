@@ -9,10 +9,13 @@ import pytest
 import torch
 from torch import nn
 
+import stepformer.parts
 from stepformer.encoder import build_encoder, build_encoder_layer
 from stepformer.ffn import FeedForward, SwiGLU
+from stepformer.gqa import GroupedQueryAttention
 from stepformer.masks import causal_mask
 from stepformer.parts import (
+    ComplexRotaryEmbedding,
     ModelConfig,
     configured_transformer,
     decoder_layer,
@@ -21,6 +24,7 @@ from stepformer.parts import (
     encoder_stack,
     make_ffn,
 )
+from stepformer.positional import RotaryEmbedding
 from stepformer.transformer import build_decoder, build_decoder_layer, build_transformer
 
 D_MODEL, HEADS, D_FF, LAYERS, VOCAB = 12, 3, 20, 2, 17
@@ -114,14 +118,31 @@ def test_each_builder_refuses_what_its_parts_cannot_do() -> None:
         configured_transformer(plain)  # a language model's config: unscaled embeddings
 
 
-def test_rotary_positions_and_grouped_heads_come_from_the_config_at_construction() -> None:
-    """Nothing swapped after construction: the attention the config names is there from the start."""
+@pytest.mark.parametrize("fast", [False, True])
+def test_rotary_positions_and_grouped_heads_come_from_the_config_at_construction(monkeypatch, fast: bool) -> None:
+    """Nothing swapped after construction: the attention the config names is there from the start, its rotation
+    given to it (``fast``: the complex-product one) rather than set afterwards."""
+    built = []
+
+    class Recorded(GroupedQueryAttention):
+        def __init__(self, *args, rope=False, **kwargs) -> None:
+            super().__init__(*args, rope=rope, **kwargs)
+            built.append((self, rope, self.rope))  # the rope passed, and the part that __init__ left
+
+    monkeypatch.setattr(stepformer.parts, "GroupedQueryAttention", Recorded)
     model = configured_transformer(ModelConfig.original(VOCAB, d_model=D_MODEL, heads=HEADS, layers=1, d_ff=D_FF,
-                                                        kv_heads=1, positions="rope", fast=True))
+                                                        kv_heads=1, positions="rope", fast=fast))
     layer = model.decoder.layers[0]
-    assert layer.self_attn.kv_heads == 1 and layer.self_attn.rope is not None
+    assert layer.self_attn.kv_heads == 1 and layer.cross_attn.kv_heads == 1
     assert layer.cross_attn.rope is None  # cross-attention's queries and keys lie on two sentences
-    assert isinstance(layer.norm1, nn.LayerNorm)
+    assert isinstance(layer.norm1, nn.LayerNorm) == fast  # fast: PyTorch's fused norm, else chapter 05's
+    self_attention = [model.encoder.layers[0].self_attn, layer.self_attn]
+    assert {id(attention) for attention, _, _ in built} == {id(m) for m in (*self_attention, layer.cross_attn)}
+    for attention, rope, at_init in built:
+        assert attention.rope is at_init  # the module built is the module kept
+        if attention in self_attention:
+            assert type(at_init) is (ComplexRotaryEmbedding if fast else RotaryEmbedding)
+            assert at_init.d_head == D_MODEL // HEADS and (at_init is rope) == fast
 
 
 def test_the_config_describes_an_encoder_decoder_whole() -> None:

@@ -1,6 +1,7 @@
 """stepformer.gqa against PyTorch's fused grouped attention and multi-head attention, and the chapter's checks."""
 
 import contextlib
+import copy
 import math
 
 import pytest
@@ -222,6 +223,22 @@ def test_from_multihead_is_exact_for_kv_heads_equal_heads_and_pools_group_means(
     torch.testing.assert_close(from_multihead(mha, 1).w_v.bias, reduce(mha.w_v.bias, "(h d) -> d", "mean", h=6))
 
 
+def test_a_rotary_embedding_given_as_rope_is_kept_and_turns_q_and_k():
+    Rotary = stepformer.positional.RotaryEmbedding  # not imported by name: the checks' tests read this namespace
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 5, 24, generator=g, dtype=torch.float64)
+    built = _randomised(GroupedQueryAttention(24, 6, 2, rope=True).double().eval(), g)
+    assert type(built.rope) is Rotary and built.rope.d_head == 4 and built.rope.base == 10000.0
+    for part, same in ((Rotary(4), True), (Rotary(4, base=100.0), False)):
+        module = GroupedQueryAttention(24, 6, 2, rope=part).double().eval()
+        module.load_state_dict(built.state_dict())
+        assert module.rope is part
+        assert torch.allclose(module(x, x, x, causal_mask(5)), built(x, x, x, causal_mask(5))) == same
+    assert GroupedQueryAttention(24, 6, 2, rope=None).rope is None is GroupedQueryAttention(24, 6, 2).rope
+    with pytest.raises(ValueError, match="d_head=6 features, but this attention's heads have d_head=4"):
+        GroupedQueryAttention(24, 6, 2, rope=Rotary(6))
+
+
 def test_mean_pooling_loses_less_than_keeping_the_first_head():
     torch.manual_seed(4)
     mha = MultiHeadAttention(64, 8).eval()
@@ -303,10 +320,10 @@ def _student_modules():
                    (stepformer.positional, "RotaryEmbedding", positional.RotaryEmbedding),
                    (stepformer.kvcache, "KVCache", kvcache.KVCache)]):
         gqa = student_copy(stepformer.gqa)
-    return gqa, multihead, kvcache
+    return gqa, multihead, kvcache, positional
 
 
-student, _, student_kvcache = _student_modules()
+student, _, student_kvcache, student_positional = _student_modules()
 StudentGQA, StudentKVCache = student.GroupedQueryAttention, student_kvcache.KVCache
 
 
@@ -421,6 +438,8 @@ class Attention(nn.Module):
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
         fewest = 0 if self.mistake == "no heads" else 1
+        if self.mistake == "bias attribute":
+            bias.real_part  # noqa: B018 (an attribute that a bool lacks)
         if self.mistake != "no validation" and (min(heads, kv_heads) < fewest or heads % kv_heads or d_model % heads):
             raise ValueError("sizes do not divide")
         self.heads, self.kv_heads, self.d_head = heads, kv_heads, d_model // heads
@@ -819,8 +838,8 @@ class Slip(StudentGQA):
     slip = ""
 
     def __init__(self, d_model, heads, kv_heads=None, bias=True, dropout=0.0, rope=False, fast=False):
-        super().__init__(d_model, heads, kv_heads, bias, dropout, rope=rope != (self.slip == "rope inverted"),
-                         fast=fast)
+        rope = not rope if self.slip == "rope inverted" else rope
+        super().__init__(d_model, heads, kv_heads, bias, dropout, rope=rope, fast=fast)
         if self.slip == "float width":
             nn.Linear(d_model, self.kv_heads / self.d_head)
 
@@ -873,6 +892,92 @@ def test_module_checks_name_what_a_second_call_confirms(check, name, message):
     check(Slip, seed=0)
     with pytest.raises(CheckFailure, match=message):
         check(slip(name), seed=301 if name == "rope inverted" else 0)
+
+
+class GivenRope(StudentGQA):
+    """The library's module with one slip in taking a RotaryEmbedding given as ``rope``."""
+
+    slip = ""
+
+    def __init__(self, d_model, heads, kv_heads=None, bias=True, dropout=0.0, rope=False, fast=False):
+        given = isinstance(rope, nn.Module)
+        if self.slip == "fresh rotary":  # chapter 10's first notebook: a new RotaryEmbedding whatever rope is
+            rope = bool(rope)
+        elif self.slip == "rope is True":  # a given module taken as rope=False
+            rope = rope is True
+        elif self.slip == "copied":
+            rope = copy.deepcopy(rope) if given else rope
+        super().__init__(d_model, heads, kv_heads, bias, dropout,
+                         rope=rope if self.slip != "no d_head check" or not given else False, fast=fast)
+        if self.slip == "no d_head check" and given:
+            self.rope = rope
+
+    def forward(self, query, key, value, mask=None, cache=None, positions=None):
+        if self.slip == "turns inline" and self.rope is not None:  # the given module's base, not its forward
+            q = _split(self.w_q(query), self.heads)
+            k, v = _split(self.w_k(key), self.kv_heads), _split(self.w_v(value), self.kv_heads)
+            turn = student_positional.RotaryEmbedding(self.d_head, self.rope.base)
+            at = torch.arange(query.shape[1]) if positions is None else positions
+            out = student.grouped_attention(turn(q, at), turn(k, at), v, mask, self.dropout)
+            return self.w_o(rearrange(out, "batch heads seq d_head -> batch seq (heads d_head)"))
+        return super().forward(query, key, value, mask, cache, positions)
+
+
+def given_rope(name):
+    return type(name.replace(" ", "_"), (GivenRope,), {"slip": name})
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("fresh rotary", r"(?s)turned by chapter 06's RotaryEmbedding \(base 10000\).*self.rope is another "
+                     r"RotaryEmbedding \(not the module given\).*forward ran 0 time"),
+    ("rope is True", "(?s)equals attention with nothing turned, while built with rope=True it turns q and k.*"
+                     "self.rope is None"),
+    ("copied", "(?s)output is right, but self.rope must be the given module itself.*forward ran 0 time"),
+    ("turns inline", "(?s)output is right, but self.rope must be the given module.*self.rope is the given module, "
+                     "and the given module's forward ran 0 time"),
+    ("no d_head check", r"rope=<a RotaryEmbedding\(d_head=\d+\)>\) should raise a ValueError.*it raised no error"),
+])
+def test_self_attention_check_grades_a_rotary_embedding_given_as_rope(name, message):
+    check_gqa_self_attention(GivenRope)
+    with pytest.raises(CheckFailure, match=message):
+        check_gqa_self_attention(given_rope(name))
+
+
+def test_init_check_names_a_step_for_a_given_rope_that_runs_on_a_bool():
+    class GuardInverted(StudentGQA):  # the d_head check of a given RotaryEmbedding run when rope is not one
+        def __init__(self, d_model, heads, kv_heads=None, bias=True, dropout=0.0, rope=False, fast=False):
+            if not isinstance(rope, nn.Module) and rope.d_head != d_model // heads:
+                raise ValueError("d_head")
+            super().__init__(d_model, heads, kv_heads, bias, dropout, rope=rope, fast=fast)
+
+    with pytest.raises(CheckFailure, match=r"(?s)AttributeError.*same sizes build with rope=<a RotaryEmbedding>.*"
+                                           r"isinstance\(rope, RotaryEmbedding\)"):
+        check_gqa_init(GuardInverted)
+    with pytest.raises(CheckFailure) as failure:  # an error of a bool that a given RotaryEmbedding does not cure
+        check_gqa_init(mistake("bias attribute"))
+    assert "AttributeError" in str(failure.value) and "RotaryEmbedding" not in str(failure.value)
+
+
+def test_a_given_rope_may_be_left_out_with_rope_true_but_not_taken_halfway(capsys):
+    check_gqa_self_attention(Attention)  # rope=True ignored, a given module stored as nn.Identity and unused
+    assert "a given rope is ignored too" in capsys.readouterr().out
+
+    class TakesOnlyGiven(Attention):  # ignores rope=True, but keeps a given module and forgets its d_head
+        def __init__(self, d_model, heads, kv_heads=None, bias=True, dropout=0.0, rope=False, fast=False):
+            super().__init__(d_model, heads, kv_heads, bias, dropout, rope=False, fast=fast)
+            self.rope = rope if isinstance(rope, nn.Module) else None
+
+        def forward(self, query, key, value, mask=None, cache=None, positions=None):
+            if self.rope is None:
+                return super().forward(query, key, value, mask, cache, positions)
+            q = _split(self.w_q(query), self.heads)
+            k, v = _split(self.w_k(key), self.kv_heads), _split(self.w_v(value), self.kv_heads)
+            at = torch.arange(query.shape[1])
+            out = student.grouped_attention(self.rope(q, at), self.rope(k, at), v, mask, self.dropout)
+            return self.w_o(rearrange(out, "batch heads seq d_head -> batch seq (heads d_head)"))
+
+    with pytest.raises(CheckFailure, match="should raise a ValueError, since the given module turns"):
+        check_gqa_self_attention(TakesOnlyGiven)
 
 
 def test_module_checks_name_nothing_a_second_call_does_not_confirm():

@@ -77,10 +77,14 @@ class GroupedQueryAttention(nn.Module):
     ``w_q`` and ``w_o`` are ``nn.Linear(d_model, d_model)`` as in :class:`MultiHeadAttention`;
     ``w_k`` and ``w_v`` map ``d_model`` to ``kv_heads * d_head`` only, which is what shrinks
     the parameters and, above all, the KV-cache by ``heads / kv_heads``. ``kv_heads=None``
-    means ``heads``. ``rope=True`` rotates queries and keys by their positions (chapter 06)
-    before the scores; it is meant for self-attention. ``fast=True`` computes the attention
-    with PyTorch's fused ``F.scaled_dot_product_attention`` instead of
-    :func:`grouped_attention`: same result, less memory traffic, tested equal.
+    means ``heads``. ``rope`` rotates queries and keys by their positions (chapter 06) before
+    the scores; it is meant for self-attention. ``rope=True`` builds chapter 06's
+    ``RotaryEmbedding(d_head)``; a ``RotaryEmbedding`` (or a subclass, such as
+    :class:`~stepformer.parts.ComplexRotaryEmbedding`) is used as given, as chapters 07 and 08's
+    layers take their parts, and must turn this attention's ``d_head`` features; ``False`` or
+    ``None`` turns nothing. ``fast=True`` computes the attention with PyTorch's fused
+    ``F.scaled_dot_product_attention`` instead of :func:`grouped_attention`: same result, less
+    memory traffic, tested equal.
     """
 
     def __init__(
@@ -90,7 +94,7 @@ class GroupedQueryAttention(nn.Module):
         kv_heads: int | None = None,
         bias: bool = True,
         dropout: float = 0.0,
-        rope: bool = False,
+        rope: bool | RotaryEmbedding | None = False,
         fast: bool = False,
     ) -> None:
         super().__init__()  # first: nn.Module must exist before the layers below can register as its parameters
@@ -107,7 +111,13 @@ class GroupedQueryAttention(nn.Module):
         self.w_v = nn.Linear(d_model, kv_heads * self.d_head, bias=bias)
         self.w_o = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
-        self.rope = RotaryEmbedding(self.d_head) if rope else None
+        if isinstance(rope, RotaryEmbedding):  # the caller's choice of rotation, kept as it is
+            if rope.d_head != self.d_head:
+                raise ValueError(f"the given RotaryEmbedding turns d_head={rope.d_head} features, but this "
+                                 f"attention's heads have d_head={self.d_head}")
+            self.rope = rope
+        else:
+            self.rope = RotaryEmbedding(self.d_head) if rope else None
 
     @jaxtyped(typechecker=beartype)
     def forward(

@@ -175,18 +175,18 @@ def make_attention(config: ModelConfig, self_attention: bool = True) -> GroupedQ
     RoPE rotates self-attention only: in cross-attention the queries' and keys' positions lie on
     two different sentences. With ``fast``, the rotation is :class:`ComplexRotaryEmbedding`.
     """
-    attention = GroupedQueryAttention(
+    rope: bool | RotaryEmbedding = self_attention and config.positions == "rope"
+    if rope and config.fast:
+        rope = ComplexRotaryEmbedding(config.d_model // config.heads)  # the attention's part, given at construction
+    return GroupedQueryAttention(
         config.d_model,
         config.heads,
         config.kv_heads,
         bias=config.bias,
         dropout=config.dropout,
-        rope=self_attention and config.positions == "rope",
+        rope=rope,
         fast=config.fast,
     )
-    if attention.rope is not None and config.fast:
-        attention.rope = ComplexRotaryEmbedding(attention.d_head)
-    return attention
 
 
 def encoder_layer(config: ModelConfig) -> EncoderLayer:

@@ -546,12 +546,13 @@ def _merge_project(state: dict[str, Tensor], heads_out: Tensor) -> Tensor:
 
 
 @jaxtyped(typechecker=beartype)
-def _rotate(x: Float[Tensor, "*batch seq d_head"],
-            positions: Int[Tensor, " seq"]) -> Float[Tensor, "*batch seq d_head"]:
+def _rotate(x: Float[Tensor, "*batch seq d_head"], positions: Int[Tensor, " seq"],
+            base: float = 10000.0) -> Float[Tensor, "*batch seq d_head"]:
     """RoPE by its definition (RoFormer, pairs (0, 1), (2, 3), ... as chapter 06 takes them): pair i of the vector at
-    position pos is turned by the angle pos · 10000^(-2i / d_head). Angles in float64, whatever x's dtype."""
+    position pos is turned by the angle pos · base^(-2i / d_head), base 10000 as in chapter 06 unless given. Angles
+    in float64, whatever x's dtype."""
     d_head = x.shape[-1]
-    theta = 10000.0 ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
+    theta = base ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
     angle = einsum(positions.to(torch.float64), theta, "seq, pair -> seq pair")
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     pairs = rearrange(x, "... seq (pair two) -> ... seq pair two", two=2)
@@ -560,16 +561,18 @@ def _rotate(x: Float[Tensor, "*batch seq d_head"],
 
 
 def _module_oracle(state: dict[str, Tensor], heads: int, kv_heads: int, query: Tensor, key: Tensor, value: Tensor,
-                   mask: Tensor | None, positions: Tensor | None = None, rotate: str = "q k") -> Tensor:
+                   mask: Tensor | None, positions: Tensor | None = None, rotate: str = "q k",
+                   base: float = 10000.0) -> Tensor:
     """Project with the state's weights, attend with F.scaled_dot_product_attention(enable_gqa=True), apply W_O.
 
-    With ``positions`` the queries and keys are turned by RoPE first (self-attention: the keys sit at the
-    queries' positions); ``rotate`` names which of q, k, v are turned, to name the usual mistakes.
+    With ``positions`` the queries and keys are turned by RoPE (of ``base``) first (self-attention: the keys sit at
+    the queries' positions); ``rotate`` names which of q, k, v are turned, to name the usual mistakes.
     """
     q, k, v = _projected(state, heads, kv_heads, query, key, value)
     if positions is not None:
         turned = rotate.split()
-        q, k, v = (_rotate(t, positions) if name in turned else t for name, t in zip("qkv", (q, k, v), strict=True))
+        q, k, v = (_rotate(t, positions, base) if name in turned else t
+                   for name, t in zip("qkv", (q, k, v), strict=True))
     return _merge_project(state, _fused_oracle(q, k, v, mask))
 
 
@@ -849,6 +852,114 @@ def _check_rope(module: Any, state: dict[str, Tensor], s: dict[str, int], dtype:
     return True
 
 
+# The base of the RotaryEmbedding that the check gives a module: its turn differs from chapter 06's (base 10000) in
+# every pair but the first, so the output tells which rotation turned q and k.
+GIVEN_BASE = 100.0
+
+
+def _rotary_class(cls: Any) -> type[nn.Module]:
+    """The RotaryEmbedding class that ``cls`` knows: the module class in the annotation of an ``__init__``'s ``rope``
+    (the notebook's signature names it), else the name RotaryEmbedding where an ``__init__`` was defined (the
+    notebook's given cell), ``cls``'s own first and then its bases'; else nn.Module."""
+    inits = [vars(owner)["__init__"] for owner in getattr(cls, "__mro__", ()) if "__init__" in vars(owner)]
+    annotations = [getattr(init, "__annotations__", {}).get("rope") for init in inits]
+    named = [t for annotation in annotations for t in (typing.get_args(annotation) or (annotation,))]
+    namespaces = [getattr(init, "__globals__", {}).get("RotaryEmbedding") for init in inits]
+    return next((t for t in (*named, *namespaces) if isinstance(t, type) and issubclass(t, nn.Module)), nn.Module)
+
+
+def _given_rotary(cls: Any, d_head: int) -> nn.Module:
+    """A RotaryEmbedding to pass as ``rope``: a subclass of :func:`_rotary_class`'s class (so that an
+    ``isinstance(rope, RotaryEmbedding)`` in the student's code recognises it) whose forward turns by RoPE of base
+    GIVEN_BASE and counts its calls."""
+    parent = _rotary_class(cls)
+
+    class GivenRotaryEmbedding(parent):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            if parent is nn.Module:
+                super().__init__()
+            else:
+                super().__init__(d_head)
+            self.d_head, self.base, self.calls = d_head, GIVEN_BASE, 0
+
+        def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+            self.calls += 1
+            return _rotate(x, positions, GIVEN_BASE)
+
+        def __repr__(self) -> str:  # what a failure message shows of it
+            return f"<the check's RotaryEmbedding, d_head={d_head}, base={GIVEN_BASE:g}>"
+
+    return GivenRotaryEmbedding()
+
+
+def _rope_held(module: nn.Module, given: nn.Module) -> str:
+    """What the module keeps as ``self.rope``, in words ("the given module" when it is that very object)."""
+    if not hasattr(module, "rope"):
+        return "no attribute rope"
+    rope = module.rope
+    if rope is given:
+        return "the given module"
+    return "None" if rope is None else f"another {type(rope).__name__} (not the module given)"
+
+
+def _calls_of(given: nn.Module) -> int:
+    return given.calls
+
+
+def _check_given_rope(cls: Callable[..., Any], s: dict[str, int], dtype: torch.dtype, seed: int, x: Tensor,
+                      mask: Tensor, turns: bool) -> bool:
+    """A module built with ``rope=`` a RotaryEmbedding of base GIVEN_BASE: it keeps that very module as self.rope and
+    turns q and k with its forward; one whose d_head is not the layer's is refused with a ValueError.
+
+    ``turns``: whether the module turns q and k with rope=True. One that does not may leave a given module unused too
+    (chapter 10's notebook lets students leave rope out): then False. True when it turns q and k by the given module.
+    """
+    kv, heads, d_head = s["kv_heads"], s["heads"], s["d_head"]
+    given = call(_given_rotary, cls, d_head)
+    what = f"rope=<a RotaryEmbedding(d_head={d_head}) whose forward turns by base {GIVEN_BASE:g}>"
+    try:
+        module, state = _build(cls, s, kv, dtype, seed + 10, rope=given)
+    except CheckFailure as failure:
+        if not isinstance(failure, CodeRaised):
+            raise
+        raise CheckFailure(f"Built with {what}: {failure}") from failure
+    sizes = _module_sizes(s, kv, x, x)
+    got = expect_tensor(call(module, x, x, x, mask), f"the output with {what}", tuple(x.shape), "batch q_len d_model",
+                        dtype)
+    unturned = _module_oracle(state, heads, kv, x, x, x, mask)
+    if not turns and close(got, unturned, dtype):
+        return False
+    default = torch.arange(x.shape[1])
+    expected = _module_oracle(state, heads, kv, x, x, x, mask, default, base=GIVEN_BASE)
+    held, calls = call(_rope_held, module, given), call(_calls_of, given)
+    observed = f"Your module's self.rope is {held}, and the given module's forward ran {calls} time(s)."
+    if not close(got, expected, dtype):
+        if close(got, _module_oracle(state, heads, kv, x, x, x, mask, default), dtype):
+            seen = "your output equals attention over q and k turned by chapter 06's RotaryEmbedding (base 10000)"
+        elif close(got, unturned, dtype):
+            seen = "your output equals attention with nothing turned, while built with rope=True it turns q and k"
+        else:
+            seen = "your output is neither attention with nothing turned nor with chapter 06's RotaryEmbedding"
+        raise CheckFailure(
+            f"For self-attention built with {what}, with a causal mask, {seen}; expected: q and k turned by the given "
+            f"module ({difference(got, expected, sizes)}). {observed} A RotaryEmbedding passed as rope is the layer's "
+            "part, kept as self.rope and used as given; only rope=True builds RotaryEmbedding(d_head).")
+    if held != "the given module" or calls == 0:
+        raise CheckFailure(
+            f"For self-attention built with {what}, your output is right, but self.rope must be the given module "
+            f"itself and its forward must turn q and k. {observed}")
+    mismatched = call(_given_rotary, cls, d_head + 2)
+    error = call(_error_of, cls, s["d_model"], heads, kv, rope=mismatched)
+    if error != "ValueError":
+        got_error = "no error" if error is None else f"a {error}"
+        raise CheckFailure(
+            f"GroupedQueryAttention({s['d_model']}, {heads}, {kv}, rope=<a RotaryEmbedding(d_head={d_head + 2})>) "
+            f"should raise a ValueError, since the given module turns {d_head + 2} features and the heads have "
+            f"d_head={d_head}; it raised {got_error}. Compare rope.d_head with d_model // heads when rope is a "
+            "RotaryEmbedding.")
+    return True
+
+
 def _construct(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``cls(*args, **kwargs)``; when it raises, what the error and the same sizes with rope=True tell."""
     try:
@@ -871,7 +982,23 @@ def _construct(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 hint = (" The same sizes with rope=True build, and without rope (rope=False, the default) the "
                         "RotaryEmbedding's error is raised: your __init__ makes a RotaryEmbedding when rope is False: "
                         "its condition is inverted (self.rope = RotaryEmbedding(d_head) if rope else None).")
+        elif "rope" not in kwargs and "AttributeError" in text and "'bool' object" in text:
+            hint = _raised_without_given_rope(cls, args, kwargs)
         raise CheckFailure(f"{failure}{hint}") from failure
+
+
+def _raised_without_given_rope(cls: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> str:
+    """After ``cls(*args, **kwargs)`` (rope=False, the default) raised an AttributeError of a bool: whether the same
+    sizes build when rope is a RotaryEmbedding, which shows that the error comes from how rope=False is treated."""
+    d_model, heads = args[0], args[1]
+    try:
+        given = call(_given_rotary, cls, d_model // heads)
+        call(cls, *args, **kwargs, rope=given)
+    except CheckFailure:
+        return ""
+    return (" The same sizes build with rope=<a RotaryEmbedding>, and raise this error of a bool with rope=False (the "
+            "default), so a step meant for a RotaryEmbedding given as rope runs when rope is a bool: check the "
+            "condition around it (isinstance(rope, RotaryEmbedding)).")
 
 
 @check
@@ -951,10 +1078,12 @@ def check_gqa_self_attention(cls: Callable[..., Any], seed: int = 0, dtype: torc
     module, state = _build(cls, r, r["kv_heads"], dtype, seed + 6, rope=True)
     positions = torch.randperm(3 * seq, generator=torch.Generator().manual_seed(seed + 9))[:seq].sort().values
     rope = _check_rope(module, state, r, dtype, xr, causal, positions)
+    given = _check_given_rope(cls, r, dtype, seed, xr, causal, rope)
     passed(f"self-attention equal to F.scaled_dot_product_attention(enable_gqa=True) for GQA and MQA, with padding "
            f"and causal masks, batch=1, bias=False, fast=True; equal to torch.nn.MultiheadAttention when kv_heads == "
            f"heads; dropout on the weights, only in training; "
-           f"{'rope=True turns q and k at their positions' if rope else 'rope=True is ignored (optional here)'} "
+           f"{'rope=True turns q and k at their positions' if rope else 'rope=True is ignored (optional here)'}; "
+           f"{'a RotaryEmbedding given as rope is kept and turns them' if given else 'a given rope is ignored too'} "
            f"({dtype_name(dtype)})")
 
 
