@@ -11,11 +11,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
+from torch import nn
 
 from stepformer import attention
 from stepformer.attention import attention_entropy, mean_attention_entropy, scaled_dot_product_attention
 from stepformer.checks._core import CheckFailure
 from stepformer.checks.attention import (
+    check_attention_dropout,
     check_attention_entropy,
     check_attention_mask,
     check_attention_shapes,
@@ -147,6 +149,41 @@ def test_wrong_shapes_fail_naming_the_axis(q_shape, k_shape, v_shape, axis):
         scaled_dot_product_attention(q, k, v)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dropout_matches_pytorchs_dropout_p_from_the_same_seed(masked, dtype):
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 3, n, d, generator=g, dtype=dtype) for n, d in ((5, 4), (7, 4), (7, 6)))
+    mask = torch.rand(2, 1, 5, 7, generator=g) < 0.6 if masked else None
+    torch.manual_seed(9)
+    output, weights = scaled_dot_product_attention(q, k, v, mask, nn.Dropout(0.3))
+    torch.manual_seed(9)
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.3)
+    _assert_close(output, theirs, dtype)
+    _, undropped = scaled_dot_product_attention(q, k, v, mask)
+    assert torch.equal(weights, undropped), "the weights returned are those before dropout"
+    assert not torch.allclose(output, scaled_dot_product_attention(q, k, v, mask)[0])
+
+
+def test_dropout_acts_on_the_weights_and_only_in_training():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, n, d, generator=g, dtype=torch.float64) for n, d in ((5, 4), (7, 4), (7, 6)))
+    plain, weights = scaled_dot_product_attention(q, k, v)
+    output, returned = scaled_dot_product_attention(q, k, v, dropout=nn.Dropout(0.5).eval())
+    assert torch.equal(output, plain) and torch.equal(returned, weights)
+    output, returned = scaled_dot_product_attention(q, k, v, dropout=nn.Dropout(1.0))
+    assert (output == 0).all() and torch.equal(returned, weights)
+    keep = torch.rand(3, 5, 7, generator=g) < 0.5
+
+    class Known(nn.Module):
+        def forward(self, x):
+            return x * keep * 2
+
+    output, returned = scaled_dot_product_attention(q, k, v, dropout=Known())
+    torch.testing.assert_close(output, (weights * keep * 2) @ v, rtol=0, atol=1e-12)
+    assert torch.equal(returned, weights)
+
+
 def test_non_boolean_mask_is_refused():
     q, k, v = torch.randn(5, 4), torch.randn(7, 4), torch.randn(7, 2)
     with pytest.raises(TypeCheckError, match="mask"):
@@ -243,7 +280,8 @@ UNMASKED = "if mask is not None:\n        "
 
 
 @pytest.mark.parametrize(("edit", "named"), [
-    ((UNMASKED + "# -inf", "if mask is None:\n        # -inf"), "the only None it was given is mask=None"),
+    ((UNMASKED + "# -inf", "if mask is None:\n        # -inf"),
+     "with a dropout given it raises the same: the only None left is mask=None"),
     ((UNMASKED + "weights", "if mask is None:\n        weights"), "the mask=None path is what fails"),
 ])
 def test_shapes_check_names_the_unmasked_path(edit, named):
@@ -328,3 +366,77 @@ def test_measurement_check_names_a_tensor_left_unconverted_and_only_that():
     message = _message(check_entropy_measurement, _edited(attention, (".mean().item()", ".mean().tolist(),"))
                        .mean_attention_entropy)
     assert "should return a Python float" in message and "holding one number" not in message
+
+
+# -- the dropout check ---------------------------------------------------------------------
+
+DROPPED = "    dropped = weights if dropout is None else dropout(weights)\n"
+DROPOUT_MISTAKES = {
+    "ignored": ([(DROPPED, "    dropped = weights\n")], "Your function never called dropout"),
+    "output": ([(DROPPED, "    dropped = weights\n"),
+                ("    return output, weights", "    output = output if dropout is None else dropout(output)\n"
+                                               "    return output, weights")], "You applied dropout to the output"),
+    "scores": ([(DROPPED, "    dropped = weights\n"),
+                ("    weights = torch.softmax(", "    scores = scores if dropout is None else dropout(scores)\n"
+                                                 "    weights = torch.softmax(")], "You applied dropout to the scores"),
+    "values": ([(DROPPED, "    dropped = weights\n    v = v if dropout is None else dropout(v)\n")],
+               "You applied dropout to v"),
+    "twice": ([(DROPPED, "    dropped = weights if dropout is None else dropout(dropout(weights))\n")],
+              "You applied dropout to the weights twice"),
+    "returns dropped": ([(DROPPED, "    weights = weights if dropout is None else dropout(weights)\n"
+                                   "    dropped = weights\n")], "they are the dropped weights"),
+    "sums the undropped": ([(DROPPED, DROPPED + "    dropped = weights\n")],
+                           "yet its output is attention without dropout"),
+    "F.dropout": ([(DROPPED, "    dropped = weights if dropout is None else "
+                             "torch.nn.functional.dropout(weights, dropout.p)\n")],
+                  "Your function never called dropout"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dropout_check_passes_on_the_solution(dtype, capsys):
+    solution = _edited(attention).scaled_dot_product_attention
+    for seed in range(8):
+        check_attention_dropout(solution, seed=seed, dtype=dtype)
+    assert "✔ dropout acts on the attention weights" in capsys.readouterr().out
+
+
+def test_dropout_check_fails_on_the_stub_and_on_a_function_without_dropout():
+    def stub(q, k, v, mask=None, dropout=None):
+        raise NotImplementedError()
+
+    def without_dropout(q, k, v, mask=None):  # written before the exercise asked for dropout
+        weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
+        return weights @ v, weights
+
+    with pytest.raises(CheckFailure, match="not implemented yet"):
+        check_attention_dropout(stub)
+    message = _message(check_attention_dropout, without_dropout)
+    assert "unexpected keyword argument 'dropout'" in message and "keep the exercise's signature" in message
+
+
+@pytest.mark.parametrize("mistake", list(DROPOUT_MISTAKES))
+def test_dropout_check_names_the_slip_and_only_it(mistake):
+    edits, named = DROPOUT_MISTAKES[mistake]
+    message = _message(check_attention_dropout, _edited(attention, *edits).scaled_dot_product_attention)
+    assert named in message
+    for other, (_, other_named) in DROPOUT_MISTAKES.items():
+        if other_named != named:
+            assert other_named not in message, other
+    # The other checks call without dropout: none of these slips costs them anything.
+    for check in (check_attention_shapes, check_attention_values, check_attention_mask):
+        check(_edited(attention, *edits).scaled_dot_product_attention)
+
+
+def test_dropout_check_says_when_the_output_is_wrong_without_dropout():
+    message = _message(check_attention_dropout, _edited(attention, (") / math.sqrt(d_k)", ")"))
+                       .scaled_dot_product_attention)
+    assert message.startswith("Without dropout your output already differs") and "did not divide" in message
+
+
+def test_an_unguarded_dropout_is_named_by_every_check_that_calls_without_one():
+    fn = _edited(attention, (DROPPED, "    dropped = dropout(weights)\n")).scaled_dot_product_attention
+    for check in (check_attention_shapes, check_attention_values, check_attention_mask):
+        message = _message(check, fn)
+        assert "'NoneType' object is not callable" in message and "the None it used is dropout=None" in message
+        assert "mask=None" not in message

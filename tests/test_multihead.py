@@ -190,6 +190,37 @@ def test_dropout_acts_on_weights_only_in_training():
     assert not torch.allclose(got, half.eval()(x, x, x))
 
 
+def _forward_recomputing_the_sum(mha, query, key, value, mask=None):
+    """The forward pass as it was before chapter 01's attention took the dropout: the weighted sum taken again here,
+    with mha.dropout applied to the weights that the attention returns."""
+    q, k, v = (split_heads(w(x), mha.heads) for w, x in ((mha.w_q, query), (mha.w_k, key), (mha.w_v, value)))
+    _, weights = stepformer.attention.scaled_dot_product_attention(q, k, v, mask)
+    return mha.w_o(merge_heads(mha.dropout(weights) @ v))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_passing_dropout_to_the_attention_changes_nothing_from_the_same_random_state(training):
+    torch.manual_seed(6)
+    mha = MultiHeadAttention(12, 3, dropout=0.4).train(training)
+    x, memory = torch.randn(2, 5, 12), torch.randn(2, 7, 12)
+    padding = torch.tensor([[True] * 7, [True] * 4 + [False] * 3]).view(2, 1, 1, 7)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    for query, key, mask in ((x, x, None), (x, x, causal), (x, memory, padding)):
+        torch.manual_seed(7)
+        got = mha(query, key, key, mask)
+        torch.manual_seed(7)
+        expected = _forward_recomputing_the_sum(mha, query, key, key, mask)
+        assert torch.equal(got, expected)
+    # And PyTorch's module, from the same seed, drops the same weights.
+    reference = nn.MultiheadAttention(12, 3, dropout=0.4, batch_first=True).train(training)
+    ours = from_torch(reference).train(training)
+    for need_weights in (False, True):
+        torch.manual_seed(8)
+        got = ours(x, memory, memory)
+        torch.manual_seed(8)
+        _assert_close(got, reference(x, memory, memory, need_weights=need_weights)[0], torch.float32)
+
+
 def test_parameter_count():
     for d_model, heads, bias in ((12, 3, True), (12, 4, True), (12, 1, False), (512, 8, True)):
         expected = sum(p.numel() for p in nn.MultiheadAttention(d_model, heads, bias=bias).parameters())
@@ -513,17 +544,28 @@ def test_init_check_does_not_blame_a_division_when_zero_heads_is_accepted():
         check_mha_init(_edited(*edits).MultiHeadAttention)
 
 
-WEIGHTED_SUM = "batch heads q_len k_len, batch heads k_len d_head -> batch heads q_len d_head"
+ATTEND = "heads_out, _ = scaled_dot_product_attention(q, k, v, mask, self.dropout)"
+# The weighted sum written out by a student, as the chapter's module did before chapter 01's attention took the dropout.
+WEIGHTED_SUM = ('_, weights = scaled_dot_product_attention(q, k, v, mask)\n        heads_out = einsum('
+                'self.dropout(weights), v, "batch heads q_len k_len, batch heads k_len d_head -> {order}")')
 
 
 @pytest.mark.parametrize(("order", "named"), [("heads batch q_len d_head", "(heads, batch, q_len, d_head)"),
                                               ("batch heads d_head q_len", "(batch, heads, d_head, q_len)"),
                                               ("batch q_len heads d_head", "(batch, q_len, heads, d_head)")])
 def test_self_attention_check_names_the_order_of_the_heads_outputs(order, named):
-    edits = [(WEIGHTED_SUM, WEIGHTED_SUM.replace("batch heads q_len d_head", order))]
+    edits = [("from einops import rearrange", "from einops import einsum, rearrange"),
+             (ATTEND, WEIGHTED_SUM.format(order=order))]
     with pytest.raises(CheckFailure, match="mat1 and mat2 shapes cannot be multiplied") as failure:
         check_mha_self_attention(_edited(*edits).MultiHeadAttention)
     assert f"in the order {named} instead of (batch, heads, q_len, d_head)" in str(failure.value)
+
+
+def test_a_forward_that_takes_the_weighted_sum_itself_from_the_weights_returned_passes():
+    # The weights chapter 01's attention returns are those before dropout, so the earlier way stays right.
+    edits = [("from einops import rearrange", "from einops import einsum, rearrange"),
+             (ATTEND, WEIGHTED_SUM.format(order="batch heads q_len d_head"))]
+    check_mha_self_attention(_edited(*edits).MultiHeadAttention)
 
 
 def test_a_crash_after_w_o_is_not_blamed_on_the_order_of_the_heads():

@@ -6,7 +6,7 @@ import torch
 from beartype import beartype
 from einops import einsum, reduce
 from jaxtyping import Bool, Float, jaxtyped
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @jaxtyped(typechecker=beartype)
@@ -15,17 +15,20 @@ def scaled_dot_product_attention(
     k: Float[Tensor, "*batch k_len d_k"],
     v: Float[Tensor, "*batch k_len d_v"],
     mask: Bool[Tensor, "*#batch #q_len #k_len"] | None = None,
+    dropout: nn.Module | None = None,
 ) -> tuple[Float[Tensor, "*batch q_len d_v"], Float[Tensor, "*batch q_len k_len"]]:
-    """Attention(Q, K, V) = softmax(Q Kᵀ / sqrt(d_k)) V, with an optional mask.
+    """Attention(Q, K, V) = softmax(Q Kᵀ / sqrt(d_k)) V, with an optional mask and dropout.
 
     Leading axes (``*batch``: batch, heads, ...) are carried through unchanged.
     ``mask`` is boolean with ``True`` = "this query may attend to this key" (the convention
     of ``torch.nn.functional.scaled_dot_product_attention``); it broadcasts against
     ``(*batch, q_len, k_len)``. A query row whose keys are all masked gets zero weights and
-    a zero output instead of NaN.
+    a zero output instead of NaN. ``dropout`` (an ``nn.Dropout``), if given, acts on the
+    weights before the weighted sum of the values, where the paper's code and PyTorch's
+    ``dropout_p`` put it; in ``eval()`` mode it does nothing.
 
     Returns ``(output, weights)``: ``weights[..., i, j]`` is how much query ``i`` reads key
-    ``j``; each unmasked row sums to 1 over ``k_len``.
+    ``j``, before dropout; each unmasked row sums to 1 over ``k_len``.
     """
     d_k = q.shape[-1]
     # Dividing by sqrt(d_k) keeps the scores' variance near 1 whatever d_k is, so the
@@ -39,7 +42,10 @@ def scaled_dot_product_attention(
     weights = torch.softmax(scores, dim=-1)
     if mask is not None:
         weights = weights.masked_fill(~has_key, 0.0)
-    output = einsum(weights, v, "... q_len k_len, ... k_len d_v -> ... q_len d_v")
+    # The weights returned are the undropped ones, which sum to 1 and are what plots and
+    # entropies read; dropout's random mask is training noise on this step's sum only.
+    dropped = weights if dropout is None else dropout(weights)
+    output = einsum(dropped, v, "... q_len k_len, ... k_len d_v -> ... q_len d_v")
     return output, weights
 
 

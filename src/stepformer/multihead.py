@@ -4,7 +4,7 @@ from typing import Any
 
 import torch
 from beartype import beartype
-from einops import einsum, rearrange
+from einops import rearrange
 from jaxtyping import Bool, Float, jaxtyped
 from torch import Tensor, nn
 
@@ -82,13 +82,9 @@ class MultiHeadAttention(nn.Module):
         v = split_heads(self.w_v(value), self.heads)
         if cache is not None:
             k, v = cache.update(k, v)  # the keys and values of every step so far, these included
-        # Each head scales its scores by sqrt(d_head), the width of its own queries and keys.
-        _, weights = scaled_dot_product_attention(q, k, v, mask)
-        # Dropout acts on the attention weights (as in the paper's code and in PyTorch), so the
-        # weighted sum is taken with the dropped weights; in eval() mode it is the identity.
-        heads_out = einsum(
-            self.dropout(weights), v, "batch heads q_len k_len, batch heads k_len d_head -> batch heads q_len d_head"
-        )
+        # Each head scales its scores by sqrt(d_head), the width of its own queries and keys;
+        # self.dropout acts on the attention weights (as in the paper's code and in PyTorch).
+        heads_out, _ = scaled_dot_product_attention(q, k, v, mask, self.dropout)
         # W_O mixes the heads: each output feature reads every head's features.
         return self.w_o(merge_heads(heads_out))
 

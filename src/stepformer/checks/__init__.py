@@ -10,6 +10,7 @@ code, which the class edition's students do not have.
 
 from stepformer.checks._core import CheckFailure
 from stepformer.checks.attention import (
+    check_attention_dropout,
     check_attention_entropy,
     check_attention_mask,
     check_attention_shapes,
@@ -19,6 +20,7 @@ from stepformer.checks.attention import (
 
 __all__ = [
     "CheckFailure",
+    "check_attention_dropout",
     "check_attention_entropy",
     "check_attention_mask",
     "check_attention_shapes",

@@ -1,4 +1,4 @@
-"""Checks for chapter 01: scaled dot-product attention and attention entropy."""
+"""Checks for chapter 01: scaled dot-product attention (with its mask and dropout) and attention entropy."""
 
 import math
 from collections.abc import Callable
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from beartype import beartype
 from einops import einsum
 from jaxtyping import Bool, Float, jaxtyped
-from torch import Tensor
+from torch import Tensor, nn
 
 from stepformer.checks._core import (
     CheckFailure,
@@ -89,8 +89,9 @@ def _result(fn: Callable[..., Any], dtype: torch.dtype, q: Tensor, k: Tensor, v:
     except CheckFailure as failure:
         if not isinstance(failure, CodeRaised):
             raise
+        same_with_dropout = _raise_if_only_without_dropout(fn, q, k, v, mask, failure)
         if mask is None:
-            _raise_if_only_without_mask(fn, q, k, v, failure)
+            _raise_if_only_without_mask(fn, q, k, v, failure, same_with_dropout)
         if q.dim() == 4:
             raise
         shape = ", ".join([*lead, f"q_len={s['q_len']}", f"d_k={s['d_k']}"])
@@ -100,6 +101,12 @@ def _result(fn: Callable[..., Any], dtype: torch.dtype, q: Tensor, k: Tensor, v:
             "are *batch, any number of them, none included: write einsum patterns with '...' (\"... q_len d_k, "
             "... k_len d_k -> ... q_len k_len\") and transpose with transpose(-2, -1), never with fixed axis numbers."
         ) from None
+    return _pair(result, dtype, q, k, v)
+
+
+def _pair(result: Any, dtype: torch.dtype, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The (output, weights) of one call on these inputs, their types, shapes and dtypes checked."""
+    s = _sizes_of(q, k, v)
     if not isinstance(result, tuple) or len(result) != 2:
         raise CheckFailure(
             f"scaled_dot_product_attention should return a pair (output, weights), got {kind(result)}."
@@ -113,15 +120,34 @@ def _result(fn: Callable[..., Any], dtype: torch.dtype, q: Tensor, k: Tensor, v:
     return output, weights
 
 
+def _raise_if_only_without_dropout(fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                                   failure: CodeRaised) -> bool:
+    """A call without dropout (dropout=None, the default) raised on a None: if the same call with a dropout that
+    changes nothing (nn.Identity()) runs, the dropout=None path is what fails; say so. Otherwise: whether that call
+    raised the same error."""
+    if "NoneType" not in failure.text:
+        return False
+    try:
+        call(fn, q, k, v, mask, dropout=nn.Identity())
+    except CheckFailure as again:
+        return isinstance(again, CodeRaised) and again.raised == failure.raised
+    raise CheckFailure(
+        f"{_first_line(failure)} Called without dropout (dropout=None, the default), your function fails on a "
+        "None, but the same call with dropout=nn.Identity() (which changes nothing) runs: the None it used is "
+        "dropout=None. Apply dropout only when one is given: `if dropout is not None:`."
+    ) from None
+
+
 def _raise_if_only_without_mask(fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor,
-                                failure: CheckFailure) -> None:
+                                failure: CodeRaised, same_with_dropout: bool) -> None:
     """A call without a mask raised: if the same call with an all-True mask (which hides nothing) runs, the
-    mask=None path is what fails; say so."""
+    mask=None path is what fails; say so. ``same_with_dropout``: the call with a dropout given raised the same."""
     if "'NoneType' object has no attribute" in str(failure):
+        which = ("and with a dropout given it raises the same: the only None left is mask=None" if same_with_dropout
+                 else "and the Nones it was given are mask=None and dropout=None")
         raise CheckFailure(
-            f"{_first_line(failure)} Called without a mask, your function used a None as a tensor, and the only "
-            "None it was given is mask=None. Look at each `if mask is not None:` test and at what runs when there "
-            "is no mask."
+            f"{_first_line(failure)} Called without a mask, your function used a None as a tensor, {which}. Look "
+            "at each `if mask is not None:` test and at what runs when there is no mask."
         ) from None
     everything = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool)
     try:
@@ -417,6 +443,162 @@ def check_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
         )
     passed("masks: masked keys get 0 and the others their softmax weight, masks broadcast (batch=1 and 3-D inputs "
            "too), a fully masked row gives zeros")
+
+
+# -- dropout: the module a caller passes acts on the weights before the weighted sum ---------
+
+def _factor(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> Tensor:
+    """The stand-in's factor for a tensor of ``shape``: 0 or 2 (dropout with p = 0.5), fixed by the shape and seed."""
+    keep = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < 0.5
+    return 2 * keep.to(dtype)
+
+
+class _FixedDropout(nn.Module):
+    """Stands in for ``dropout``: zeroes a known half of whatever it is given and doubles the rest (p = 0.5), so that
+    the check can compute what dropout at each place gives; notes the shape of each tensor it was given."""
+
+    p = 0.5
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.seed = seed
+        self.seen: list[list[int]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append(list(x.shape))
+        return x * _factor(tuple(x.shape), self.seed, x.dtype)
+
+
+class _WatchedDropout(nn.Dropout):
+    """PyTorch's dropout, noting the shape of each tensor it was given."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__(p)
+        self.seen: list[list[int]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append(list(x.shape))
+        return super().forward(x)
+
+
+def _with_dropout(fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, which: str, seed: int) -> dict[str, Any]:
+    """``fn(q, k, v, dropout=...)`` with the stand-in (``which="fixed"``), nn.Dropout(0.5) in eval() mode ("eval") or
+    nn.Dropout(1.0) in training mode ("all"); its result, and the shapes the dropout was given."""
+    dropout = {"fixed": lambda: _FixedDropout(seed), "eval": lambda: _WatchedDropout(0.5).eval(),
+               "all": lambda: _WatchedDropout(1.0)}[which]()
+    return {"result": fn(q, k, v, dropout=dropout), "seen": dropout.seen}
+
+
+def _dropout_run(fn: Callable[..., Any], dtype: torch.dtype, q: Tensor, k: Tensor, v: Tensor, which: str, seed: int,
+                 what: str) -> tuple[Tensor, Tensor, list[list[int]]]:
+    """:func:`_with_dropout` through :func:`call`: the checked (output, weights) and the shapes dropout was given."""
+    try:
+        run = call(_with_dropout, fn, q, k, v, which, seed)
+    except CodeRaised as failure:
+        hint = (" Your function takes no argument `dropout`: keep the exercise's signature, "
+                "scaled_dot_product_attention(q, k, v, mask=None, dropout=None)."
+                if "unexpected keyword argument 'dropout'" in failure.text else "")
+        raise CheckFailure(f"Called with {what}, your function raised {failure.raised}.{hint}") from None
+    if type(run) is not dict:
+        raise CheckFailure(f"Called with {what}, your function returned {kind(run)}, not a pair of tensors.")
+    output, weights = _pair(run["result"], dtype, q, k, v)
+    return output, weights, run["seen"]
+
+
+def _dropout_variants(q: Tensor, k: Tensor, v: Tensor, seed: int) -> dict[str, Tensor]:
+    """The outputs, in float64, of dropout (the stand-in's) applied where it does not belong."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    weights = torch.softmax(scores, dim=-1)
+    kept = _factor(tuple(weights.shape), seed, torch.float64)
+    output = weights @ v
+    return {
+        "You applied dropout to the output, the weighted sum: apply it to the attention weights, dropout(weights), "
+        "and sum the values with the dropped weights.": output * _factor(tuple(output.shape), seed, torch.float64),
+        "You applied dropout to the scores, before the softmax: a dropped score is 0, an ordinary score, not a "
+        "dropped key. Apply it to the weights that the softmax gives.": torch.softmax(scores * kept, dim=-1) @ v,
+        "You applied dropout to v: apply it to the attention weights, dropout(weights), not to the values.":
+            weights @ (v * _factor(tuple(v.shape), seed, torch.float64)),
+        "You applied dropout to the weights twice: apply it once.": (weights * kept * kept) @ v,
+    }
+
+
+@check(forbid=BUILT_IN_ATTENTION)
+def check_attention_dropout(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    """``dropout`` acts on the attention weights before the weighted sum (a stand-in that drops a known half of
+    them, and nn.Dropout(1.0)); nn.Dropout in eval() mode changes nothing; the weights returned are those before
+    dropout."""
+    s, q, k, v = _qkv(seed, dtype)
+    sizes = _sizes_of(q, k, v)
+    weights_shape = [s["batch"], s["heads"], s["q_len"], s["k_len"]]
+    softmax = _masked_softmax(q, k, torch.ones(s["q_len"], s["k_len"], dtype=torch.bool))
+    plain = softmax @ v.double()
+    # Dropout is judged against attention that is right without it; check_attention_values says more.
+    output, weights = _result(fn, dtype, q, k, v)
+    if not close(output, plain.to(dtype), dtype):
+        raise CheckFailure(f"Without dropout your output already differs from PyTorch's: "
+                           f"{_diagnose(q, k, v, None, output, weights)}")
+    stand_in = ("a stand-in for dropout that zeroes a known half of what it is given and doubles the rest "
+                "(nn.Dropout(0.5) with a fixed mask)")
+    output, weights, seen = _dropout_run(fn, dtype, q, k, v, "fixed", seed + 21, stand_in)
+    kept = _factor(tuple(weights_shape), seed + 21, torch.float64)
+    expected = (softmax * kept) @ v.double()
+    if not close(output, expected.to(dtype), dtype):
+        found = difference(output, expected.to(dtype), sizes)
+        shapes = " and ".join(str(tuple(shape)) for shape in seen)
+        if not seen:
+            hint = ("Your function never called dropout (F.dropout(weights, dropout.p) does not count: the module "
+                    "knows whether it is training): apply it to the weights, dropout(weights).")
+        elif close(output, plain.to(dtype), dtype):
+            hint = (f"Your function called dropout on a tensor of shape {shapes}, yet its output is attention without "
+                    "dropout: take the weighted sum of v with the dropped weights, not with the weights before "
+                    "dropout.")
+        else:
+            found_hints = [h for h, out in _dropout_variants(q, k, v, seed + 21).items()
+                           if close(output, out.to(dtype), dtype)]
+            hint = found_hints[0] if len(found_hints) == 1 else (
+                f"Your function gave dropout tensors of shape {shapes}; the weights are "
+                f"{tuple(weights_shape)} (batch, heads, q_len, k_len). Apply dropout once, to the weights after the "
+                "softmax (and after the zeroing of fully masked rows), and sum the values with the dropped weights.")
+        raise CheckFailure(f"With {stand_in}, your output differs from attention with that half of the weights "
+                           f"dropped ({found}). {hint}")
+    _expect_undropped(weights, softmax, kept, dtype, sizes, stand_in)
+    output, weights, _ = _dropout_run(fn, dtype, q, k, v, "all", seed, "nn.Dropout(1.0) in training mode")
+    zeros = torch.zeros_like(output)
+    if not close(output, zeros, dtype):
+        raise CheckFailure(
+            "With nn.Dropout(1.0) in training mode every weight is dropped, so the output should be all zeros "
+            f"({difference(output, zeros, sizes)}). Apply the dropout you are given to the weights, dropout(weights)."
+        )
+    _expect_undropped(weights, softmax, torch.zeros_like(kept), dtype, sizes, "nn.Dropout(1.0) in training mode")
+    output, weights, seen = _dropout_run(fn, dtype, q, k, v, "eval", seed, "nn.Dropout(0.5) in eval() mode")
+    theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double()).to(dtype)
+    if not close(output, theirs, dtype):
+        hint = ("Your function did not call the dropout module it was given: call it, dropout(weights), for it knows "
+                "its mode (F.dropout(weights, dropout.p) drops in eval() mode too)." if not seen else
+                "Call the dropout module itself, dropout(weights), and nothing else that draws at random.")
+        raise CheckFailure(
+            "With nn.Dropout(0.5) in eval() mode, which passes its input through unchanged, your output differs from "
+            f"torch.nn.functional.scaled_dot_product_attention without dropout ({difference(output, theirs, sizes)}). "
+            f"{hint}"
+        )
+    _expect_undropped(weights, softmax, torch.ones_like(kept), dtype, sizes, "nn.Dropout(0.5) in eval() mode")
+    passed(f"dropout acts on the attention weights before the weighted sum, does nothing in eval() mode, and the "
+           f"weights returned are those before dropout ({dtype_name(dtype)})")
+
+
+def _expect_undropped(weights: Tensor, softmax: Tensor, kept: Tensor, dtype: torch.dtype, sizes: dict[str, int],
+                      what: str) -> None:
+    """The weights returned with a dropout are softmax(q kᵀ / sqrt(d_k)), not the dropped ones (softmax * kept)."""
+    expected = softmax.to(dtype)
+    if close(weights, expected, dtype):
+        return
+    dropped = close(weights, (softmax * kept).to(dtype), dtype)
+    hint = ("they are the dropped weights: return the weights before dropout, which sum to 1 over k_len (what a plot "
+            "or an entropy reads); only the weighted sum takes the dropped ones." if dropped else
+            "return the weights before dropout, softmax(q kᵀ / sqrt(d_k)).")
+    raise CheckFailure(f"With {what}, your output is right, but the weights you return differ from softmax(q kᵀ / "
+                       f"sqrt(d_k)) ({difference(weights, expected, sizes)}): {hint}")
 
 
 def _entropy_variants(p: Tensor) -> dict[str, Tensor]:

@@ -448,7 +448,8 @@ def _check_dropout(cls: Any, oracle: nn.MultiheadAttention, state: dict[str, Ten
     bias_only = state["w_o.bias"].expand_as(got)
     if not close(got, bias_only, dtype):
         if close(got, oracle(x, x, x, need_weights=False)[0].detach(), dtype):
-            hint = "your module ignores dropout: apply self.dropout to the attention weights."
+            hint = ("your module ignores dropout: pass self.dropout to scaled_dot_product_attention, which applies "
+                    "it to the attention weights.")
         else:
             hint = "apply self.dropout (nn.Dropout(dropout)) to the attention weights before the weighted sum."
         raise CheckFailure(
@@ -463,7 +464,7 @@ def _check_dropout(cls: Any, oracle: nn.MultiheadAttention, state: dict[str, Ten
         raise CheckFailure(f"Could not run your module with a stand-in for self.dropout: got {kind(result)}.")
     if result.get("missing"):
         raise CheckFailure("Your module has no nn.Dropout in the attribute `dropout`: store nn.Dropout(dropout) as "
-                           "self.dropout, as the exercise asks, and apply it to the attention weights.")
+                           "self.dropout, as the exercise asks, and pass it to scaled_dot_product_attention.")
     expected = _reference(state, h, x, x, x, None, drop=2 * keep.to(dtype))
     output = _expect_kept(result["output"], "the output", tuple(x.shape), "batch q_len d_model", dtype)
     if close(output, expected, dtype):
@@ -471,8 +472,8 @@ def _check_dropout(cls: Any, oracle: nn.MultiheadAttention, state: dict[str, Ten
     weights_shape = [b, h, seq, seq]
     seen = result["seen"]
     if not seen:
-        where = ("Your forward never calls self.dropout (F.dropout(..., self.dropout.p) does not count): apply "
-                 "self.dropout to the attention weights.")
+        where = ("Your forward never calls self.dropout (F.dropout(..., self.dropout.p) does not count): pass "
+                 "self.dropout to scaled_dot_product_attention, which applies it to the attention weights.")
     elif all(shape[:-1] != weights_shape for shape in seen):
         shapes = " and ".join(str(tuple(shape[:-1])) for shape in seen)
         where = (f"self.dropout was applied to a tensor of shape {shapes}, not to the attention weights (batch={b}, "
