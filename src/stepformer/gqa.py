@@ -49,8 +49,8 @@ def grouped_attention(
     The key/value heads are repeated in the ``(kv_heads group)`` order of :func:`repeat_kv`,
     then every head attends as in chapter 01: scores scaled by sqrt(d_head), ``mask`` with
     ``True`` = may attend, a query with no key to read gets zero weights and a zero output.
-    ``dropout``, if given, acts on the attention weights before the weighted sum, as in
-    :class:`MultiHeadAttention`.
+    ``dropout``, if given, acts on the attention weights before the weighted sum, as in chapter 01's
+    :func:`scaled_dot_product_attention`.
     """
     heads = q.shape[1]
     k, v = repeat_kv(k, heads), repeat_kv(v, heads)
