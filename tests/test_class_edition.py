@@ -87,7 +87,7 @@ def test_own_answer_is_read_from_the_earlier_notebook_and_a_stub_is_refused(tmp_
 
 def test_where_the_library_is_installed_the_grader_uses_the_courses_copy(tmp_path, capsys):
     namespace = {}
-    exec("import torch\nfrom torch import Tensor\nfrom beartype import beartype\n"
+    exec("import torch\nfrom torch import Tensor, nn\nfrom beartype import beartype\n"
          "from jaxtyping import Bool, Float, jaxtyped\nfrom einops import einsum, rearrange, reduce", namespace)
     given("stepformer.attention.scaled_dot_product_attention", "01_attention/attention.ipynb", namespace,
           folder=tmp_path)  # no notebook there: the course's copy is used
