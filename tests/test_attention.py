@@ -1,5 +1,6 @@
 """stepformer.attention against torch.nn.functional.scaled_dot_product_attention, on random shapes."""
 
+import inspect
 import math
 import sys
 import types
@@ -15,6 +16,7 @@ from torch import nn
 
 from stepformer import attention
 from stepformer.attention import attention_entropy, mean_attention_entropy, scaled_dot_product_attention
+from stepformer.before import masked_softmax
 from stepformer.checks._core import CheckFailure
 from stepformer.checks.attention import (
     check_attention_dropout,
@@ -223,6 +225,9 @@ def _edited(module, *edits):
     """The module's source with each ``(old, new)`` replaced once, loaded under another name: a student's
     solution with one mistake (not the library's objects, so the own-work rule does not flag it)."""
     source = Path(module.__file__).read_text()
+    # A student's notebook holds chapter 00's masked_softmax in a cell of its own, above the attention:
+    # the source as a notebook has it, so that an edit can reach every line the student writes.
+    source = source.replace("from stepformer.before import masked_softmax\n", inspect.getsource(masked_softmax))
     for old, new in edits:
         assert old in source, old
         source = source.replace(old, new, 1)
@@ -246,7 +251,7 @@ GUARD_MISTAKES = {
     "dim -2": ([(GUARD, "mask.any(dim=-2, keepdim=True)")], "fully masked rows over the query axis"),
     "neutral where has_key": ([(".masked_fill(~has_key, 0.0)\n", ".masked_fill(has_key, 0.0)\n")],
                               "set to 0 before the softmax are the queries that have a key"),
-    "zero where has_key": ([("weights.masked_fill(~has_key, 0.0)", "weights.masked_fill(has_key, 0.0)")],
+    "zero where has_key": ([("dim=-1).masked_fill(~has_key, 0.0)", "dim=-1).masked_fill(has_key, 0.0)")],
                            "weights you zero after the softmax are the queries that have a key"),
     "fill where mask": ([("masked_fill(~mask, -math.inf)", "masked_fill(mask, -math.inf)")], "Your mask is inverted"),
 }
@@ -276,13 +281,14 @@ def test_a_shape_error_with_a_mask_is_not_blamed_on_keepdim_when_square_inputs_d
     assert "keepdim" not in message
 
 
-UNMASKED = "if mask is not None:\n        "
+UNMASKED = "if mask is None:\n        return torch.softmax(scores, dim=-1)\n"
 
 
 @pytest.mark.parametrize(("edit", "named"), [
-    ((UNMASKED + "# -inf", "if mask is None:\n        # -inf"),
-     "with a dropout given it raises the same: the only None left is mask=None"),
-    ((UNMASKED + "weights", "if mask is None:\n        weights"), "the mask=None path is what fails"),
+    # masked_softmax without its mask=None branch: mask.any on None, with or without dropout
+    ((UNMASKED, ""), "with a dropout given it raises the same: the only None left is mask=None"),
+    # the mask=None branch reads has_key, which only the masked path sets
+    ((UNMASKED, UNMASKED.replace("dim=-1)", "dim=-1).masked_fill(~has_key, 0.0)")), "the mask=None path is what fails"),
 ])
 def test_shapes_check_names_the_unmasked_path(edit, named):
     message = _message(check_attention_shapes, _edited(attention, edit).scaled_dot_product_attention)
@@ -377,8 +383,8 @@ DROPOUT_MISTAKES = {
                 ("    return output, weights", "    output = output if dropout is None else dropout(output)\n"
                                                "    return output, weights")], "You applied dropout to the output"),
     "scores": ([(DROPPED, "    dropped = weights\n"),
-                ("    weights = torch.softmax(", "    scores = scores if dropout is None else dropout(scores)\n"
-                                                 "    weights = torch.softmax(")], "You applied dropout to the scores"),
+                ("    weights = masked_softmax(", "    scores = scores if dropout is None else dropout(scores)\n"
+                                               "    weights = masked_softmax(")], "You applied dropout to the scores"),
     "values": ([(DROPPED, "    dropped = weights\n    v = v if dropout is None else dropout(v)\n")],
                "You applied dropout to v"),
     "twice": ([(DROPPED, "    dropped = weights if dropout is None else dropout(dropout(weights))\n")],

@@ -116,7 +116,8 @@ def test_the_class_course_refuses_to_overwrite_an_instructors_source(tmp_path):
     handed_out = (tmp_path / "release" / "02_masks" / "masks.ipynb").read_text()
     assert "raise NotImplementedError()" in handed_out and "BEGIN SOLUTION" not in handed_out
     assert 'given(\\"stepformer.attention.scaled_dot_product_attention\\"' in handed_out
-    assert "weights = weights.masked_fill(~has_key, 0.0)" not in handed_out  # a line of the course's attention
+    assert "weights = masked_softmax(scores, mask)" not in handed_out  # a line of the course's attention
+    assert "has_key = mask.any(dim=-1, keepdim=True)" not in handed_out  # ... and of its masked_softmax
 
 
 def test_the_cli_writes_the_class_course(tmp_path):

@@ -8,6 +8,8 @@ from einops import einsum, reduce
 from jaxtyping import Bool, Float, jaxtyped
 from torch import Tensor, nn
 
+from stepformer.before import masked_softmax
+
 
 @jaxtyped(typechecker=beartype)
 def scaled_dot_product_attention(
@@ -34,14 +36,8 @@ def scaled_dot_product_attention(
     # Dividing by sqrt(d_k) keeps the scores' variance near 1 whatever d_k is, so the
     # softmax does not saturate and its gradient does not vanish.
     scores = einsum(q, k, "... q_len d_k, ... k_len d_k -> ... q_len k_len") / math.sqrt(d_k)
-    if mask is not None:
-        # -inf gives masked keys exactly zero weight. A row with no key left would be
-        # softmax(all -inf) = NaN, so such rows are softmaxed as zeros and then zeroed.
-        has_key = mask.any(dim=-1, keepdim=True)
-        scores = scores.masked_fill(~mask, -math.inf).masked_fill(~has_key, 0.0)
-    weights = torch.softmax(scores, dim=-1)
-    if mask is not None:
-        weights = weights.masked_fill(~has_key, 0.0)
+    # Chapter 00's masked softmax: masked keys get weight 0, a row with no key left zeros, not NaN.
+    weights = masked_softmax(scores, mask)
     # The weights returned are the undropped ones, which sum to 1 and are what plots and
     # entropies read; dropout's random mask is training noise on this step's sum only.
     dropped = weights if dropout is None else dropout(weights)

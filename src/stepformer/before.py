@@ -104,6 +104,28 @@ class RNN(nn.Module):
 
 
 @jaxtyped(typechecker=beartype)
+def masked_softmax(
+    scores: Float[Tensor, "*batch q_len k_len"],
+    mask: Bool[Tensor, "*#batch #q_len #k_len"] | None = None,
+) -> Float[Tensor, "*batch q_len k_len"]:
+    """The softmax of each query's scores over the keys it may attend to: every attention's weights.
+
+    ``mask`` is boolean, ``True`` = "this query may attend to this key" (the convention of
+    ``torch.nn.functional.scaled_dot_product_attention``), and broadcasts against
+    ``(*batch, q_len, k_len)``; ``None`` lets every query attend to every key. A masked key gets
+    weight exactly 0 and the kept weights of a row sum to 1. A row with no key left gets all-zero
+    weights, where ``softmax`` of ``-inf`` everywhere would give NaN (0 / 0).
+    """
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    # -inf gives masked keys exactly zero weight. A row with no key left is softmaxed as zeros
+    # instead (a finite, ignored result) and then zeroed, so no NaN is ever computed.
+    has_key = mask.any(dim=-1, keepdim=True)
+    scores = scores.masked_fill(~mask, -math.inf).masked_fill(~has_key, 0.0)
+    return torch.softmax(scores, dim=-1).masked_fill(~has_key, 0.0)
+
+
+@jaxtyped(typechecker=beartype)
 def additive_attention(
     q: Float[Tensor, "*batch q_len d_q"],
     k: Float[Tensor, "*batch k_len d_k"],
@@ -130,14 +152,7 @@ def additive_attention(
     hidden = torch.tanh(rearrange(query, "... q_len d_attn -> ... q_len 1 d_attn")
                         + rearrange(key, "... k_len d_attn -> ... 1 k_len d_attn"))  # (..., q_len, k_len, d_attn)
     scores = einsum(hidden, v_a, "... q_len k_len d_attn, d_attn -> ... q_len k_len")
-    if mask is not None:
-        # -inf gives masked keys exactly zero weight; a row with no key left is softmaxed as
-        # zeros (not all -inf, which is NaN) and then zeroed.
-        has_key = mask.any(dim=-1, keepdim=True)
-        scores = scores.masked_fill(~mask, -math.inf).masked_fill(~has_key, 0.0)
-    weights = torch.softmax(scores, dim=-1)
-    if mask is not None:
-        weights = weights.masked_fill(~has_key, 0.0)
+    weights = masked_softmax(scores, mask)
     output = einsum(weights, v, "... q_len k_len, ... k_len d_v -> ... q_len d_v")
     return output, weights
 

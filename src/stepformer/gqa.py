@@ -17,6 +17,7 @@ from einops import einsum, reduce, repeat
 from jaxtyping import Bool, Float, Int, jaxtyped
 from torch import Tensor, nn
 
+from stepformer.before import masked_softmax
 from stepformer.kvcache import KVCache
 from stepformer.multihead import merge_heads, split_heads
 from stepformer.positional import RotaryEmbedding
@@ -58,14 +59,8 @@ def grouped_attention(
     # written out so that each step shows its axes. Each head's dot products have d_head terms.
     scores = einsum(q, k, "batch heads q_len d_head, batch heads k_len d_head -> batch heads q_len k_len")
     scores = scores / math.sqrt(q.shape[-1])
-    if mask is not None:
-        # -inf gives a masked key weight 0; a row with no key left would be softmax(all -inf) = NaN,
-        # so it is softmaxed as zeros and zeroed afterwards.
-        has_key = reduce(mask, "... q_len k_len -> ... q_len 1", "max")
-        scores = scores.masked_fill(~mask, -math.inf).masked_fill(~has_key, 0.0)
-    weights = torch.softmax(scores, dim=-1)
-    if mask is not None:
-        weights = weights.masked_fill(~has_key, 0.0)
+    # Chapter 00's masked softmax: masked keys get weight 0, a row with no key left zeros, not NaN.
+    weights = masked_softmax(scores, mask)
     if dropout is not None:
         weights = dropout(weights)
     return einsum(weights, v, "batch heads q_len k_len, batch heads k_len d_head -> batch heads q_len d_head")

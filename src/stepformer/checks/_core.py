@@ -677,6 +677,14 @@ def expect_tensor(x: Any, what: str, shape: tuple[int, ...], axes: str, dtype: t
     return x
 
 
+def refuse_extra_parameters(shapes: dict[str, Any], expected: Sequence[str], bias: bool) -> None:
+    """Fail if an attention module learns parameters beyond its four projections (``w_q.weight``, ...)."""
+    extra = sorted(set(shapes) - set(expected))
+    if extra:
+        hint = " With bias=False, pass bias=bias to every nn.Linear." if not bias else ""
+        raise CheckFailure(f"Unexpected parameters {extra}: only w_q, w_k, w_v and w_o are learned.{hint}")
+
+
 def close(actual: Tensor, expected: Tensor, dtype: torch.dtype, tolerance: float | None = None) -> bool:
     """Equal up to a tolerance stated per dtype (float32 rounding grows with the sum length),
     or up to ``tolerance`` where the caller knows the rounding is larger."""

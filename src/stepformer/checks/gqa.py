@@ -34,6 +34,7 @@ from stepformer.checks._core import (
     expect_tensor,
     kind,
     passed,
+    refuse_extra_parameters,
 )
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import load_state as _load
@@ -511,10 +512,7 @@ def _expect_parameters(module: Any, d_model: int, heads: int, kv_heads: int, bia
             f"heads={heads}, kv_heads={kv_heads} (d_head={d_head}): w_q and w_o are (d_model, d_model), w_k and w_v "
             "map d_model to kv_heads * d_head."
         )
-    extra = sorted(set(shapes) - set(expected))
-    if extra:
-        hint = " With bias=False, pass bias=bias to every nn.Linear." if not bias else ""
-        raise CheckFailure(f"Unexpected parameters {extra}: only w_q, w_k, w_v and w_o are learned.{hint}")
+    refuse_extra_parameters(shapes, expected, bias)
 
 
 def _random_state(d_model: int, kv_heads: int, d_head: int, dtype: torch.dtype, seed: int,

@@ -29,6 +29,7 @@ from stepformer.checks._core import (
     dtype_name,
     kind,
     passed,
+    refuse_extra_parameters,
 )
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import load_state as _load
@@ -137,10 +138,7 @@ def _expect_parameters(module: Any, d_model: int, bias: bool) -> None:
                 f"{name} has shape {tuple(shapes[name])}; it should be {tuple(shape)} with d_model={d_model}. Each "
                 "projection maps d_model features to d_model features: all the heads at once, not one head's d_head."
             )
-    extra = sorted(set(shapes) - set(expected))
-    if extra:
-        hint = " With bias=False, pass bias=bias to every nn.Linear." if not bias else ""
-        raise CheckFailure(f"Unexpected parameters {extra}: only w_q, w_k, w_v and w_o are learned.{hint}")
+    refuse_extra_parameters(shapes, expected, bias)
 
 
 def _oracle(s: dict[str, int], dtype: torch.dtype, seed: int,

@@ -94,7 +94,7 @@ def fill(path: Path, translations: str) -> int:
     by_number = dict(messages(catalog))
     parts = BLOCK.split(translations)
     count = 0
-    for number, text in zip(parts[1::2], parts[2::2]):
+    for number, text in zip(parts[1::2], parts[2::2], strict=True):
         message = by_number.get(int(number))
         if message is None:
             raise SystemExit(f"{path}: no message #{number} (it has {len(by_number)})")
