@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stepformer import runs
 from stepformer.runs import Budget, Distributed, Position, StepResult, restore_rng_states, rng_state, training_loop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -287,3 +288,21 @@ def test_a_wall_clock_budget_that_runs_out_while_rank_0_writes_a_checkpoint_ends
         assert steps[-1] == batch + 1
     else:
         assert json.loads(metrics[-1])["epoch"] == 1
+
+
+def test_adamw_decays_matrices_not_norms_or_biases_unless_asked():
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))
+    model[0].weight.requires_grad_(False)  # a frozen table is left out of the optimiser
+    decays = {id(p): group["weight_decay"] for group in runs.adamw(model, 1e-3, (0.9, 0.95), 0.1).param_groups
+              for p in group["params"]}
+    assert decays == {id(model[2].weight): 0.1, id(model[1].weight): 0.0, id(model[1].bias): 0.0,
+                      id(model[2].bias): 0.0}
+    every = runs.adamw(model, 1e-3, (0.9, 0.95), 0.1, decay_norms_and_biases=True).param_groups
+    assert len(every) == 1 and every[0]["weight_decay"] == 0.1
+    assert [id(p) for p in every[0]["params"]] == [id(p) for p in model.parameters() if p.requires_grad]
+
+
+def test_preset_names_the_presets_there_are():
+    assert runs.preset({"cpu": 1, "gpu": 2}, "gpu") == 2
+    with pytest.raises(ValueError, match="unknown preset 'tpu'; the presets are cpu, gpu"):
+        runs.preset({"cpu": 1, "gpu": 2}, "tpu")

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, NamedTuple, Protocol
+from typing import IO, NamedTuple, Protocol, TypeVar
 
 import jaxtyping
 import torch
@@ -180,6 +180,36 @@ def init_distributed(device: torch.device) -> Distributed:
 
 
 # -- random states -------------------------------------------------------------------------------------------
+
+
+T = TypeVar("T")
+
+
+def adamw(model: torch.nn.Module, lr: float, betas: tuple[float, float], weight_decay: float, *,
+          decay_norms_and_biases: bool = False, eps: float = 1e-8, fused: bool = False) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters, in ``model.parameters()``'s order.
+
+    Weight decay pulls every decayed weight towards 0. It is meant for the matrices and embeddings
+    that store what the model learned; a norm's gain or a bias sets a scale or an offset, and
+    pulling it to 0 only fights the loss, so by default those (the parameters of fewer than two
+    axes) are not decayed. ``decay_norms_and_biases=True`` decays every parameter alike, as
+    PyTorch's ``AdamW(model.parameters())`` does. ``fused`` runs the update as one kernel over
+    all parameters (CPU and CUDA).
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if decay_norms_and_biases:
+        groups = [{"params": trainable, "weight_decay": weight_decay}]
+    else:
+        groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+def preset(presets: dict[str, T], name: str) -> T:
+    """``presets[name]``, or an error that lists the presets there are."""
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r}; the presets are {', '.join(presets)}")
+    return presets[name]
 
 
 def seed_everything(seed: int) -> None:

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from stepformer.lm.config import PRESETS, RunConfig
 from stepformer.lm.data import prepare_data
 from stepformer.lm.experiments import adaptation_experiment, language_model_experiment, masked_lm_experiment
-from stepformer.runs import Budget, commit, hardware, save_json
+from stepformer.runs import Budget, commit, hardware, preset, save_json
 from stepformer.translator.config import pick_device
 from stepformer.translator.data import SPLITS, DataError
 
@@ -95,8 +95,7 @@ OUTPUTS = ("results.json", "metrics.jsonl")
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
-    if args.preset not in PRESETS:
-        raise ValueError(f"unknown preset {args.preset!r}; the presets are {', '.join(PRESETS)}")
+    chosen = preset(PRESETS, args.preset)
     if args.eval_split not in SPLITS or args.eval_split == "train":
         raise ValueError(f"unknown held-out split {args.eval_split!r}; it is val or test_2016_flickr")
     if args.steps is not None and args.steps < 1:
@@ -114,7 +113,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
                               "or choose another --out")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
-    run = replace(PRESETS[args.preset], seed=args.seed)
+    run = replace(chosen, seed=args.seed)
     adapt_steps = getattr(args, "adapt_steps", None)
     if adapt_steps is not None:
         if adapt_steps < 1:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from stepformer.lm.config import RunConfig
 from stepformer.lm.data import Captions, caption_batches, collate_captions
 from stepformer.lm.measure import step_bytes
-from stepformer.runs import Budget, MetricsLog, Position, Progress, StepResult, training_loop
+from stepformer.runs import Budget, MetricsLog, Position, Progress, StepResult, adamw, training_loop
 
 
 def cosine_lr(step: int, spent: float, peak_lr: float, warmup: int, min_lr: float) -> float:
@@ -25,14 +25,6 @@ def cosine_lr(step: int, spent: float, peak_lr: float, warmup: int, min_lr: floa
     if step <= warmup:
         return peak_lr * step / warmup
     return peak_lr * (min_lr + (1.0 - min_lr) * 0.5 * (1.0 + math.cos(math.pi * min(spent, 1.0))))
-
-
-def make_optimizer(model: nn.Module, lr: float, run: RunConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters, decaying matrices and embeddings, not norms or biases."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": run.weight_decay},
-              {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=run.betas)
 
 
 def trainable_parameters(model: nn.Module) -> int:
@@ -66,7 +58,8 @@ def train_loop(
     step holds (:func:`step_bytes`).
     """
     warmup = run.warmup if warmup is None else warmup
-    optimizer = make_optimizer(model, peak_lr, run)
+    # Matrices and embeddings decayed, norms and biases not (adamw's default).
+    optimizer = adamw(model, peak_lr, run.betas, run.weight_decay)
     generator = torch.Generator().manual_seed(run.seed)
     log = MetricsLog(metrics, phase=phase)
     curve, evaluations, seen = [], [], {"tokens": 0, "evaluating_s": 0.0, "memory": None}

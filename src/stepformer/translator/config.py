@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
+from stepformer import runs
 from stepformer.parts import ModelConfig
 
 # The translator's model: chapter 08's Transformer as the course trains it on Multi30k, one encoder-decoder
@@ -217,9 +218,7 @@ PRESETS: dict[str, TranslatorConfig] = {
 
 
 def preset(name: str) -> TranslatorConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; the presets are {', '.join(PRESETS)}")
-    return PRESETS[name]
+    return runs.preset(PRESETS, name)
 
 
 def pick_device() -> torch.device:
