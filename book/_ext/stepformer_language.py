@@ -43,23 +43,24 @@ LOCALE = "zh_CN"
 
 # The text this project's extensions write into pages (book/_ext/stepformer_edition.py), in Chinese.
 CHINESE = {
-    "The library's version of {target} (open after exercise {number})": "库中的 {target}（做完练习 {number} 后再打开）",
-    "The library's version of ": "库中的 ",
+    "The library's version of {target} (open after exercise {number})":
+        "课程库中 {target} 的实现（做完练习 {number} 后再展开）",
+    "The library's version of ": "课程库中 ",
     " is folded after exercise {number}, at the end of this page: ":
-        " 折叠在本页末尾的练习 {number} 之后，写完你自己的版本后，",
-    "open it there": "到那里打开它",
+        " 的实现折叠在本页末尾的练习 {number} 之后：请先自己写完，再",
+    "open it there": "到那里展开查看",
     " once you have written your own.": "。",
     "The code of a cell close to an exercise's answer (open after the exercise)":
-        "一个接近练习答案的单元格的代码（做完练习后再打开）",
+        "接近练习答案的单元格代码（做完练习后再展开）",
     "The code behind the next output shows much of an exercise's answer: it is folded after the exercise, at the "
     "end of this page (":
-        "下面这个输出背后的代码透露了练习答案的大部分，因此折叠在本页末尾的练习之后（写完你自己的版本后，",
+        "下面这个输出背后的代码透露了练习答案的大部分，因此折叠在本页末尾的练习之后（请先自己写完，再",
     " once you have written your own).": "）。",
     "Try first, then see: the library's code for what this chapter's ": "先尝试，再看答案：本章",
     "exercise": "练习",
     " asks you to write is folded at the end of the page, after the exercise. Write your own first, let the checks "
     "teach you, then open the library's version to compare.":
-        "要求你编写的代码，库中的版本折叠在页面末尾的练习之后。先自己写，让检查告诉你哪里不对，再打开库中的版本对照。",
+        "要求你编写的代码，课程库中的版本折叠在页面末尾的练习之后。先自己写，让检查告诉你哪里不对，再展开课程库中的版本对照。",
 }
 
 

@@ -178,6 +178,7 @@ def update(pot_dir: Path, root: Path = ROOT) -> list[str]:
     catalogues of pages that are gone; returns what changed, a line per catalogue."""
     from sphinx_intl.basic import update as intl_update
 
+    before = {page: path.read_bytes() for page, path in catalogues(root).items()}
     intl_update(str(root / LOCALE_DIR), str(pot_dir), (LANGUAGE,), line_width=0, ignore_obsolete=True, jobs=1)
     changed = []
     pots = templates(pot_dir)
@@ -186,13 +187,14 @@ def update(pot_dir: Path, root: Path = ROOT) -> list[str]:
             path.unlink()
             changed.append(f"{page}: removed (no such page)")
             continue
-        before = path.read_bytes()
         catalog = load(path)
         catalog.obsolete.clear()
         catalog.project, catalog.version = PROJECT, ""
         catalog.header_comment = load(pots[page]).header_comment
         save(catalog, path)
-        if path.read_bytes() != before:
+        if page not in before:
+            changed.append(f"{page}: new catalogue")
+        elif path.read_bytes() != before[page]:
             changed.append(f"{page}: updated")
     return changed
 
