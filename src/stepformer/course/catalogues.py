@@ -219,7 +219,7 @@ class Term:
 
 
 # An entry's definition opens with its Chinese name in bold, other accepted names in parentheses:
-# "**束搜索（集束搜索）**", "**残差与归一化（Add & Norm）**".
+# "**束搜索（集束搜索）**", "**残差与归一化（Add & Norm）**"; several names apart: "**一元语法、二元语法、三元语法**".
 CHINESE_NAME = re.compile(r"^\s+\*\*(.+?)\*\*")
 
 
@@ -239,7 +239,7 @@ def glossary_terms(glossary: Path) -> list[Term]:
             found = CHINESE_NAME.match(line)
             if found is None:
                 raise ValueError(f"{glossary}: the definition of {names[0]!r} does not open with its Chinese name")
-            forms = [part.strip() for part in re.split(r"[（）]", found.group(1)) if part.strip()]
+            forms = [part.strip() for part in re.split(r"[（）、]", found.group(1)) if part.strip()]
             terms.append(Term(tuple(names), tuple(forms)))
             names = []
     return terms
