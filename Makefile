@@ -17,11 +17,16 @@ RUN ?= runs/$(PRESET)-de-en
 DATA_FLAG := $(if $(DATA_DIR),--data-dir $(DATA_DIR),)
 # `make book`: the open edition (answers shown, for self-learners) or EDITION=class (for a graded class).
 EDITION ?= open
-BOOK_OUT := $(if $(filter class,$(EDITION)),--path-output _build/class,)
-BOOK_HTML := $(if $(filter class,$(EDITION)),_build/class/_build/html,_build/html)
+# `make book`: the English site (into _build/html) or BOOK_LANG=zh, the Chinese one (into _build/zh/_build/html,
+# then copied to _build/html/zh, where the published site has it). Not LANG: that is the shell's locale.
+BOOK_LANG ?= en
+BOOK_OUT := $(if $(filter class,$(EDITION)),--path-output _build/class,$(if $(filter zh,$(BOOK_LANG)),--path-output _build/zh,))
+BOOK_HTML := $(if $(filter class,$(EDITION)),_build/class/_build/html,$(if $(filter zh,$(BOOK_LANG)),_build/html/zh,_build/html))
+# One cache of executed pages for every build (both languages, both editions): only the first executes the chapters.
+EXECUTION_CACHE := $(CURDIR)/_build/.jupyter_cache
 
 .DEFAULT_GOAL := help
-.PHONY: help install book lab test lint release sync grade export new-assignment translator clean
+.PHONY: help install book catalogues lab test lint release sync grade export new-assignment translator clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -35,9 +40,20 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install the course and its tools
 
-book: $(STAMP) ## build the site into _build/html (EDITION=class: without the answers, into _build/class/_build/html)
-	STEPFORMER_EDITION=$(EDITION) $(if $(DATA_DIR),STEPFORMER_DATA_DIR=$(abspath $(DATA_DIR)),) $(BIN)/jupyter-book build . --warningiserror --keep-going $(BOOK_OUT)
+book: $(STAMP) ## build the site into _build/html (BOOK_LANG=zh: the Chinese site, into _build/html/zh; EDITION=class: without the answers)
+	@case "$(BOOK_LANG)" in en|zh) ;; *) echo "BOOK_LANG=$(BOOK_LANG): the languages are en (the default) and zh"; exit 2;; esac
+	@if [ "$(BOOK_LANG)" = zh ] && [ "$(EDITION)" = class ]; then \
+		echo "The class edition is built in English only: its Chinese exercise notebooks do not exist yet."; exit 2; fi
+	STEPFORMER_EDITION=$(EDITION) STEPFORMER_LANG=$(BOOK_LANG) STEPFORMER_EXECUTION_CACHE=$(EXECUTION_CACHE) $(if $(DATA_DIR),STEPFORMER_DATA_DIR=$(abspath $(DATA_DIR)),) $(BIN)/jupyter-book build . --warningiserror --keep-going $(BOOK_OUT)
+ifeq ($(BOOK_LANG),zh)
+	rm -rf _build/html/zh && mkdir -p _build/html && cp -r _build/zh/_build/html _build/html/zh
+	@$(BIN)/python -m stepformer.course.catalogues stat
+endif
 	@echo "Open: file://$(CURDIR)/$(BOOK_HTML)/index.html"
+
+catalogues: $(STAMP) ## extract the book's messages again into the Chinese catalogues (book/locale), after English changes
+	STEPFORMER_EXECUTION_CACHE=$(EXECUTION_CACHE) $(BIN)/python -m stepformer.course.catalogues update
+	@$(BIN)/python -m stepformer.course.catalogues stat
 
 # `make lab`: the folder it opens, and options for jupyter lab (tests/test_lab.py: --no-browser, a port, a token).
 LAB_DIR ?= exercises/

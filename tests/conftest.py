@@ -6,6 +6,7 @@ The heaviest groups go first (longest-processing-time-first scheduling), so that
 finish together instead of one grading a corpus while the other has long been idle.
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,24 @@ def real_data() -> Path:
     return SHARED_MULTI30K
 
 
+@pytest.fixture(scope="session")
+def book(tmp_path_factory: pytest.TempPathFactory):
+    """The English site, built once per session (tests/test_book.py, tests/test_book_zh.py)."""
+    from tests.test_book import REUSE_SITE, Build, build_book
+
+    if reused := os.environ.get(REUSE_SITE):
+        return Build(0, f"{REUSE_SITE}={reused}: not built here", Path(reused))
+    return build_book(tmp_path_factory.mktemp("book"))
+
+
+@pytest.fixture(scope="session")
+def built(book) -> Path:
+    """The English site's HTML folder; the test fails where it did not build."""
+    if book.returncode != 0:
+        pytest.fail(f"the book did not build (exit {book.returncode}):\n{book.tail()}")
+    return book.html
+
+
 @pytest.fixture(scope="module")
 def sandbox_required() -> None:
     """Skip (saying why) where the grading sandbox cannot start; in CI, fail instead."""
@@ -44,7 +63,7 @@ def sandbox_required() -> None:
 
 # Rough seconds of each group on two idle cores, measured from earlier runs; only the order matters.
 WEIGHTS = {
-    "book": 650,
+    "book": 950,  # the English site, then the class edition and the Chinese site from its executed pages
     "student-env": 120,
     "corpus": 450,
     "corpus-resume": 240,
@@ -76,8 +95,8 @@ def _group(item: pytest.Item) -> str | None:
     module = item.path.stem
     if module == "test_book":
         return "book"
-    if module == "test_book_class":
-        return "book"  # the class edition's build reuses the open one's executed pages
+    if module in ("test_book_class", "test_book_zh"):
+        return "book"  # the class edition's and the Chinese site's builds reuse the English open one's executed pages
     if module == "test_class_edition" and item.get_closest_marker("slow"):
         return "student-env"
     if module == "test_corpus":

@@ -21,6 +21,10 @@ pages also fold, after each answer graded by hand, its rubric, read from ``solut
   exercise pages' set-up cell installs it (from ``STEPFORMER_PACKAGE_URL`` when given, else from
   the site's ``html_baseurl``);
 - the launch buttons (Binder, Colab) are left out: they would open the open edition's notebooks.
+
+The Chinese site (``STEPFORMER_LANG=zh``) serves the same students' wheel, for readers who cannot reach GitHub:
+its set-up page links to it with ``{stepformer-wheel}`` (book/setup.md). The text this extension writes into pages
+is in the site's language (book/_ext/stepformer_language.py).
 """
 
 import functools
@@ -36,7 +40,8 @@ from sphinx.application import Sphinx
 from sphinx.config import Config
 from sphinx.directives.code import LiteralInclude
 from sphinx.errors import ExtensionError
-from sphinx.util.docutils import SphinxDirective
+from sphinx.util.docutils import SphinxDirective, SphinxRole
+from stepformer_language import text  # book/_ext, beside this file: the text it writes, in the site's language
 
 from stepformer.course.edition import build_student_dist, class_notebook, graded_answers, open_notebook, wheel_name
 
@@ -100,17 +105,21 @@ class GradedLiteralInclude(LiteralInclude):
 
     def _folded(self, target: str, answer: Any) -> list[nodes.Node]:
         """The open edition: a line that points to the block, and the block (moved after the exercise later)."""
+        config = self.env.config
         number = _number(answer)
-        block = answer_block(title=f"The library's version of {target} (open after exercise {number})",
+        block = answer_block(title=text(config, "The library's version of {target} (open after exercise {number})",
+                                        target=target, number=number),
                              order=(number, target))
         block["ids"].append(nodes.make_id(f"library-{target}"))
         block.extend(super().run())
-        pointer = nodes.paragraph()
-        pointer += nodes.Text("The library's version of ")
+        # Written in the site's language here, with its link: a translation from the catalogue would lose the link.
+        pointer = nodes.paragraph(translatable=False)
+        pointer += nodes.Text(text(config, "The library's version of "))
         pointer += nodes.literal(text=target)
-        pointer += nodes.Text(f" is folded after exercise {number}, at the end of this page: ")
-        pointer += nodes.reference("", "open it there", internal=True, refid=block["ids"][0])
-        pointer += nodes.Text(" once you have written your own.")
+        pointer += nodes.Text(text(config, " is folded after exercise {number}, at the end of this page: ",
+                                   number=number))
+        pointer += nodes.reference("", text(config, "open it there"), internal=True, refid=block["ids"][0])
+        pointer += nodes.Text(text(config, " once you have written your own."))
         return [pointer, block]
 
 
@@ -131,18 +140,18 @@ class Folded(SphinxDirective):
 HIDDEN_CELL_TITLE = "The code of a cell close to an exercise's answer (open after the exercise)"
 
 
-def _fold_answer_cells(doctree: nodes.document) -> list[answer_block]:
+def _fold_answer_cells(config: Config, doctree: nodes.document) -> list[answer_block]:
     """Each ``hide-in-class`` cell's code (its output stays) as a block, with a line that points there."""
     blocks = []
     for n, cell in enumerate([c for c in doctree.findall(nodes.container) if "tag_hide-in-class" in c["classes"]]):
         code = next(child for child in cell.children if "cell_input" in child.get("classes", []))
-        block = answer_block(title=HIDDEN_CELL_TITLE, order=(10_000, str(n)))
+        block = answer_block(title=text(config, HIDDEN_CELL_TITLE), order=(10_000, str(n)))
         block["ids"].append(f"answer-cell-{n + 1}")
         pointer = nodes.paragraph()
-        pointer += nodes.Text("The code behind the next output shows much of an exercise's answer: it is folded after "
-                              "the exercise, at the end of this page (")
-        pointer += nodes.reference("", "open it there", internal=True, refid=block["ids"][0])
-        pointer += nodes.Text(" once you have written your own).")
+        pointer += nodes.Text(text(config, "The code behind the next output shows much of an exercise's answer: it is "
+                                           "folded after the exercise, at the end of this page ("))
+        pointer += nodes.reference("", text(config, "open it there"), internal=True, refid=block["ids"][0])
+        pointer += nodes.Text(text(config, " once you have written your own)."))
         cell.remove(code)
         block += code
         cell.parent.insert(cell.parent.index(cell), pointer)
@@ -151,8 +160,9 @@ def _fold_answer_cells(doctree: nodes.document) -> list[answer_block]:
 
 
 def _exercise_section(doctree: nodes.document) -> nodes.section | None:
+    """The chapter's "Exercise" section: found by the id of its English title, which the Chinese site keeps."""
     for section in doctree.findall(nodes.section):
-        if section.next_node(nodes.title).astext().strip() == "Exercise":
+        if section.next_node(nodes.title).astext().strip() == "Exercise" or "exercise" in section["ids"]:
             return section
     return None
 
@@ -161,7 +171,7 @@ def _try_first(app: Sphinx, doctree: nodes.document) -> None:
     """The open edition: the answers' code folded after the exercise's link, and a tip to try first."""
     if app.config.stepformer_edition != "open" or not app.env.docname.startswith("book/"):
         return
-    blocks = [block for block in doctree.findall(answer_block)] + _fold_answer_cells(doctree)
+    blocks = [block for block in doctree.findall(answer_block)] + _fold_answer_cells(app.config, doctree)
     if not blocks:
         return
     exercise = _exercise_section(doctree)
@@ -181,12 +191,13 @@ def _try_first(app: Sphinx, doctree: nodes.document) -> None:
         exercise["ids"].append("exercise")
     chapter = doctree.next_node(nodes.section)
     tip = nodes.tip()
-    text = nodes.paragraph()
-    text += nodes.Text("Try first, then see: the library's code for what this chapter's ")
-    text += nodes.reference("", "exercise", internal=True, refid=exercise["ids"][0])
-    text += nodes.Text(" asks you to write is folded at the end of the page, after the exercise. Write your "
-                       "own first, let the checks teach you, then open the library's version to compare.")
-    tip += text
+    words = nodes.paragraph()
+    words += nodes.Text(text(app.config, "Try first, then see: the library's code for what this chapter's "))
+    words += nodes.reference("", text(app.config, "exercise"), internal=True, refid=exercise["ids"][0])
+    words += nodes.Text(text(app.config, " asks you to write is folded at the end of the page, after the exercise. "
+                                         "Write your own first, let the checks teach you, then open the library's "
+                                         "version to compare."))
+    tip += words
     # At the end of the chapter's opening, before its first section.
     chapter.insert(next((i for i, child in enumerate(chapter.children) if isinstance(child, nodes.section)),
                         len(chapter.children)), tip)
@@ -240,12 +251,33 @@ def _edition_source(app: Sphinx, docname: str, source: list[str]) -> None:
         source[0] = hide_answer_cells(source[0])
 
 
+def _serves_wheel(config: Config) -> bool:
+    """Whether the site serves the students' wheel: the class edition's exercises install it; the Chinese site
+    offers it to readers who cannot reach GitHub (book/setup.md)."""
+    return config.stepformer_edition == "class" or config.stepformer_lang == "zh"
+
+
 def _students_wheel(app: Sphinx, error: Exception | None) -> None:
-    if error is None and app.config.stepformer_edition == "class" and app.builder.format == "html":
+    if error is None and _serves_wheel(app.config) and app.builder.format == "html":
         build_student_dist(ROOT, Path(app.outdir) / "_static")
 
 
+class WheelLink(SphinxRole):
+    """``{stepformer-wheel}`<file name>```: a link to the students' wheel in the site's ``_static/``. The file name
+    is written out, as the install commands beside the link write it: where the wheel has another name (a new
+    version), the build fails until the page says the new one."""
+
+    def run(self) -> tuple[list[nodes.Node], list[nodes.system_message]]:
+        wheel = wheel_name(ROOT)
+        if self.text != wheel:
+            raise ExtensionError(f"{self.env.docname}: {{stepformer-wheel}}`{self.text}`, but the wheel the site "
+                                 f"serves is {wheel}: write that name there and in the commands beside it")
+        url = "../" * self.env.docname.count("/") + f"_static/{wheel}"
+        return [nodes.reference(self.rawtext, wheel, refuri=url)], []
+
+
 def setup(app: Sphinx) -> dict[str, object]:
+    app.setup_extension("stepformer_language")  # the language of the text written here
     app.add_config_value("stepformer_edition", os.environ.get("STEPFORMER_EDITION", "open") or "open", "env")
     app.add_config_value("stepformer_package_url", os.environ.get("STEPFORMER_PACKAGE_URL", ""), "env")
     app.connect("config-inited", _check)
@@ -256,4 +288,5 @@ def setup(app: Sphinx) -> dict[str, object]:
                  text=(_pass, _pass), man=(_pass, _pass), texinfo=(_pass, _pass))
     app.add_directive("literalinclude", GradedLiteralInclude, override=True)
     app.add_directive("stepformer-folded", Folded)
+    app.add_role("stepformer-wheel", WheelLink())
     return {"parallel_read_safe": True, "parallel_write_safe": True}

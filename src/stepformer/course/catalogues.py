@@ -8,14 +8,24 @@ targets. :func:`protected` lists those pieces; :func:`problems` compares them.
 
 ``python -m stepformer.course.catalogues dump PO [--all]`` writes the untranslated messages of a
 catalogue as numbered blocks, ``fill PO FILE`` reads translations back in the same block format,
-``check PO...`` prints what is untranslated, fuzzy, obsolete or broken and exits 1 if anything is.
+``check PO...`` prints what is untranslated, fuzzy, obsolete or broken and exits 1 if anything is;
+``stat`` prints how much of the Chinese edition is translated; ``update`` extracts the book's messages again
+(Sphinx's gettext builder, on the executed pages of ``make book``) and merges them into the catalogues
+(``make catalogues``): a new message is untranslated, a changed one keeps its old translation marked fuzzy,
+a removed one is dropped.
+
+The glossary (``book/glossary.md``) is the term list: :func:`glossary_terms` reads each entry's English names
+and Chinese forms, which the Chinese site's search learns as words and the tests hold the translations to.
 """
 
 import argparse
+import os
 import re
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from babel.messages.catalog import Catalog
@@ -32,6 +42,10 @@ PROTECTED = re.compile(
     re.DOTALL,
 )
 BLOCK = re.compile(r"^@@ (\d+)$", re.MULTILINE)
+ROOT = Path(__file__).resolve().parents[3]
+LANGUAGE = "zh_CN"
+LOCALE_DIR = Path("book") / "locale"
+PROJECT = "Transformers, Step by Step"
 
 
 # A role written ``{doc}`the words <target>```: its words are prose, its name and target are kept.
@@ -106,6 +120,131 @@ def fill(path: Path, translations: str) -> int:
     return count
 
 
+def catalogue_dir(root: Path = ROOT) -> Path:
+    """The folder of the Chinese catalogues: ``<page>.po`` for each page of the book."""
+    return root / LOCALE_DIR / LANGUAGE / "LC_MESSAGES"
+
+
+def catalogues(root: Path = ROOT) -> dict[str, Path]:
+    """Each page's catalogue, by page (``book/01_attention``, ``exercises/01_attention/attention``)."""
+    folder = catalogue_dir(root)
+    return {path.relative_to(folder).with_suffix("").as_posix(): path for path in sorted(folder.rglob("*.po"))}
+
+
+def extract(out: Path, root: Path = ROOT, env: dict[str, str] | None = None) -> Path:
+    """Extract the messages of every page of the book (the English open edition) with Sphinx's gettext builder
+    into ``out``; returns the folder of the templates (``<page>.pot``).
+
+    The pages are read as ``make book`` reads them, with their executed outputs (a figure's alt text is a
+    message): from the cache of executed pages (``STEPFORMER_EXECUTION_CACHE`` in ``env``, else ``make book``'s),
+    so after a build of the site nothing is executed again."""
+    env = {**os.environ, **(env or {})}
+    env.setdefault("STEPFORMER_EXECUTION_CACHE", str(root / "_build" / ".jupyter_cache"))
+    env.update(STEPFORMER_LANG="en", STEPFORMER_EDITION="open")
+    bin_dir = Path(sys.executable).parent
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    proc = subprocess.run([str(bin_dir / "jupyter-book"), "build", str(root), "--builder", "custom",
+                           "--custom-builder", "gettext", "--path-output", str(out)],
+                          cwd=root, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the gettext build failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return out / "_build" / "gettext"
+
+
+def templates(pot_dir: Path) -> dict[str, Path]:
+    """Each page's message template in ``pot_dir`` (an :func:`extract` output), by page."""
+    return {path.relative_to(pot_dir).with_suffix("").as_posix(): path for path in sorted(pot_dir.rglob("*.pot"))}
+
+
+def differences(pot_dir: Path, root: Path = ROOT) -> list[str]:
+    """Where the catalogues are not the book's current messages: a page whose catalogue lacks a message of
+    the page or holds one the page no longer has, a page without catalogue, a catalogue without page."""
+    found = []
+    pots, pos = templates(pot_dir), catalogues(root)
+    found += [f"{page}: no catalogue ({LOCALE_DIR}/{LANGUAGE}/LC_MESSAGES/{page}.po)"
+              for page in sorted(pots.keys() - pos.keys())]
+    found += [f"{page}: a catalogue, but no such page in the book" for page in sorted(pos.keys() - pots.keys())]
+    for page in sorted(pots.keys() & pos.keys()):
+        wanted = {message.id for message in load(pots[page]) if message.id}
+        held = {message.id for message in load(pos[page]) if message.id}
+        found += [f"{page}: new message, not in the catalogue: {text[:90]!r}" for text in sorted(wanted - held)]
+        found += [f"{page}: the catalogue's message is no longer on the page: {text[:90]!r}"
+                  for text in sorted(held - wanted)]
+    return found
+
+
+def update(pot_dir: Path, root: Path = ROOT) -> list[str]:
+    """Merge the templates of ``pot_dir`` into the catalogues (sphinx-intl), drop obsolete messages and the
+    catalogues of pages that are gone; returns what changed, a line per catalogue."""
+    from sphinx_intl.basic import update as intl_update
+
+    before = {page: path.read_bytes() for page, path in catalogues(root).items()}
+    intl_update(str(root / LOCALE_DIR), str(pot_dir), (LANGUAGE,), line_width=0, ignore_obsolete=True, jobs=1)
+    changed = []
+    pots = templates(pot_dir)
+    for page, path in catalogues(root).items():
+        if page not in pots:
+            path.unlink()
+            changed.append(f"{page}: removed (no such page)")
+            continue
+        catalog = load(path)
+        catalog.obsolete.clear()
+        catalog.project, catalog.version = PROJECT, ""
+        catalog.header_comment = load(pots[page]).header_comment
+        save(catalog, path)
+        if page not in before:
+            changed.append(f"{page}: new catalogue")
+        elif path.read_bytes() != before[page]:
+            changed.append(f"{page}: updated")
+    return changed
+
+
+def statistics(root: Path = ROOT) -> tuple[int, int, int]:
+    """(translated, fuzzy, total) messages over every catalogue; a fuzzy message does not count as translated."""
+    translated = fuzzy = total = 0
+    for path in catalogues(root).values():
+        for _, message in messages(load(path)):
+            total += 1
+            fuzzy += bool(message.string) and message.fuzzy
+            translated += bool(message.string) and not message.fuzzy
+    return translated, fuzzy, total
+
+
+@dataclass(frozen=True)
+class Term:
+    """One entry of the glossary: its English names and the Chinese forms that translate them."""
+
+    english: tuple[str, ...]
+    chinese: tuple[str, ...]
+
+
+# An entry's definition opens with its Chinese name in bold, other accepted names in parentheses:
+# "**束搜索（集束搜索）**", "**残差与归一化（Add & Norm）**"; several names apart: "**一元语法、二元语法、三元语法**".
+CHINESE_NAME = re.compile(r"^\s+\*\*(.+?)\*\*")
+
+
+def glossary_terms(glossary: Path) -> list[Term]:
+    """The entries of the ``{glossary}`` block of ``glossary``, in order."""
+    text = glossary.read_text(encoding="utf-8")
+    block = re.search(r"^```\{glossary\}\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    if block is None:
+        raise ValueError(f"{glossary}: no {{glossary}} block")
+    terms, names = [], []
+    for line in block.group(1).splitlines():
+        if not line.strip() or line.startswith(":"):
+            continue
+        if not line[0].isspace():
+            names.append(line.strip())
+        elif names:
+            found = CHINESE_NAME.match(line)
+            if found is None:
+                raise ValueError(f"{glossary}: the definition of {names[0]!r} does not open with its Chinese name")
+            forms = [part.strip() for part in re.split(r"[（）、]", found.group(1)) if part.strip()]
+            terms.append(Term(tuple(names), tuple(forms)))
+            names = []
+    return terms
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stepformer.course.catalogues", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,7 +257,21 @@ def main(argv: list[str] | None = None) -> int:
     fill_cmd.add_argument("translations", type=Path)
     check_cmd = commands.add_parser("check", help="list what is untranslated, fuzzy, obsolete or broken")
     check_cmd.add_argument("po", type=Path, nargs="+")
+    commands.add_parser("stat", help="how much of the Chinese edition is translated")
+    commands.add_parser("update", help="extract the book's messages again and merge them into the catalogues")
     args = parser.parse_args(argv)
+    if args.command == "stat":
+        translated, fuzzy, total = statistics()
+        print(f"{LANGUAGE}: {translated}/{total} messages translated ({100 * translated / max(total, 1):.0f} %), "
+              f"{fuzzy} fuzzy, {total - translated - fuzzy} untranslated, in {len(catalogues())} catalogues")
+        return 0
+    if args.command == "update":
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="gettext-") as out:
+            changed = update(extract(Path(out)))
+        print("\n".join(changed) or "the catalogues hold the book's messages: nothing to update")
+        return 0
     if args.command == "dump":
         sys.stdout.write(dump(args.po, args.all))
         return 0
