@@ -119,15 +119,24 @@ def test_no_solution_on_the_site(built: Path) -> None:
     assert not leaked, f"solution markers on the published site: {leaked}"
 
 
-@pytest.fixture(scope="session")
-def server(built: Path) -> Iterator[str]:
-    handler = functools.partial(_QuietHandler, directory=str(built))
+@contextlib.contextmanager
+def serve(folder: Path) -> Iterator[str]:
+    """``folder`` served over HTTP on a free local port, for the block: yields its address."""
+    handler = functools.partial(_QuietHandler, directory=str(folder))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture(scope="session")
+def server(built: Path) -> Iterator[str]:
+    with serve(built) as address:
+        yield address
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -667,18 +676,34 @@ def _redirect(page: Path) -> bool:
     return '<meta http-equiv="Refresh"' in page.read_text(encoding="utf-8")[:2000]
 
 
+def console_errors(visits: dict[str, Visit]) -> list[str]:
+    """What the visited pages logged to the console, the known harmless lines aside."""
+    assert len(visits) >= len(PAGES)
+    return [f"{path}: {line}" for path, visit in visits.items() for line in visit.console
+            if line not in KNOWN_CONSOLE_ERRORS]
+
+
+def sideways(visits: dict[str, Visit]) -> list[str]:
+    """What makes a visited page scroll sideways, sticks out of its box or cuts an equation off."""
+    return [f"{path}: {line}" for path, visit in visits.items() for line in visit.overflow[:5]]
+
+
+def too_small(visits: dict[str, Visit]) -> list[str]:
+    """The figures that a phone's width shrinks below LEGIBLE_SCALE of their size."""
+    return [f"{path}: {figure['alt'][:60]!r} ({figure['natural']}px) shown at {figure['scale']:.2f} of its size"
+            for path, visit in visits.items() for figure in visit.figures if figure["scale"] < LEGIBLE_SCALE]
+
+
 @pytest.mark.browser
 def test_no_page_logs_a_console_error(phone_visits: dict[str, Visit]) -> None:
-    assert len(phone_visits) >= len(PAGES)
-    errors = [f"{path}: {line}" for path, visit in phone_visits.items() for line in visit.console
-              if line not in KNOWN_CONSOLE_ERRORS]
+    errors = console_errors(phone_visits)
     assert not errors, "\n".join(errors[:40])
 
 
 @pytest.mark.browser
 def test_every_page_reads_on_a_phone_without_scrolling_sideways(phone_visits: dict[str, Visit]) -> None:
     """Nothing makes the page scroll sideways, no text sticks out of its box, no equation is cut off."""
-    wide = [f"{path}: {line}" for path, visit in phone_visits.items() for line in visit.overflow[:5]]
+    wide = sideways(phone_visits)
     assert not wide, f"at {PHONE['width']}px wide:\n" + "\n".join(wide[:40])
 
 
@@ -687,8 +712,7 @@ def test_figures_stay_legible_on_a_phone(phone_visits: dict[str, Visit]) -> None
     """At a phone's width a wide figure is not shrunk below half its size (it scrolls inside its box instead)."""
     figures = [(path, figure) for path, visit in phone_visits.items() for figure in visit.figures]
     assert len(figures) >= 3 * len([p for p in PAGES if CHAPTER.match(p)])
-    small = [f"{path}: {figure['alt'][:60]!r} ({figure['natural']}px) shown at {figure['scale']:.2f} of its size"
-             for path, figure in figures if figure["scale"] < LEGIBLE_SCALE]
+    small = too_small(phone_visits)
     assert not small, f"at {PHONE['width']}px wide, {len(small)} figures too small to read:\n" + "\n".join(small[:40])
 
 

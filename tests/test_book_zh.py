@@ -4,11 +4,9 @@ byte; and in Chromium, the same checks as the English site, on the published lay
 under ``zh/``), with a link on every page to the same page in the other language."""
 
 import functools
-import http.server
 import os
 import re
 import shutil
-import threading
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -29,10 +27,7 @@ from stepformer.course.catalogues import (
 )
 from tests.fixtures.answers import page_text
 from tests.test_book import (
-    CHAPTER,
-    KNOWN_CONSOLE_ERRORS,
     LEAKS,
-    LEGIBLE_SCALE,
     PAGES,
     PHONE,
     REPO,
@@ -46,12 +41,15 @@ from tests.test_book import (
     _images_without_alt,
     _launch_problems,
     _page_problems,
-    _QuietHandler,
     _redirect,
     _repository,
     _site_pages,
     build_book,
+    console_errors,
     search_misses,
+    serve,
+    sideways,
+    too_small,
     visit_on_a_phone,
 )
 
@@ -96,13 +94,8 @@ def published(tmp_path_factory: pytest.TempPathFactory, built: Path, zh_built: P
 @pytest.fixture(scope="session")
 def zh_server(published: Path) -> Iterator[str]:
     """The published site served over HTTP; yields the Chinese site's address (``.../zh``)."""
-    handler = functools.partial(_QuietHandler, directory=str(published))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/zh"
-    httpd.shutdown()
-    httpd.server_close()
+    with serve(published) as address:
+        yield f"{address}/zh"
 
 
 def test_the_chinese_site_builds_from_the_english_sites_executed_pages(zh_book: Build) -> None:
@@ -173,6 +166,8 @@ OTHER_FORMS = {
     "decoder self-attention": (("解码器自注意力", "解码器的自注意力"), "named after where it is, the decoder"),
     "key/value head": (("键/值头",), "the slash of the English kept"),
     "translator": (("翻译",), "the translator of the course, or translation in general"),
+    "query block": (("查询块",), "a tile of queries: the glossary's own Chinese for it, in the entry of 分块"),
+    "key block": (("键块",), "a tile of keys and values: the glossary's own Chinese for it, in the entry of 分块"),
 }
 
 
@@ -180,6 +175,18 @@ OTHER_FORMS = {
 NOT_THE_TERM = {
     r"\bvalues? of\b": "the value of a quantity, not attention's values",
     r"\bscores? (?=\$|\{glue|\d)": "to score a number (a model scores 2.30), a verb",
+    r"\b(?:19|20)\d\d, \*[^*]+\*": "a paper's title in italics after its year (2016, *Deep Residual Learning...*), "
+                                     "which the Chinese cites as published",
+    r"\((?:heads d_head|d_head heads)\)|\bheads / kv_heads\b": "einops axis names written out of code marks, "
+                                                               "kept as written, not the word 'head'",
+    r"\btiles(?= the whole block\b)": "what Tensor.repeat does to a block of heads, not tiled attention's tile",
+    r"^slot$|\bfills each slot\b": "chapter 12's table of a model's parts, a place that a part fills, not a "
+                                   "PagedAttention slot",
+    r"\baxis vocabulary\b": "the course's names of axes, not a model's vocabulary of tokens",
+    r"\bthe parameter count of the plain network\b": "the plain (ungated) feed-forward network that SwiGLU is "
+                                                      "set against, not a network without residual connections",
+    r"\bcode bases?\b": "a codebase, not RoPE's base",
+    r"\byour block\b": "the decoder block (a layer) that an exercise builds, not a PagedAttention block",
 }
 
 
@@ -387,19 +394,15 @@ def zh_phone_visits(zh_server: str, zh_built: Path) -> dict[str, Visit]:
 
 @pytest.mark.browser
 def test_no_chinese_page_logs_a_console_error(zh_phone_visits: dict[str, Visit]) -> None:
-    assert len(zh_phone_visits) >= len(PAGES)
-    errors = [f"{path}: {line}" for path, visit in zh_phone_visits.items() for line in visit.console
-              if line not in KNOWN_CONSOLE_ERRORS]
+    errors = console_errors(zh_phone_visits)
     assert not errors, "\n".join(errors[:40])
 
 
 @pytest.mark.browser
 def test_every_chinese_page_reads_on_a_phone_without_scrolling_sideways(zh_phone_visits: dict[str, Visit]) -> None:
-    wide = [f"{path}: {line}" for path, visit in zh_phone_visits.items() for line in visit.overflow[:5]]
+    wide = sideways(zh_phone_visits)
     assert not wide, f"at {PHONE['width']}px wide:\n" + "\n".join(wide[:40])
-    small = [f"{path}: {figure['alt'][:60]!r} shown at {figure['scale']:.2f} of its size"
-             for path, visit in zh_phone_visits.items() for figure in visit.figures
-             if figure["scale"] < LEGIBLE_SCALE and CHAPTER.match(path)]
+    small = too_small(zh_phone_visits)
     assert not small, "\n".join(small[:40])
 
 
