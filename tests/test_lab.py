@@ -110,15 +110,20 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def _cells() -> tuple[list[Any], int, str]:
-    """The exercise's cells, the index of its first answer cell, and that answer as a student would type it."""
+def _cells() -> tuple[list[Any], list[tuple[int, str]]]:
+    """The exercise's cells, and its first exercise's answer cells (all those before its first graded check:
+    chapter 01's masked_softmax, then its attention), each with its answer as a student would type it."""
     cells = nbformat.read(REPO / "exercises" / ASSIGNMENT / NOTEBOOK, as_version=4).cells
-    first = next(i for i, c in enumerate(cells) if c.cell_type == "code" and _meta(c).get("solution"))
-    grade_id = _meta(cells[first])["grade_id"]
     source = nbformat.read(REPO / "solutions" / ASSIGNMENT / NOTEBOOK, as_version=4).cells
-    solution = next(c.source for c in source if _meta(c).get("grade_id") == grade_id)
-    answer = "\n".join(line for line in solution.splitlines() if line.strip() not in (BEGIN, END))
-    return cells, first, answer
+    first = next(i for i, c in enumerate(cells) if c.cell_type == "code" and _meta(c).get("solution"))
+    answers = []
+    for i in range(first, len(cells)):
+        if cells[i].cell_type == "code" and _meta(cells[i]).get("grade"):
+            break
+        if cells[i].cell_type == "code" and _meta(cells[i]).get("solution"):
+            solution = next(c.source for c in source if _meta(c).get("grade_id") == _meta(cells[i])["grade_id"])
+            answers.append((i, "\n".join(line for line in solution.splitlines() if line.strip() not in (BEGIN, END))))
+    return cells, answers
 
 
 def _meta(cell: Any) -> dict:
@@ -139,7 +144,8 @@ def _checks(cells: list[Any], start: int) -> list[int]:
 def test_a_student_runs_answers_and_validates_an_exercise_without_instructor_tools(lab: Lab) -> None:
     from playwright.sync_api import expect, sync_playwright
 
-    cells, answer_at, answer = _cells()
+    cells, answers = _cells()
+    answer_at = answers[-1][0]
     checks = _checks(cells, answer_at)
     assert checks, "the first exercise has no graded check"
     next_answer = next(i for i in range(answer_at + 1, len(cells))
@@ -175,22 +181,25 @@ def test_a_student_runs_answers_and_validates_an_exercise_without_instructor_too
             # Run everything: the first check fails, saying the function is not written yet.
             _run_all(page)
             first_check = dom_cells.nth(checks[0]).locator(".jp-OutputArea")
-            expect(first_check).to_contain_text("not implemented yet")
+            # The kernel imports torch and the checks first: wait as long as a run may take, not expect's 5 s.
+            expect(first_check).to_contain_text("not implemented yet", timeout=RUN * 1000)
             expect(first_check).not_to_contain_text("✔")
             idle.wait_for()
 
-            # Type the answer over the stub, as a student would.
-            dom_cells.nth(answer_at).locator(".cm-content").click()
-            page.keyboard.press("Control+a")
-            page.keyboard.insert_text(answer)
-            page.keyboard.press("Escape")
-            expect(dom_cells.nth(answer_at).locator(".cm-content")).to_contain_text(answer.splitlines()[-1].strip())
+            # Type the answers over the stubs, as a student would.
+            for at, answer in answers:
+                dom_cells.nth(at).locator(".cm-content").click()
+                page.keyboard.press("Control+a")
+                page.keyboard.insert_text(answer)
+                page.keyboard.press("Escape")
+                expect(dom_cells.nth(at).locator(".cm-content")).to_contain_text(answer.splitlines()[-1].strip())
 
             # Run again: every check of this exercise passes, the next exercise's first check fails.
             _run_all(page)
             for i in checks:
-                expect(dom_cells.nth(i).locator(".jp-OutputArea")).to_contain_text("✔")
-            expect(dom_cells.nth(next_check).locator(".jp-OutputArea")).to_contain_text("not implemented yet")
+                expect(dom_cells.nth(i).locator(".jp-OutputArea")).to_contain_text("✔", timeout=RUN * 1000)
+            expect(dom_cells.nth(next_check).locator(".jp-OutputArea")).to_contain_text("not implemented yet",
+                                                                                       timeout=RUN * 1000)
             idle.wait_for()
 
             # Validate: nbgrader saves the notebook, runs it afresh and lists the cells that fail.
@@ -206,7 +215,8 @@ def test_a_student_runs_answers_and_validates_an_exercise_without_instructor_too
         finally:
             browser.close()
     saved = nbformat.read(lab.root / ASSIGNMENT / NOTEBOOK, as_version=4)
-    assert saved.cells[answer_at].source.strip() == answer.strip(), "Validate did not save the typed answer"
+    for at, answer in answers:
+        assert saved.cells[at].source.strip() == answer.strip(), "Validate did not save the typed answers"
 
 
 def _run_all(page: Any) -> None:

@@ -63,7 +63,9 @@ def test_the_pages_workflow_deploys_what_make_book_builds():
     uses = [step.get("uses", "") for step in build]
     python = next(step for step in build if step.get("uses", "").startswith("actions/setup-python@"))
     assert python["with"]["python-version"] == "3.11"
-    assert [step["run"] for step in build if "run" in step and "make book" in step["run"]] == ["make book"]
+    # The English site, then the Chinese one, which `make book BOOK_LANG=zh` copies into _build/html/zh.
+    assert [step["run"] for step in build if "run" in step and "make book" in step["run"]] == [
+        "make book", "make book BOOK_LANG=zh"]
     upload = next(step for step in build if step.get("uses", "").startswith("actions/upload-pages-artifact@"))
     assert upload["with"]["path"] == "_build/html"  # where `make book` writes the open edition
     assert uses.index(python["uses"]) < uses.index(upload["uses"])
@@ -71,4 +73,6 @@ def test_the_pages_workflow_deploys_what_make_book_builds():
     assert deploy["needs"] == "build" and deploy["environment"]["name"] == "github-pages"
     assert any(step.get("uses", "").startswith("actions/deploy-pages@") for step in deploy["steps"])
     makefile = (ROOT / "Makefile").read_text()
-    assert "BOOK_HTML := $(if $(filter class,$(EDITION)),_build/class/_build/html,_build/html)" in makefile
+    assert ("BOOK_HTML := $(if $(filter class,$(EDITION)),_build/class/_build/html,"
+            "$(if $(filter zh,$(BOOK_LANG)),_build/html/zh,_build/html))") in makefile
+    assert "cp -r _build/zh/_build/html _build/html/zh" in makefile  # the Chinese site lands inside the upload
