@@ -280,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     failed = False
     for path in args.po:
-        found = problems(load(path))
-        total = sum(1 for _ in messages(load(path)))
+        catalog = load(path)
+        found = problems(catalog)
+        total = sum(1 for _ in messages(catalog))
         print(f"{path}: {total - sum(p.startswith(('untranslated', 'fuzzy')) for p in found)}/{total} translated")
         for line in found:
             print(f"  {line}")
