@@ -25,6 +25,7 @@ from stepformer.course.catalogues import (
     problems,
     statistics,
 )
+from stepformer.course.translation import chinese_path
 from tests.fixtures.answers import page_text
 from tests.test_book import (
     LEAKS,
@@ -433,7 +434,8 @@ def test_chinese_exercise_pages_download_and_launch_the_exercise_notebook(zh_ser
     problems_found = []
     with _browser_page(60_000, {"width": 1280, "height": 1000}) as page:
         for path in [path for path in PAGES if path.startswith("exercises/")]:
-            notebook = Path(path).with_suffix(".ipynb").as_posix()
+            # The Chinese notebook: its instructions, and its checks' messages, in Chinese.
+            notebook = chinese_path(Path(path).with_suffix(".ipynb")).as_posix()
             page.goto(f"{zh_server}/{path}", wait_until="load")
             problems_found += _download_problems(page, path, notebook)
             problems_found += _launch_problems(page, path, notebook, repository, branch)

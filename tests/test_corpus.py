@@ -20,14 +20,18 @@ from stepformer.course.grade import grade
 from stepformer.course.sandbox import Limits
 from stepformer.course.worker import COURSE_ID
 from tests.fixtures.corpus import CORPUS
-from tests.fixtures.submissions import ATTENTION, write_submissions
+from tests.fixtures.submissions import ATTENTION, write_chinese_twins, write_submissions
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSIGNMENT, NOTEBOOK = "01_attention", "attention.ipynb"
 # Generous per-cell time: two graders share two cores in CI; the looping cases pay it once each.
 # Small file space, so that the case that fills the grader's folders passes it in a second or two.
 LIMITS = Limits(cell_seconds=20, notebook_seconds=200, tmp_bytes=64 * 2**20)
+# Chinese twins, graded in the same run: an honest, a mistaken, an unanswered and a hostile submission, each answered
+# in the Chinese notebook with the English case's code.
+TWINS = [case for case in CORPUS if case.name in ("correct", "missing_scale", "untouched", "patches_builtins")]
 ROSTER = [case.name for case in CORPUS if case.status != "not-on-roster"] + ["absent_student"]
+ROSTER += [f"zh_{case.name}" for case in TWINS]
 # Lines found only in the course's own files: no feedback may contain them.
 SECRETS = ["### BEGIN SOLUTION", "### BEGIN HIDDEN TESTS", "SQLite format 3"]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("sandbox_required")]
@@ -53,8 +57,9 @@ def corpus(tmp_path_factory):
     base = tmp_path_factory.mktemp("corpus")
     work = base / "work"
     listeners = _host_sockets("corpus")
-    write_submissions(CORPUS, ASSIGNMENT, NOTEBOOK, ROOT / "exercises", base / "submissions",
-                      {"root": str(ROOT), "workdir": str(work), "sockets": repr([str(p) for p, _ in listeners])})
+    places = {"root": str(ROOT), "workdir": str(work), "sockets": repr([str(p) for p, _ in listeners])}
+    write_submissions(CORPUS, ASSIGNMENT, NOTEBOOK, ROOT / "exercises", base / "submissions", places)
+    write_chinese_twins(TWINS, ASSIGNMENT, NOTEBOOK, ROOT / "exercises", base / "submissions", places)
     os.environ["STEPFORMER_GRADER_SECRET"] = "must-not-reach-the-kernel"
     try:
         results = grade(ROOT, base / "submissions", ASSIGNMENT, base / "out", work, workers=2, limits=LIMITS,
@@ -86,6 +91,35 @@ def test_corpus_case_gets_exactly_its_points(corpus, case):
                 assert not [s for s in SECRETS if s in text], f"{path} shows {[s for s in SECRETS if s in text]}"
 
 
+@pytest.mark.parametrize("case", TWINS, ids=lambda c: c.name)
+def test_a_chinese_twin_gets_the_english_points_and_chinese_feedback(corpus, case):
+    """The same code answered in the Chinese notebook: the same points, cell by cell, and feedback in Chinese (the
+    prose, the checks' messages, the grader's own), where the English twin's is English."""
+    from stepformer.course.translation import catalogue_of, translations
+
+    results, base, _ = corpus
+    english, chinese = results[case.name], results[f"zh_{case.name}"]
+    assert (chinese.score, chinese.status, chinese.cells) == (english.score, english.status, english.cells)
+    assert "graded 01_attention/zh/attention.ipynb" in chinese.detail or "zh/attention.ipynb" in chinese.detail
+
+    def page(student: str) -> str:
+        return (base / "out" / "feedback" / student / ASSIGNMENT / NOTEBOOK.replace(".ipynb", ".html")).read_text()
+
+    title = "01 · Attention — graded exercises"
+    zh_title = translations(catalogue_of(ROOT, ASSIGNMENT, NOTEBOOK))[title]
+    assert zh_title in page(f"zh_{case.name}") and title not in page(f"zh_{case.name}")
+    assert title in page(case.name) and zh_title not in page(case.name)
+    if case.feedback.isascii() and case.feedback != "✔ masks: masked keys get 0":
+        assert case.feedback in page(case.name) + english.detail
+    chinese_page = page(f"zh_{case.name}")
+    if case.name == "untouched":
+        assert "尚未实现" in chinese_page and "not implemented yet" not in chinese_page
+    if case.name == "patches_builtins":
+        assert "不计分" in chinese_page and "Points withheld" not in chinese_page
+    if case.name == "missing_scale":
+        assert "You did not divide the scores by sqrt(d_k)." not in chinese_page
+
+
 def test_no_kernel_reached_a_host_socket(corpus):
     _, _, listeners = corpus
     assert listeners, "no socket folder was writable"
@@ -98,7 +132,8 @@ def test_no_kernel_reached_a_host_socket(corpus):
 def test_corpus_run_is_complete_and_repeatable(corpus):
     results, base, _ = corpus
     assert results["absent_student"].status == "missing" and results["absent_student"].score == 0
-    assert len(CORPUS) >= 25 and set(results) == {c.name for c in CORPUS} | {"absent_student"}
+    assert len(CORPUS) >= 25
+    assert set(results) == {c.name for c in CORPUS} | {"absent_student"} | {f"zh_{c.name}" for c in TWINS}
     assert not (ROOT / "solutions" / ASSIGNMENT / "planted.txt").exists(), "a submission wrote into the course"
     assert not Path("/usr/lib/planted.txt").exists()
     first = (base / "out" / "grades.csv").read_text()

@@ -3,10 +3,13 @@
 A student opens an exercise, runs every cell and sees the first check fail because nothing is
 written yet; types an answer, runs again and sees that exercise's checks pass (the next one still
 fails); presses nbgrader's Validate button and reads its verdict. The instructors' nbgrader tools
-(formgrader, the create-assignment panel, the course and assignment lists) are not there.
+(formgrader, the create-assignment panel, the course and assignment lists) are not there. The same
+walk on the Chinese notebook (``01_attention/zh/``) reads every check's message in Chinese.
 """
 
+import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -110,10 +113,10 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def _cells() -> tuple[list[Any], list[tuple[int, str]]]:
+def _cells(notebook: str) -> tuple[list[Any], list[tuple[int, str]]]:
     """The exercise's cells, and its first exercise's answer cells (all those before its first graded check:
     chapter 01's masked_softmax, then its attention), each with its answer as a student would type it."""
-    cells = nbformat.read(REPO / "exercises" / ASSIGNMENT / NOTEBOOK, as_version=4).cells
+    cells = nbformat.read(REPO / "exercises" / ASSIGNMENT / notebook, as_version=4).cells
     source = nbformat.read(REPO / "solutions" / ASSIGNMENT / NOTEBOOK, as_version=4).cells
     first = next(i for i, c in enumerate(cells) if c.cell_type == "code" and _meta(c).get("solution"))
     answers = []
@@ -141,10 +144,16 @@ def _checks(cells: list[Any], start: int) -> list[int]:
     return found
 
 
-def test_a_student_runs_answers_and_validates_an_exercise_without_instructor_tools(lab: Lab) -> None:
+# The English notebook, and its Chinese twin (exercises/01_attention/zh/): the checks speak the notebook's language.
+WALKS = {"en": (NOTEBOOK, "not implemented yet"), "zh": (f"zh/{NOTEBOOK}", "尚未实现")}
+
+
+@pytest.mark.parametrize("language", list(WALKS))
+def test_a_student_runs_answers_and_validates_an_exercise_without_instructor_tools(lab: Lab, language: str) -> None:
     from playwright.sync_api import expect, sync_playwright
 
-    cells, answers = _cells()
+    notebook, not_yet = WALKS[language]
+    cells, answers = _cells(notebook)
     answer_at = answers[-1][0]
     checks = _checks(cells, answer_at)
     assert checks, "the first exercise has no graded check"
@@ -157,12 +166,14 @@ def test_a_student_runs_answers_and_validates_an_exercise_without_instructor_too
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(RUN * 1000)
-            page.goto(f"{lab.url}/lab/tree/{ASSIGNMENT}/{NOTEBOOK}?token={lab.token}")
+            # A workspace of its own per walk: the other walk's notebook is not reopened beside this one.
+            page.goto(f"{lab.url}/lab/workspaces/walk-{language}/tree/{ASSIGNMENT}/{notebook}?token={lab.token}")
             panel = page.locator(".jp-NotebookPanel")
             dom_cells = panel.locator(".jp-Notebook .jp-Cell")
             expect(dom_cells).to_have_count(len(cells), timeout=START * 1000)
             idle = panel.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
-            idle.wait_for(timeout=START * 1000)  # the kernel has started
+            _wait_for_kernel(lab, f"{ASSIGNMENT}/{notebook}")
+            idle.wait_for(timeout=START * 1000)
 
             # No instructor tools: nbgrader's own package is loaded (its Validate button is here)...
             validate = panel.locator(".jp-NotebookPanel-toolbar .validate-button")
@@ -182,7 +193,7 @@ def test_a_student_runs_answers_and_validates_an_exercise_without_instructor_too
             _run_all(page)
             first_check = dom_cells.nth(checks[0]).locator(".jp-OutputArea")
             # The kernel imports torch and the checks first: wait as long as a run may take, not expect's 5 s.
-            expect(first_check).to_contain_text("not implemented yet", timeout=RUN * 1000)
+            expect(first_check).to_contain_text(not_yet, timeout=RUN * 1000)
             expect(first_check).not_to_contain_text("✔")
             idle.wait_for()
 
@@ -198,8 +209,10 @@ def test_a_student_runs_answers_and_validates_an_exercise_without_instructor_too
             _run_all(page)
             for i in checks:
                 expect(dom_cells.nth(i).locator(".jp-OutputArea")).to_contain_text("✔", timeout=RUN * 1000)
-            expect(dom_cells.nth(next_check).locator(".jp-OutputArea")).to_contain_text("not implemented yet",
-                                                                                       timeout=RUN * 1000)
+                if language == "zh":  # the ✔ lines speak Chinese too
+                    shown = dom_cells.nth(i).locator(".jp-OutputArea").inner_text()
+                    assert re.search(r"✔ .*[\u4e00-\u9fff]", shown), shown
+            expect(dom_cells.nth(next_check).locator(".jp-OutputArea")).to_contain_text(not_yet, timeout=RUN * 1000)
             idle.wait_for()
 
             # Validate: nbgrader saves the notebook, runs it afresh and lists the cells that fail.
@@ -208,21 +221,42 @@ def test_a_student_runs_answers_and_validates_an_exercise_without_instructor_too
             message.wait_for(timeout=VALIDATE * 1000)
             verdict = message.inner_text()
             assert "validation-failed" in (message.get_attribute("class") or ""), verdict[:2000]
-            assert _first_line(cells[next_check].source) in verdict, verdict[:2000]
+            assert _first_line(cells[next_check].source) in verdict and not_yet in verdict, verdict[:2000]
             wrong = [_first_line(cells[i].source) for i in checks if _first_line(cells[i].source) in verdict]
             assert not wrong, f"Validate reports checks of the answered exercise as failing: {wrong}"
             page.locator(".jp-Dialog").get_by_role("button", name="Ok").click()
         finally:
             browser.close()
-    saved = nbformat.read(lab.root / ASSIGNMENT / NOTEBOOK, as_version=4)
+    saved = nbformat.read(lab.root / ASSIGNMENT / notebook, as_version=4)
     for at, answer in answers:
         assert saved.cells[at].source.strip() == answer.strip(), "Validate did not save the typed answers"
 
 
+def _wait_for_kernel(lab: Lab, path: str) -> None:
+    """Wait until the server reports the notebook's kernel started and idle. The page's execution indicator says
+    "idle" before any kernel is connected, and a Run All given then runs nothing: every prompt stays [ ]."""
+    deadline = time.monotonic() + START
+    while True:
+        with urllib.request.urlopen(f"{lab.url}/api/sessions?token={lab.token}", timeout=30) as answer:
+            sessions = json.load(answer)
+        states = [(s.get("kernel") or {}).get("execution_state") for s in sessions if s.get("path") == path]
+        if "idle" in states:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"no idle kernel for {path} after {START} s (sessions: {sessions}):\n"
+                        f"{lab.log.read_text()[-4000:]}")
+        time.sleep(0.5)
+
+
 def _run_all(page: Any) -> None:
-    """Run > Run All Cells, through the menu bar."""
+    """Run > Run All Cells, through the menu bar; then wait until the first code cell has left its [ ] prompt
+    (queued or run), so that a Run All the page dropped fails here, saying so."""
+    from playwright.sync_api import expect
+
     page.locator("#jp-menu-panel .lm-MenuBar-item", has_text="Run").first.click()
     page.locator(".lm-Menu-item[data-command='runmenu:run-all']").click()
+    first = page.locator(".jp-NotebookPanel .jp-Notebook .jp-CodeCell .jp-InputArea-prompt").first
+    expect(first, "Run All did not start the notebook's cells").not_to_have_text("[ ]:", timeout=START * 1000)
 
 
 def _first_line(source: str) -> str:

@@ -17,6 +17,9 @@ This extension, in the Chinese build:
 - translates the captions of the book's parts in the navigation, which sphinx-external-toc adds after Sphinx's
   translation.
 
+Its exercise pages download, and launch on Binder and Colab, the Chinese exercise notebooks
+(``exercises/<assignment>/zh/``).
+
 In both builds it puts in the top bar of every page a link to the same page in the other language. The published
 site holds the English pages at its root and the Chinese ones under ``zh/``: ``book/01_attention.html`` and
 ``zh/book/01_attention.html``.
@@ -271,8 +274,34 @@ def _top_bar(app: Sphinx, config: Config) -> None:
     config.templates_path = [*config.templates_path, str(Path(__file__).parent / "templates")]
 
 
+def _chinese_notebooks(app: Sphinx, error: Exception | None) -> None:
+    """The Chinese site's exercise pages download the Chinese notebooks (``exercises/<a>/zh/<n>.ipynb``, instructions
+    and the checks' messages in Chinese) in place of the English ones the page was built from."""
+    if error is not None or language(app.config) != "zh" or app.builder.format != "html":
+        return
+    sources = Path(app.outdir) / "_sources"
+    for chinese in sorted(ROOT.glob("exercises/*/zh/*.ipynb")):
+        target = sources / "exercises" / chinese.parent.parent.name / chinese.name
+        if target.is_file():
+            target.write_bytes(chinese.read_bytes())
+
+
+def _chinese_launch(app: Sphinx, pagename: str, templatename: str, context: dict, doctree: Any) -> None:
+    """On the Chinese site, an exercise page's launch buttons (Binder, Colab) open its Chinese notebook."""
+    if language(app.config) != "zh" or not pagename.startswith("exercises/"):
+        return
+    folder, _, name = pagename.rpartition("/")
+    english, chinese = f"{pagename}.ipynb", f"{folder}/{ZH_FOLDER}/{name}.ipynb"
+    for group in context.get("header_buttons", []):
+        for button in group.get("buttons", []) if isinstance(group, dict) else []:
+            if isinstance(button.get("url"), str):
+                button["url"] = button["url"].replace(english, chinese)
+
+
 def setup(app: Sphinx) -> dict[str, object]:
     app.add_config_value("stepformer_lang", os.environ.get("STEPFORMER_LANG", "en") or "en", "env")
+    app.connect("build-finished", _chinese_notebooks)
+    app.connect("html-page-context", _chinese_launch, priority=900)  # after the theme has made its buttons
     # Before the edition's handler, which reads the language's text.
     app.connect("config-inited", _set_language, priority=400)
     app.connect("config-inited", _top_bar)

@@ -40,6 +40,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from stepformer.checks._messages import marked, t, tr
+
 RECORD_ENV = "STEPFORMER_RECORD"
 
 
@@ -74,6 +76,17 @@ class CodeRaised(CheckFailure):
         return CodeRaised, (str(self), self.error, self.text)
 
 
+class NotOwnWork(CheckFailure):
+    """The student's code used what the exercise asks them to write (a forbidden built-in, the course's library).
+
+    Checks branch on this class, never on the message's words (which are in the reader's language); like
+    :class:`CodeRaised`, it leaves a check as a plain CheckFailure.
+    """
+
+    def reworded(self, message: str) -> "NotOwnWork":
+        return NotOwnWork(message)
+
+
 def raised_error(failure: CheckFailure) -> str | None:
     """The name of the exception that the student's code raised, where ``failure`` reports one (not a stub)."""
     return failure.error if isinstance(failure, CodeRaised) else None
@@ -95,10 +108,10 @@ def check(fn: Callable[..., None] | None = None, *, forbid: dict[str, str] | Non
         try:
             with _session(key, forbid or {}):
                 fn(student, *args, **kwargs)
-        except CodeRaised as failure:
+        except (CodeRaised, NotOwnWork) as failure:
             # The notebook and the grader's feedback name the class of what a check raises: "CheckFailure: ...",
-            # as ever. CodeRaised is for the checks' own use, so it leaves as the class it extends, the same
-            # object (message, traceback and cause unchanged).
+            # as ever. CodeRaised and NotOwnWork are for the checks' own use, so they leave as the class they
+            # extend, the same object (message, traceback and cause unchanged).
             failure.__class__ = CheckFailure
             raise
 
@@ -192,28 +205,38 @@ def _plain(value: Any) -> bool:
 def _call_own_work(fn: Callable[..., Any], args: tuple, kwargs: dict, forbid: dict[str, str]) -> Any:
     used = _references_to_forbidden(fn, forbid)
     if used:
-        raise CheckFailure(_own_work_message(fn, used[0]))
+        raise NotOwnWork(_own_work_message(fn, used[0]))
     tripped: list[str] = []
     try:
         with _tripwires(tripped, forbid):
             result = fn(*args, **kwargs)
     except NotImplementedError as error:
-        raise CheckFailure(f"{_name(fn)} is not implemented yet (it raised NotImplementedError).") from error
+        raise CheckFailure(t("{name} is not implemented yet (it raised NotImplementedError).",
+                             name=_name(fn))) from error
     except Exception as error:
         # Keywords keep their names: shown by position, dropout=0.25 would read as the next parameter.
         shown = ", ".join([*(describe(a) for a in args), *(f"{key}={describe(a)}" for key, a in kwargs.items())])
         name, text = type(error).__name__, str(error)
-        raise CodeRaised(f"{_name(fn)}({shown}) raised {name}: {text}", name, text) from error
+        raise CodeRaised(t("{call} raised {error}: {text}", call=f"{_name(fn)}({shown})", error=name, text=text),
+                         name, text) from error
     if tripped:
-        raise CheckFailure(_own_work_message(fn, tripped[0]))
+        raise NotOwnWork(_own_work_message(fn, tripped[0]))
     return result
 
 
 def _own_work_message(fn: Callable[..., Any], what: str) -> str:
-    return (
-        f"Not your own work: {_name(fn)} uses {what}. This exercise asks you to write it yourself; "
-        "a function that calls the reference scores zero."
-    )
+    return t("Not your own work: {name} uses {what}. This exercise asks you to write it yourself; "
+             "a function that calls the reference scores zero.", name=_name(fn), what=_shown(what))
+
+
+LIBRARY_LABEL = marked("the course's reference library")
+
+
+def _shown(what: str) -> str:
+    """A forbidden object's label, ``dotted.name (what it is)``, with what it is in the reader's language (the
+    labels are made once, in English, and kept)."""
+    name, _, label = what.partition(" (")
+    return t("{name} ({label})", name=name, label=tr(label[:-1])) if label.endswith(")") else what
 
 
 # The same operator reached another way: PyTorch's C bindings, the ATen operators behind
@@ -317,7 +340,7 @@ def _find_forbidden(forbid: dict[str, str], kept: list[Any]) -> dict[int, str]:
                     found.setdefault(id(kept[-1]), f"{dotted} ({label})")
     for module, name, value in library_callables():
         kept.append(value)
-        found[id(value)] = f"{module.__name__}.{name} (the course's reference library)"
+        found[id(value)] = f"{module.__name__}.{name} ({LIBRARY_LABEL})"
     return found
 
 
@@ -430,7 +453,7 @@ def _tripwires(tripped: list[str], forbid: dict[str, str]) -> Iterator[None]:
     # dispatcher watch below sees those operators run, however they were reached.
     targets = [(dotted, f"{dotted} ({label})") for dotted, label in _with_equivalents(forbid).items()
                if not dotted.startswith("torch.ops.")]
-    targets += [(f"{module.__name__}.{name}", f"{module.__name__}.{name} (the course's reference library)")
+    targets += [(f"{module.__name__}.{name}", f"{module.__name__}.{name} ({LIBRARY_LABEL})")
                 for module, name, _ in library_callables()]
     for dotted, label in targets:
         with contextlib.suppress(ImportError, AttributeError, TypeError):
@@ -513,25 +536,25 @@ class _Replay:
         self.entries: list[dict[str, Any]] | None = None
         self.problem = ""
         if not path.is_file():
-            self.problem = "the graded run of your notebook left no result for this check (did it run to the end?)"
+            self.problem = t("the graded run of your notebook left no result for this check (did it run to the end?)")
             return
         try:
             self.entries = torch.load(path, weights_only=True)
         except Exception:
             # weights_only refuses anything but plain tensors and containers: a tensor subclass
             # or any other object was returned, which a check never accepts.
-            self.problem = "your function returned something other than plain tensors and numbers"
+            self.problem = t("your function returned something other than plain tensors and numbers")
 
     def next(self, digest: str) -> Any:
         if self.entries is None:
             raise CheckFailure(self.problem)
         if not self.entries:
-            raise CheckFailure("the graded run of your notebook recorded fewer calls than this check makes")
+            raise CheckFailure(t("the graded run of your notebook recorded fewer calls than this check makes"))
         entry = self.entries.pop(0)
         if "failure" in entry:
             raise _recorded_failure(entry)
         if entry["digest"] != digest:
-            raise CheckFailure("the recorded call does not match this check's inputs (was the check changed?)")
+            raise CheckFailure(t("the recorded call does not match this check's inputs (was the check changed?)"))
         return Opaque(entry["opaque"]) if "opaque" in entry else entry["result"]
 
 
@@ -539,6 +562,8 @@ def _failure_entry(failure: CheckFailure) -> dict[str, Any]:
     """A failure as a record keeps it: its message, and for an error from the code what it raised."""
     if isinstance(failure, CodeRaised):
         return {"failure": str(failure), "raised": [failure.error, failure.text]}
+    if isinstance(failure, NotOwnWork):
+        return {"failure": str(failure), "own_work": True}
     return {"failure": str(failure)}
 
 
@@ -548,6 +573,8 @@ def _recorded_failure(entry: dict[str, Any]) -> CheckFailure:
     raised = entry.get("raised")
     if type(raised) is list and len(raised) == 2 and all(type(part) is str for part in raised):
         return CodeRaised(entry["failure"], *raised)
+    if entry.get("own_work") is True:
+        return NotOwnWork(entry["failure"])
     return CheckFailure(entry["failure"])
 
 
@@ -665,15 +692,16 @@ def expect_tensor(x: Any, what: str, shape: tuple[int, ...], axes: str, dtype: t
     e.g. one whose ``__eq__`` always says True, cannot pass.
     """
     if type(x) is not Tensor:
-        raise CheckFailure(f"{what} should be a torch.Tensor, got {type(x).__name__}.")
+        raise CheckFailure(t("{what} should be a torch.Tensor, got {kind}.", what=what, kind=type(x).__name__))
     if tuple(x.shape) != shape:
         named = ", ".join(f"{a}={n}" for a, n in zip(axes.split(), shape, strict=True))
-        raise CheckFailure(
-            f"{what} should have shape ({named}), got {tuple(x.shape)}. "
-            "Check which axes your einsum pattern keeps and in what order."
-        )
+        raise CheckFailure(t(
+            "{what} should have shape ({named}), got {shape}. "
+            "Check which axes your einsum pattern keeps and in what order.", what=what, named=named,
+            shape=tuple(x.shape)))
     if x.dtype != dtype:
-        raise CheckFailure(f"{what} should have dtype {dtype} like its inputs, got {x.dtype}.")
+        raise CheckFailure(t("{what} should have dtype {dtype} like its inputs, got {got}.", what=what, dtype=dtype,
+                             got=x.dtype))
     return x
 
 
@@ -681,8 +709,9 @@ def refuse_extra_parameters(shapes: dict[str, Any], expected: Sequence[str], bia
     """Fail if an attention module learns parameters beyond its four projections (``w_q.weight``, ...)."""
     extra = sorted(set(shapes) - set(expected))
     if extra:
-        hint = " With bias=False, pass bias=bias to every nn.Linear." if not bias else ""
-        raise CheckFailure(f"Unexpected parameters {extra}: only w_q, w_k, w_v and w_o are learned.{hint}")
+        hint = t(" With bias=False, pass bias=bias to every nn.Linear.") if not bias else ""
+        raise CheckFailure(t("Unexpected parameters {extra}: only w_q, w_k, w_v and w_o are learned.{hint}",
+                             extra=extra, hint=hint))
 
 
 def close(actual: Tensor, expected: Tensor, dtype: torch.dtype, tolerance: float | None = None) -> bool:
@@ -697,13 +726,14 @@ def close(actual: Tensor, expected: Tensor, dtype: torch.dtype, tolerance: float
 
 def difference(actual: Tensor, expected: Tensor, sizes: dict[str, int] | None = None) -> str:
     """Where and by how much two tensors differ most, and on which sizes: what a failing check reports."""
-    where = f" on sizes {', '.join(f'{k}={v}' for k, v in sizes.items())}" if sizes else ""
+    where = t(" on sizes {sizes}", sizes=", ".join(f"{k}={v}" for k, v in sizes.items())) if sizes else ""
     if actual.shape != expected.shape:
-        return f"shape {tuple(actual.shape)} instead of {tuple(expected.shape)}{where}"
+        return t("shape {actual} instead of {expected}{where}", actual=tuple(actual.shape),
+                 expected=tuple(expected.shape), where=where)
     gap = (actual.detach().to(expected.dtype) - expected).abs().nan_to_num(nan=float("inf"))
     index = tuple(int(i) for i in torch.unravel_index(gap.argmax(), gap.shape)) if gap.numel() else ()
     value = gap.max().item() if gap.numel() else 0.0
-    return f"largest difference {value:.3g} at index {list(index)}{where}"
+    return t("largest difference {value:.3g} at index {index}{where}", value=value, index=list(index), where=where)
 
 
 @contextlib.contextmanager
@@ -720,11 +750,11 @@ def one_thread() -> Iterator[None]:
 
 def show(x: Tensor) -> str:
     """Print a tensor only when it is small enough to read."""
-    return str(x.detach()) if x.numel() <= 12 else f"a tensor of shape {tuple(x.shape)}"
+    return str(x.detach()) if x.numel() <= 12 else t("a tensor of shape {shape}", shape=tuple(x.shape))
 
 
 def passed(message: str) -> None:
-    print(f"✔ {message}")
+    print("✔ " + message)
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -18,6 +18,8 @@ the checks state the numbers where they use them.
 import math
 from statistics import NormalDist
 
+from stepformer.checks._messages import t
+
 ALPHA = 1e-6
 
 
@@ -59,8 +61,8 @@ def dropped_count_problem(count: int, n: int, p: float, comparisons: int = 2) ->
     low, high = binomial_bounds(n, p, ALPHA / comparisons)
     if low <= count <= high:
         return None
-    return (f"dropping each with probability {p} drops {low} to {high} of them, but for one time in a million: look "
-            "at the p your nn.Dropout gets (dropout, the probability of dropping).")
+    return t("dropping each with probability {p} drops {low} to {high} of them, but for one time in a million: look "
+             "at the p your nn.Dropout gets (dropout, the probability of dropping).", p=p, low=low, high=high)
 
 
 # The argument check of the measurement exercises (chapters 00 and 01): SPREAD_CALLS calls with samples = 1 at

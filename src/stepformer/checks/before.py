@@ -35,13 +35,14 @@ from stepformer.checks._core import (
     one_thread,
     passed,
 )
+from stepformer.checks._messages import marked, t, tr
 from stepformer.checks.attention import _check_measurement_arguments
 
 # What exercise 1 asks students to write themselves: the one-hot product, not the lookup.
 BUILT_IN_EMBEDDING = {
-    "torch.nn.functional.embedding": "PyTorch's embedding lookup",
-    "torch.nn.Embedding": "PyTorch's embedding",
-    "torch.embedding": "PyTorch's embedding lookup",
+    "torch.nn.functional.embedding": marked("PyTorch's embedding lookup"),
+    "torch.nn.Embedding": marked("PyTorch's embedding"),
+    "torch.embedding": marked("PyTorch's embedding lookup"),
 }
 ATTENTION_AXES = ("batch", "q_len", "k_len", "d_q", "d_k", "d_v", "d_attn")
 
@@ -80,34 +81,38 @@ def _embed(fn: Callable[..., Any], tokens: Tensor, weight: Tensor, what: str) ->
     except CheckFailure as failure:
         if not isinstance(failure, CodeRaised):
             raise
-        text = str(failure)
-        if "Long" in text:
+        # What the code raised, not the message around it: the message is in the reader's language.
+        raised = failure.raised
+        if "Long" in raised:
             # tokens is the only int64 (Long) input: a Long operand in a product comes from it, through F.one_hot.
-            hint = ("An int64 (Long) tensor met the floating weight: F.one_hot gives int64 entries, and a product "
-                    "needs both factors in one floating dtype. Convert the one-hot matrix with .to(weight.dtype).")
-        elif "Double" in text or "dtype" in text.lower():
-            hint = (f"The weight here is {weight.dtype}, and a product needs both factors in one dtype: .float() makes "
-                    "float32 whatever the weight is; convert the one-hot matrix with .to(weight.dtype).")
+            hint = t("An int64 (Long) tensor met the floating weight: F.one_hot gives int64 entries, and a product "
+                     "needs both factors in one floating dtype. Convert the one-hot matrix with .to(weight.dtype).")
+        elif "Double" in raised or "dtype" in raised.lower():
+            hint = t("The weight here is {dtype}, and a product needs both factors in one dtype: .float() makes "
+                     "float32 whatever the weight is; convert the one-hot matrix with .to(weight.dtype).",
+                     dtype=weight.dtype)
         elif int(tokens.max()) < weight.shape[0] - 1:
-            hint = (f"Here the largest id in tokens is {int(tokens.max())}, below vocab - 1 = {weight.shape[0] - 1}: "
-                    "F.one_hot(tokens) without num_classes makes vectors of width max(tokens) + 1, not vocab. Pass "
-                    "num_classes=weight.shape[0]: a batch need not hold every word of the vocabulary.")
+            hint = t("Here the largest id in tokens is {largest}, below vocab - 1 = {last_id}: "
+                     "F.one_hot(tokens) without num_classes makes vectors of width max(tokens) + 1, not vocab. Pass "
+                     "num_classes=weight.shape[0]: a batch need not hold every word of the vocabulary.",
+                     largest=int(tokens.max()), last_id=weight.shape[0] - 1)
         elif tokens.dim() < 2:
-            hint = ("The leading axes are *batch, any number of them, none included: write the einsum pattern with "
-                    "'...' (\"... seq vocab, vocab d_model -> ... seq d_model\").")
+            hint = t("The leading axes are *batch, any number of them, none included: write the einsum pattern with "
+                     "'...' (\"... seq vocab, vocab d_model -> ... seq d_model\").")
         elif swapped := _swapped_product(fn, tokens, weight):
             hint = swapped
         else:
-            hint = ("weight is (vocab, d_model), the layout of nn.Embedding.weight: contract the one-hot's vocab axis "
-                    "with it.")
-        raise CheckFailure(f"{what} ({_named(sizes)}): {_sentence(text)} {hint}") from None
+            hint = t("weight is (vocab, d_model), the layout of nn.Embedding.weight: contract the one-hot's vocab axis "
+                     "with it.")
+        raise CheckFailure(t("{what} ({sizes}): {error} {hint}", what=what, sizes=_named(sizes),
+                             error=_sentence(str(failure)), hint=hint)) from None
     axes = " ".join([*("batch", "seq")[2 - tokens.dim():], "d_model"])
     if type(result) is Tensor and result.dtype != weight.dtype and result.dtype.is_floating_point:
-        raise CheckFailure(
-            f"{what} ({_named(sizes)}): your embedding has dtype {result.dtype}, the weight {weight.dtype}. .float() "
-            "makes float32 whatever the weight is: convert the one-hot matrix with .to(weight.dtype)."
-        )
-    return expect_tensor(result, "the embedding", (*tokens.shape, weight.shape[1]), axes, weight.dtype)
+        raise CheckFailure(t(
+            "{what} ({sizes}): your embedding has dtype {got}, the weight {dtype}. .float() "
+            "makes float32 whatever the weight is: convert the one-hot matrix with .to(weight.dtype).",
+            what=what, sizes=_named(sizes), got=result.dtype, dtype=weight.dtype))
+    return expect_tensor(result, t("the embedding"), (*tokens.shape, weight.shape[1]), axes, weight.dtype)
 
 
 def _swapped_product(fn: Callable[..., Any], tokens: Tensor, weight: Tensor) -> str:
@@ -124,10 +129,10 @@ def _swapped_product(fn: Callable[..., Any], tokens: Tensor, weight: Tensor) -> 
     swapped = (weight.double() @ F.one_hot(toks, vocab).double()).to(weight.dtype)  # (vocab, vocab)
     if type(result) is not Tensor or not close(result, swapped, weight.dtype):
         return ""
-    return (f"On tokens of shape (seq,) with seq = d_model = {d_model} your function runs and returns "
-            "weight @ one_hot(tokens), (vocab, vocab): the operands of your product come in the other order than "
-            "its pattern. Pass the one-hot matrix first: einsum(one_hot, weight, \"... seq vocab, vocab d_model -> "
-            "... seq d_model\").")
+    return t("On tokens of shape (seq,) with seq = d_model = {d_model} your function runs and returns "
+             "weight @ one_hot(tokens), (vocab, vocab): the operands of your product come in the other order than "
+             "its pattern. Pass the one-hot matrix first: einsum(one_hot, weight, \"... seq vocab, vocab d_model -> "
+             "... seq d_model\").", d_model=d_model)
 
 
 def _compare_embedding(got: Tensor, tokens: Tensor, weight: Tensor, what: str) -> None:
@@ -138,14 +143,20 @@ def _compare_embedding(got: Tensor, tokens: Tensor, weight: Tensor, what: str) -
     sizes = {**dict(zip(("batch", "seq")[2 - tokens.dim():], tokens.shape, strict=True)),
              "vocab": weight.shape[0], "d_model": weight.shape[1]}
     found = difference(got, expected, sizes)
-    hint = ("Position i should hold row tokens[i] of weight, which is what one_hot(tokens) @ weight gives: check that "
-            "you contract the vocab axis of the one-hot vectors with the vocab axis of weight.")
-    raise CheckFailure(f"{what}, your embedding differs from nn.Embedding's with the same weight ({found}). {hint}")
+    hint = t("Position i should hold row tokens[i] of weight, which is what one_hot(tokens) @ weight gives: check "
+             "that you contract the vocab axis of the one-hot vectors with the vocab axis of weight.")
+    raise CheckFailure(t("{what}, your embedding differs from nn.Embedding's with the same weight ({difference}). "
+                         "{hint}", what=what, difference=found, hint=hint))
 
 
 def _leading_cases(tokens: Tensor) -> list[tuple[str, Tensor]]:
-    return [("On tokens (batch, seq)", tokens), ("On one sentence, tokens (batch=1, seq)", tokens[:1]),
-            ("On tokens (seq,) without a batch axis", tokens[0])]
+    return [(t("On tokens (batch, seq)"), tokens), (t("On one sentence, tokens (batch=1, seq)"), tokens[:1]),
+            (t("On tokens (seq,) without a batch axis"), tokens[0])]
+
+
+def _case(what: str, dtype: torch.dtype) -> str:
+    """A case's label with the dtype it runs in: "On tokens (batch, seq), float32"."""
+    return t("{case}, {dtype}", case=what, dtype=dtype_name(dtype))
 
 
 @check(forbid=BUILT_IN_EMBEDDING)
@@ -156,10 +167,10 @@ def check_one_hot_embed(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtyp
         _, tokens, weight = _embedding_inputs(seed, dt)
         tokens[..., 0] = weight.shape[0] - 1  # every batch holds the largest id; see check_one_hot_vocab
         for what, toks in _leading_cases(tokens):
-            got = _embed(fn, toks, weight, f"{what}, {dtype_name(dt)}")
-            _compare_embedding(got, toks, weight, f"{what}, {dtype_name(dt)}")
-    passed("equal to nn.Embedding (and to one_hot @ weight) in float32 and float64, with (batch, seq), batch=1 "
-           "and (seq,) tokens")
+            got = _embed(fn, toks, weight, _case(what, dt))
+            _compare_embedding(got, toks, weight, _case(what, dt))
+    passed(t("equal to nn.Embedding (and to one_hot @ weight) in float32 and float64, with (batch, seq), batch=1 "
+             "and (seq,) tokens"))
 
 
 @check(forbid=BUILT_IN_EMBEDDING)
@@ -168,12 +179,12 @@ def check_one_hot_vocab(fn: Callable[..., Any], seed: int = 0) -> None:
     for dtype in (torch.float64, torch.float32):
         s, tokens, weight = _embedding_inputs(seed + 1, dtype)
         rare = tokens % max(2, s["vocab"] // 3)  # ids from the first third of the vocabulary only
-        cases = [("On a batch that uses only the first ids of the vocabulary", rare),
-                 ("On a batch of one sentence, one word repeated", torch.full((1, s["seq"]), 1))]
+        cases = [(t("On a batch that uses only the first ids of the vocabulary"), rare),
+                 (t("On a batch of one sentence, one word repeated"), torch.full((1, s["seq"]), 1))]
         for what, toks in cases:
-            got = _embed(fn, toks, weight, f"{what}, {dtype_name(dtype)}")
-            _compare_embedding(got, toks, weight, f"{what}, {dtype_name(dtype)}")
-    passed("right on batches that leave most of the vocabulary out (one-hot vectors of width vocab)")
+            got = _embed(fn, toks, weight, _case(what, dtype))
+            _compare_embedding(got, toks, weight, _case(what, dtype))
+    passed(t("right on batches that leave most of the vocabulary out (one-hot vectors of width vocab)"))
 
 
 # -- exercises 2 and 3: n-grams ----------------------------------------------------------------------
@@ -208,18 +219,20 @@ def _show_gram(gram: Any) -> str:
 
 # n-gram i of the usual slips, tuple(tokens[start : end]) for i in range(stop), each part with what it means; the
 # first of each list is right. T is len(tokens).
-SLICE_STARTS = {"i": (lambda i, n: i, ""), "i + 1": (lambda i, n: i + 1, "starts one token late"),
-                "i - 1": (lambda i, n: i - 1, "starts one token early")}
-SLICE_ENDS = {"i + n": (lambda i, n: i + n, ""), "i + n - 1": (lambda i, n: i + n - 1, "ends one token short"),
-              "i + n + 1": (lambda i, n: i + n + 1, "ends one token too far"),
-              "n": (lambda i, n: n, "ends at n instead of i + n, without the i"),
-              "i": (lambda i, n: i, "ends at i, where it starts, without the n"),
-              "i - n": (lambda i, n: i - n, "ends at i - n, subtracting n where it should add it")}
+# The meanings are shown with tr(): "each slice <start's> and <end's>", "the range <stop's>".
+SLICE_STARTS = {"i": (lambda i, n: i, ""), "i + 1": (lambda i, n: i + 1, marked("starts one token late")),
+                "i - 1": (lambda i, n: i - 1, marked("starts one token early"))}
+SLICE_ENDS = {"i + n": (lambda i, n: i + n, ""),
+              "i + n - 1": (lambda i, n: i + n - 1, marked("ends one token short")),
+              "i + n + 1": (lambda i, n: i + n + 1, marked("ends one token too far")),
+              "n": (lambda i, n: n, marked("ends at n instead of i + n, without the i")),
+              "i": (lambda i, n: i, marked("ends at i, where it starts, without the n")),
+              "i - n": (lambda i, n: i - n, marked("ends at i - n, subtracting n where it should add it"))}
 SLICE_STOPS = {"len(tokens) - n + 1": (lambda t, n: t - n + 1, ""),
-               "len(tokens) - n": (lambda t, n: t - n, "misses the last n-gram, one window too few"),
-               "len(tokens) - n + 2": (lambda t, n: t - n + 2, "runs one window past the last n-gram"),
-               "len(tokens)": (lambda t, n: t, "runs past the last n-gram, to the end of the text, where the windows "
-                                                "get shorter than n")}
+               "len(tokens) - n": (lambda t, n: t - n, marked("misses the last n-gram, one window too few")),
+               "len(tokens) - n + 2": (lambda t, n: t - n + 2, marked("runs one window past the last n-gram")),
+               "len(tokens)": (lambda t, n: t, marked("runs past the last n-gram, to the end of the text, where the "
+                                                       "windows get shorter than n"))}
 
 
 def _counts_slip(fn: Callable[..., Any], tokens: list[str]) -> tuple[str, str, str] | None:
@@ -251,19 +264,20 @@ def check_ngram_counts(fn: Callable[..., Any], seed: int = 0) -> None:
     for n in (1, 2, 3, 5, len(tokens), len(tokens) + 1):
         result = call(fn, list(tokens), n)
         if kind(result) not in ("Counter", "dict", "defaultdict"):
-            raise CheckFailure(f"ngram_counts should return a Counter (n-gram -> count), got {kind(result)}. "
-                               "collections.Counter(iterable of n-grams) counts them for you.")
+            raise CheckFailure(t("ngram_counts should return a Counter (n-gram -> count), got {kind}. "
+                                 "collections.Counter(iterable of n-grams) counts them for you.", kind=kind(result)))
         got = dict(call(_items, result))
         expected = _counts_oracle(tokens, n)
-        where = f"on a text of {len(tokens)} tokens with n={n}"
+        where = t("on a text of {length} tokens with n={n}", length=len(tokens), n=n)
         bad_keys = [key for key in got if not (isinstance(key, tuple) and all(isinstance(w, str) for w in key))]
         if bad_keys:
-            raise CheckFailure(f"The keys of your counts should be tuples of n tokens, like "
-                               f"{_show_gram(tuple(tokens[:n]))}, got {bad_keys[0]!r} ({where}). A tuple, unlike a "
-                               "joined string, keeps the words apart, and unlike a list it can be a key.")
+            raise CheckFailure(t("The keys of your counts should be tuples of n tokens, like "
+                                 "{example}, got {key!r} ({where}). A tuple, unlike a "
+                                 "joined string, keeps the words apart, and unlike a list it can be a key.",
+                                 example=_show_gram(tuple(tokens[:n])), key=bad_keys[0], where=where))
         odd = [v for v in got.values() if type(v) is not int]
         if odd:
-            raise CheckFailure(f"Each count should be an int, got {odd[0]!r} ({where}).")
+            raise CheckFailure(t("Each count should be an int, got {count!r} ({where}).", count=odd[0], where=where))
         if got == dict(expected):
             continue
         total, expected_total = sum(got.values()), sum(expected.values())
@@ -271,35 +285,52 @@ def check_ngram_counts(fn: Callable[..., Any], seed: int = 0) -> None:
         slip = _counts_slip(fn, tokens)
         short = [key for key in got if len(key) < n]
         if slip == ("i", "i + n", "len(tokens) - n") and last is not None:
-            hint = (f"Off by one: your counts miss the last n-gram, {_show_gram(last)}. A text of T tokens has "
-                    "T - n + 1 n-grams, so the positions run over range(len(tokens) - n + 1).")
+            hint = t("Off by one: your counts miss the last n-gram, {gram}. A text of T tokens has "
+                     "T - n + 1 n-grams, so the positions run over range(len(tokens) - n + 1).", gram=_show_gram(last))
         elif slip == ("i", "i + n", "len(tokens)") and short:
-            hint = (f"Your counts hold {_show_gram(short[0])}, shorter than n: the windows that run past the end of "
-                    f"the text are not n-grams. A text of T tokens has T - n + 1 n-grams.")
+            hint = t("Your counts hold {gram}, shorter than n: the windows that run past the end of "
+                     "the text are not n-grams. A text of T tokens has T - n + 1 n-grams.", gram=_show_gram(short[0]))
         elif slip:
-            start, end, stop = slip
-            whys = [SLICE_STARTS[start][1], SLICE_ENDS[end][1]]
-            parts = [f"each slice {' and '.join(w for w in whys if w)}" if any(whys) else "",
-                     f"the range {SLICE_STOPS[stop][1]}" if SLICE_STOPS[stop][1] else ""]
-            hint = (f"Your counts are those of tuple(tokens[{start} : {end}]) for i in range({stop}), for every n "
-                    f"tried: {'; '.join(p for p in parts if p)}. n-gram i is tuple(tokens[i : i + n]) for i in "
-                    "range(len(tokens) - n + 1): a text of T tokens has T - n + 1 n-grams.")
+            hint = _slice_hint(*slip)
         elif short:
-            hint = (f"Among the keys is {_show_gram(short[0])}, of {len(short[0])} tokens where an n-gram has n = "
-                    f"{n}: n-gram i is tuple(tokens[i : i + n]), for i in range(len(tokens) - n + 1).")
+            hint = t("Among the keys is {gram}, of {length} tokens where an n-gram has n = "
+                     "{n}: n-gram i is tuple(tokens[i : i + n]), for i in range(len(tokens) - n + 1).",
+                     gram=_show_gram(short[0]), length=len(short[0]), n=n)
         elif last is not None and total == expected_total - 1 and got.get(last, 0) == expected[last] - 1:
-            hint = (f"Off by one: your counts miss the last n-gram, {_show_gram(last)}. A text of T tokens has "
-                    "T - n + 1 n-grams, so the positions run over range(len(tokens) - n + 1).")
+            hint = t("Off by one: your counts miss the last n-gram, {gram}. A text of T tokens has "
+                     "T - n + 1 n-grams, so the positions run over range(len(tokens) - n + 1).", gram=_show_gram(last))
         elif total == expected_total:
-            hint = "You count the right number of n-grams, but not the right ones: n-gram i is tokens[i : i + n]."
+            hint = t("You count the right number of n-grams, but not the right ones: n-gram i is tokens[i : i + n].")
         else:
-            hint = "A text of T tokens has T - n + 1 n-grams: n-gram i is tuple(tokens[i : i + n])."
+            hint = t("A text of T tokens has T - n + 1 n-grams: n-gram i is tuple(tokens[i : i + n]).")
         wrong = sorted({*got, *expected} - {k for k in expected if got.get(k) == expected[k]}, key=str)
         gram = wrong[0]
-        raise CheckFailure(f"Your counts differ from collections.Counter's {where}: {total} n-grams counted instead "
-                           f"of {expected_total}, and {_show_gram(gram)} counted {got.get(gram, 0)} times instead of "
-                           f"{expected.get(gram, 0)}. {hint}")
-    passed("equal to collections.Counter over the n-grams, n = 1, 2, 3, 5, len(tokens) and beyond")
+        raise CheckFailure(t("Your counts differ from collections.Counter's {where}: {total} n-grams counted instead "
+                             "of {expected_total}, and {gram} counted {count} times instead of "
+                             "{expected_count}. {hint}", where=where, total=total, expected_total=expected_total,
+                             gram=_show_gram(gram), count=got.get(gram, 0), expected_count=expected.get(gram, 0),
+                             hint=hint))
+    passed(t("equal to collections.Counter over the n-grams, n = 1, 2, 3, 5, len(tokens) and beyond"))
+
+
+def _slice_hint(start: str, end: str, stop: str) -> str:
+    """What the slice tuple(tokens[start : end]) for i in range(stop) gets wrong, part by part."""
+    start_why, end_why, stop_why = SLICE_STARTS[start][1], SLICE_ENDS[end][1], SLICE_STOPS[stop][1]
+    if start_why and end_why:
+        each_slice = t("each slice {start_why} and {end_why}", start_why=tr(start_why), end_why=tr(end_why))
+    elif start_why or end_why:
+        each_slice = t("each slice {why}", why=tr(start_why or end_why))
+    else:
+        each_slice = ""
+    the_range = t("the range {why}", why=tr(stop_why)) if stop_why else ""
+    if each_slice and the_range:
+        mistakes = t("{each_slice}; {the_range}", each_slice=each_slice, the_range=the_range)
+    else:
+        mistakes = each_slice or the_range
+    return t("Your counts are those of tuple(tokens[{start} : {end}]) for i in range({stop}), for every n "
+             "tried: {mistakes}. n-gram i is tuple(tokens[i : i + n]) for i in "
+             "range(len(tokens) - n + 1): a text of T tokens has T - n + 1 n-grams.", start=start, end=end, stop=stop,
+             mistakes=mistakes)
 
 
 def _probability_oracle(word: str, history: list[str], counts: Counter, contexts: Counter, n: int, vocab_size: int,
@@ -319,52 +350,60 @@ def _probability_oracle(word: str, history: list[str], counts: Counter, contexts
     return above / below
 
 
-# The contexts students take instead of the last n - 1 tokens of the history, each with what to say.
+# The contexts students take instead of the last n - 1 tokens of the history, each with what to say (shown with tr()).
 CONTEXTS: dict[str, tuple[Callable[[list[str], int], tuple], str]] = {
     "right": (lambda h, n: tuple(h[len(h) - n + 1:]) if n > 1 else (), ""),
     "last n": (lambda h, n: tuple(h[len(h) - n:]),
-               "Off by one: your context is the last n tokens of the history; it is the last n - 1 (an n-gram is the "
-               "context and the word)."),
+               marked("Off by one: your context is the last n tokens of the history; it is the last n - 1 (an n-gram "
+                      "is the context and the word).")),
     "last n + 1": (lambda h, n: tuple(h[max(len(h) - n - 1, 0):]),
-                   "Your context is the last n + 1 tokens of the history, two too many: it is the last n - 1 (an "
-                   "n-gram is the context and the word)."),
+                   marked("Your context is the last n + 1 tokens of the history, two too many: it is the last n - 1 "
+                          "(an n-gram is the context and the word).")),
     "last n - 2": (lambda h, n: tuple(h[len(h) - n + 2:]) if n > 2 else (),
-                   "Your context is one token short, the last n - 2 tokens of the history: it is the last n - 1."),
+                   marked("Your context is one token short, the last n - 2 tokens of the history: it is the last "
+                          "n - 1.")),
     "whole for n = 1": (lambda h, n: tuple(h[-(n - 1):]),
-                        "For n = 1 your context is the whole history: history[-(n - 1):] is history[-0:] = "
-                        "history[0:], all of it. A unigram has no context, the empty tuple ()."),
+                        marked("For n = 1 your context is the whole history: history[-(n - 1):] is history[-0:] = "
+                               "history[0:], all of it. A unigram has no context, the empty tuple ().")),
     "first": (lambda h, n: tuple(h[: n - 1]),
-              "Your context is the first n - 1 tokens of the history; it is the last n - 1, the words just before the "
-              "one predicted."),
+              marked("Your context is the first n - 1 tokens of the history; it is the last n - 1, the words just "
+                     "before the one predicted.")),
     "empty": (lambda h, n: (),
-              "Your context is the empty tuple () for every n, a unigram's: for n > 1 it is the last n - 1 tokens of "
-              "the history (the condition that picks the unigram case is inverted or too wide)."),
+              marked("Your context is the empty tuple () for every n, a unigram's: for n > 1 it is the last n - 1 "
+                     "tokens of the history (the condition that picks the unigram case is inverted or too wide).")),
     "whole": (lambda h, n: tuple(h),
-              "Your context is the whole history: it is only its last n - 1 tokens."),
+              marked("Your context is the whole history: it is only its last n - 1 tokens.")),
 }
 # The same slips in code that gives n = 1 its empty context first (`... if n > 1 else ()`), where they differ.
-CONTEXTS.update({f"{name}, n > 1": ((lambda f: lambda h, n: f(h, n) if n > 1 else ())(CONTEXTS[name][0]),
-                                    "For n > 1: " + CONTEXTS[name][1][0].lower() + CONTEXTS[name][1][1:])
-                 for name in ("last n", "last n + 1", "whole")})
+CONTEXTS_AFTER_UNIGRAM = {
+    "last n": marked("For n > 1: off by one: your context is the last n tokens of the history; it is the last n - 1 "
+                     "(an n-gram is the context and the word)."),
+    "last n + 1": marked("For n > 1: your context is the last n + 1 tokens of the history, two too many: it is the "
+                         "last n - 1 (an n-gram is the context and the word)."),
+    "whole": marked("For n > 1: your context is the whole history: it is only its last n - 1 tokens."),
+}
+CONTEXTS.update({f"{name}, n > 1": ((lambda f: lambda h, n: f(h, n) if n > 1 else ())(CONTEXTS[name][0]), hint)
+                 for name, hint in CONTEXTS_AFTER_UNIGRAM.items()})
 
 
 def _probability_variants() -> dict[str, dict[str, Any]]:
     """The common mistakes in the formula, each as arguments of the oracle."""
-    return {
+    return {  # each key a hint, shown with tr()
         "": {},
-        "Your probabilities are not smoothed: an n-gram never seen in training gets 0, so any text that holds one "
-        "gets probability 0. Add alpha to the n-gram's count and alpha · vocab_size to the context's count.":
+        marked("Your probabilities are not smoothed: an n-gram never seen in training gets 0, so any text that holds "
+               "one gets probability 0. Add alpha to the n-gram's count and alpha · vocab_size to the context's "
+               "count."):
             {"top": 0.0, "bottom": 0.0},
-        "You added alpha to the n-gram's count but not alpha · vocab_size to the context's: every word gets alpha "
-        "more, so the probabilities over the vocabulary no longer sum to 1.": {"bottom": 0.0},
-        "You added alpha to the context's count once, not once per word of the vocabulary: the denominator is "
-        "C(context) + alpha · vocab_size.": {"bottom": 1.0},
-        "You return the smoothed count C(context, word) + alpha without dividing it by C(context) + alpha · "
-        "vocab_size: a probability is the n-gram's share of its context's count.": {"divide": False},
-        "Your numerator is missing the n-gram's count: it is C(context, word) + alpha, so that a word seen after "
-        "the context gets more than alpha.": {"count_top": False},
-        "Your denominator is missing the context's count: it is C(context) + alpha · vocab_size, the number of "
-        "n-grams that begin with the context plus alpha for each word.": {"count_bottom": False},
+        marked("You added alpha to the n-gram's count but not alpha · vocab_size to the context's: every word gets "
+               "alpha more, so the probabilities over the vocabulary no longer sum to 1."): {"bottom": 0.0},
+        marked("You added alpha to the context's count once, not once per word of the vocabulary: the denominator "
+               "is C(context) + alpha · vocab_size."): {"bottom": 1.0},
+        marked("You return the smoothed count C(context, word) + alpha without dividing it by C(context) + alpha · "
+               "vocab_size: a probability is the n-gram's share of its context's count."): {"divide": False},
+        marked("Your numerator is missing the n-gram's count: it is C(context, word) + alpha, so that a word seen "
+               "after the context gets more than alpha."): {"count_top": False},
+        marked("Your denominator is missing the context's count: it is C(context) + alpha · vocab_size, the number "
+               "of n-grams that begin with the context plus alpha for each word."): {"count_bottom": False},
     }
 
 
@@ -404,7 +443,10 @@ def _probability_probe(fn: Callable[..., Any], seed: int) -> str | None:
                     for value, (history, word, n, alpha) in zip(got, cases, strict=True))]
     if len(found) != 1 or found[0] == ("", ""):
         return None
-    return " ".join(hint for hint in found[0] if hint)
+    context_hint, formula_hint = found[0]
+    if context_hint and formula_hint:
+        return t("{context_hint} {formula_hint}", context_hint=tr(context_hint), formula_hint=tr(formula_hint))
+    return tr(context_hint or formula_hint)
 
 
 @check
@@ -423,11 +465,12 @@ def check_ngram_probability(fn: Callable[..., Any], seed: int = 0) -> None:
         for alpha in (1.0, 0.25):
             seen = tokens[5 : 5 + n]
             histories = [
-                (["cat", "unseen", *seen[:-1]], seen[-1], "a seen n-gram"),
-                (list(tokens[10 : 10 + n + 2]), "unseen", "a word never seen after its context"),
+                (["cat", "unseen", *seen[:-1]], seen[-1], t("a seen n-gram")),
+                (list(tokens[10 : 10 + n + 2]), "unseen", t("a word never seen after its context")),
                 (["unseen"] * max(n - 1, 1), vocab[int(torch.randint(0, vocab_size - 1, (), generator=g))],
-                 "a context never seen in training"),
-                (tuple(tokens[20 : 20 + n - 1]), tokens[20 + n - 1], "a history given as a tuple, exactly n - 1 long"),
+                 t("a context never seen in training")),
+                (tuple(tokens[20 : 20 + n - 1]), tokens[20 + n - 1],
+                 t("a history given as a tuple, exactly n - 1 long")),
             ]
             got, expected, cases = [], [], []
             for history, word, what in histories:
@@ -436,20 +479,23 @@ def check_ngram_probability(fn: Callable[..., Any], seed: int = 0) -> None:
                 try:
                     value = call(fn, *args, **kwargs)
                 except CheckFailure as failure:
-                    text = str(failure)
+                    # What the code raised, not the message around it: the message is in the reader's language.
+                    raised = failure.raised if isinstance(failure, CodeRaised) else ""
                     hint = ""
-                    if "ZeroDivisionError" in text:
-                        hint = (" A context never seen in training has count 0, and so does your denominator: it is "
-                                "C(context) + alpha · vocab_size, never 0 (and the numerator C(context, word) + "
-                                "alpha).")
-                    elif "unhashable" in text or "concatenate" in text:
-                        hint = (" Counter's keys are tuples: make the context a tuple (tuple(history[...])) before "
-                                "you look it up or add the word to it.")
-                    raise CheckFailure(f"For {what} (n={n}, alpha={alpha}, history={list(history)}, word={word!r}): "
-                                       f"{text}{hint}") from None
+                    if "ZeroDivisionError" in raised:
+                        hint = t(" A context never seen in training has count 0, and so does your denominator: it is "
+                                 "C(context) + alpha · vocab_size, never 0 (and the numerator C(context, word) + "
+                                 "alpha).")
+                    elif "unhashable" in raised or "concatenate" in raised:
+                        hint = t(" Counter's keys are tuples: make the context a tuple (tuple(history[...])) before "
+                                 "you look it up or add the word to it.")
+                    raise CheckFailure(t("For {what} (n={n}, alpha={alpha}, history={history}, word={word!r}): "
+                                         "{error}{hint}", what=what, n=n, alpha=alpha, history=list(history),
+                                         word=word, error=str(failure), hint=hint)) from None
                 if type(value) is not float:
-                    raise CheckFailure(f"ngram_probability should return a Python float, got {kind(value)} "
-                                       f"(n={n}, history={list(history)}, word={word!r}).")
+                    raise CheckFailure(t("ngram_probability should return a Python float, got {kind} "
+                                         "(n={n}, history={history}, word={word!r}).", kind=kind(value), n=n,
+                                         history=list(history), word=word))
                 got.append(value)
                 expected.append(_probability_oracle(word, list(history), counts, contexts, n, vocab_size, alpha))
                 cases.append((what, history, word))
@@ -458,28 +504,31 @@ def check_ngram_probability(fn: Callable[..., Any], seed: int = 0) -> None:
             i = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True))
                      if not math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12))
             what, history, word = cases[i]
-            hint = _probability_probe(fn, seed) or (
+            hint = _probability_probe(fn, seed) or t(
                 "Compare with (C(context, word) + alpha) / (C(context) + alpha · vocab_size), the context being the "
                 "last n - 1 tokens of the history as a tuple.")
-            raise CheckFailure(
-                f"For {what} (n={n}, alpha={alpha}, vocab_size={vocab_size}, history={list(history)}, word={word!r}) "
-                f"you give {got[i]:.6g}; the add-alpha estimate is {expected[i]:.6g} (largest difference "
-                f"{max(abs(a - b) for a, b in zip(got, expected, strict=True)):.3g} over {len(got)} cases). {hint}"
-            )
+            raise CheckFailure(t(
+                "For {what} (n={n}, alpha={alpha}, vocab_size={vocab_size}, history={history}, word={word!r}) "
+                "you give {got:.6g}; the add-alpha estimate is {expected:.6g} (largest difference "
+                "{largest:.3g} over {cases} cases). {hint}", what=what, n=n, alpha=alpha, vocab_size=vocab_size,
+                history=list(history), word=word, got=got[i], expected=expected[i],
+                largest=max(abs(a - b) for a, b in zip(got, expected, strict=True)), cases=len(got), hint=hint))
         history = tokens[30 : 30 + 4]
         total = sum(call(fn, word, list(history), counts, contexts, n=n, vocab_size=vocab_size, alpha=0.5)
                     for word in vocab)
         if not math.isclose(total, 1.0, rel_tol=1e-9):
-            raise CheckFailure(f"Your probabilities of the {vocab_size} words after history={history} (n={n}, "
-                               f"alpha=0.5) sum to {total:.6g}, not 1.")
+            raise CheckFailure(t("Your probabilities of the {vocab_size} words after history={history} (n={n}, "
+                                 "alpha=0.5) sum to {total:.6g}, not 1.", vocab_size=vocab_size, history=history, n=n,
+                                 total=total))
         value = call(fn, tokens[40], list(history), counts, contexts, n=n, vocab_size=vocab_size)
         expected_value = _probability_oracle(tokens[40], list(history), counts, contexts, n, vocab_size, 1.0)
         if not (type(value) is float and math.isclose(value, expected_value, rel_tol=1e-9)):
-            raise CheckFailure(f"Called without alpha (n={n}, history={history}, word={tokens[40]!r}), your function "
-                               f"gives {value!r}; alpha defaults to 1 (Laplace's rule), which gives "
-                               f"{expected_value:.6g}.")
-    passed("equal to the add-alpha estimate for n = 1, 2, 3 on seen and unseen n-grams and contexts; sums to 1 over "
-           "the vocabulary")
+            raise CheckFailure(t("Called without alpha (n={n}, history={history}, word={word!r}), your function "
+                                 "gives {got!r}; alpha defaults to 1 (Laplace's rule), which gives "
+                                 "{expected:.6g}.", n=n, history=history, word=tokens[40], got=value,
+                                 expected=expected_value))
+    passed(t("equal to the add-alpha estimate for n = 1, 2, 3 on seen and unseen n-grams and contexts; sums to 1 over "
+             "the vocabulary"))
 
 
 # -- exercise 4: additive attention -----------------------------------------------------------
@@ -563,39 +612,41 @@ def _guarded_softmax(scores: Tensor, mask: Tensor, dim: int, slip: str) -> Tenso
 
 
 def _attention_variants(mask: Tensor | None, d_attn: int) -> dict[str, dict[str, Any]]:
+    """The common mistakes, each a hint (shown with tr()) and the oracle's arguments that make it."""
     variants: dict[str, dict[str, Any]] = {
-        "tanh is missing: without it the score is v_aᵀ W_q q_i + v_aᵀ W_k k_j, and the query's term is the same for "
-        "every key, so it cancels in the softmax: every query gets the same weights. Score with "
-        "v_aᵀ tanh(W_q q_i + W_k k_j).": {"tanh": False},
-        "You took the softmax over the query axis: take it over k_len (dim=-1), so that each query's weights over "
-        "the keys sum to 1.": {"dim": -2},
-        "You scaled the scores by 1/sqrt(d_attn): additive attention has no scaling, its tanh keeps the scores "
-        "bounded.": {"scale": 1 / math.sqrt(d_attn)},
-        "You left v_a out (summing tanh(...) over d_attn is v_a = 1): the score is the dot product of v_a with "
-        "tanh(W_q q_i + W_k k_j).": {"v_a_ones": True},
+        marked("tanh is missing: without it the score is v_aᵀ W_q q_i + v_aᵀ W_k k_j, and the query's term is the "
+               "same for every key, so it cancels in the softmax: every query gets the same weights. Score with "
+               "v_aᵀ tanh(W_q q_i + W_k k_j)."): {"tanh": False},
+        marked("You took the softmax over the query axis: take it over k_len (dim=-1), so that each query's weights "
+               "over the keys sum to 1."): {"dim": -2},
+        marked("You scaled the scores by 1/sqrt(d_attn): additive attention has no scaling, its tanh keeps the "
+               "scores bounded."): {"scale": 1 / math.sqrt(d_attn)},
+        marked("You left v_a out (summing tanh(...) over d_attn is v_a = 1): the score is the dot product of v_a "
+               "with tanh(W_q q_i + W_k k_j)."): {"v_a_ones": True},
     }
     if mask is not None:
         variants.update({
-            "Your mask is inverted: True means 'may attend', so fill the scores where the mask is False.":
+            marked("Your mask is inverted: True means 'may attend', so fill the scores where the mask is False."):
                 {"mask_style": "inverted"},
-            "You masked after the softmax: the masked keys get 0 but the others no longer sum to 1. Fill the "
-            "scores with -inf before the softmax.": {"mask_style": "after"},
-            "You filled the masked scores with 0, which is an ordinary score: fill them with -inf.":
+            marked("You masked after the softmax: the masked keys get 0 but the others no longer sum to 1. Fill the "
+                   "scores with -inf before the softmax."): {"mask_style": "after"},
+            marked("You filled the masked scores with 0, which is an ordinary score: fill them with -inf."):
                 {"mask_style": "zero"},
-            "You added the mask to the scores as numbers: use it to choose, scores.masked_fill(~mask, -inf).":
+            marked("You added the mask to the scores as numbers: use it to choose, scores.masked_fill(~mask, -inf)."):
                 {"mask_style": "add"},
             # The guard of fully masked rows (there are none in these masks, so a right guard changes nothing).
-            "Your output is the masked attention with every query that has a masked key zeroed, as if the guard of "
-            "fully masked rows asked whether all keys are kept (mask.all) where it should ask whether at least one "
-            "is: has_key = mask.any(dim=-1, keepdim=True).": {"mask_style": "guard all"},
-            "Your output is the masked attention with the guard of fully masked rows taken over the query axis "
-            "(dim=-2): a query has no key left when its row of the mask, over k_len, holds no True: "
-            "mask.any(dim=-1, keepdim=True).": {"mask_style": "guard q_axis"},
-            "Your output gives every query that has a key the same weight on all k_len keys, masked ones included: "
-            "the guard that sets the scores of fully masked rows to 0 is inverted, it overwrote the rows that have "
-            "keys. Fill where ~has_key, the rows with no key.": {"mask_style": "guard scores_inverted"},
-            "Your weights are zero in every row that has a key: the guard that zeroes fully masked rows after the "
-            "softmax is inverted. Zero the weights where ~has_key, the rows with no key.":
+            marked("Your output is the masked attention with every query that has a masked key zeroed, as if the "
+                   "guard of fully masked rows asked whether all keys are kept (mask.all) where it should ask whether "
+                   "at least one is: has_key = mask.any(dim=-1, keepdim=True)."): {"mask_style": "guard all"},
+            marked("Your output is the masked attention with the guard of fully masked rows taken over the query axis "
+                   "(dim=-2): a query has no key left when its row of the mask, over k_len, holds no True: "
+                   "mask.any(dim=-1, keepdim=True)."): {"mask_style": "guard q_axis"},
+            marked("Your output gives every query that has a key the same weight on all k_len keys, masked ones "
+                   "included: the guard that sets the scores of fully masked rows to 0 is inverted, it overwrote the "
+                   "rows that have keys. Fill where ~has_key, the rows with no key."):
+                {"mask_style": "guard scores_inverted"},
+            marked("Your weights are zero in every row that has a key: the guard that zeroes fully masked rows after "
+                   "the softmax is inverted. Zero the weights where ~has_key, the rows with no key."):
                 {"mask_style": "guard weights_inverted"},
         })
     return variants
@@ -641,11 +692,11 @@ def _square_projection_hint(fn: Callable[..., Any], inputs: tuple[Tensor, ...]) 
              if close(output, _additive_oracle(*square, transposed=which)[0].to(q.dtype), q.dtype, tolerance)]
     if len(found) != 1:
         return ""
-    names = {"query": "W_q q", "key": "W_k k", "query key": "W_q q and W_k k"}[found[0]]
-    return (f" On 2-D inputs with q_len = k_len = d_attn = {d_attn} your function runs, and gives what it gives with "
-            f"{names} transposed, (d_attn, len) instead of (len, d_attn). Check that the operands of that einsum "
-            "come in the order of its pattern, the inputs first: einsum(q, w_q, \"... q_len d_q, d_attn d_q -> ... "
-            "q_len d_attn\"), and likewise for k.")
+    names = {"query": "W_q q", "key": "W_k k"}.get(found[0]) or t("W_q q and W_k k")
+    return t(" On 2-D inputs with q_len = k_len = d_attn = {d_attn} your function runs, and gives what it gives with "
+             "{names} transposed, (d_attn, len) instead of (len, d_attn). Check that the operands of that einsum "
+             "come in the order of its pattern, the inputs first: einsum(q, w_q, \"... q_len d_q, d_attn d_q -> ... "
+             "q_len d_attn\"), and likewise for k.", d_attn=d_attn, names=names)
 
 
 def _square_mask_hint(fn: Callable[..., Any], inputs: tuple[Tensor, ...]) -> str:
@@ -674,9 +725,9 @@ def _square_mask_hint(fn: Callable[..., Any], inputs: tuple[Tensor, ...]) -> str
     for place in ("", " scores", " weights"):
         slipped, _ = _additive_oracle(*square, mask, mask_style="guard no_keepdim" + place)
         if close(output.nan_to_num(0.0), slipped.to(q.dtype), q.dtype, 1e-4 if q.dtype == torch.float32 else 1e-9):
-            return (f" On 2-D inputs with q_len = k_len = {m} it runs, and gives what the guard of fully masked rows "
-                    "gives without keepdim: mask.any(dim=-1) drops the k_len axis, and its (..., q_len) then lines "
-                    "up with the keys' axis. Keep it with keepdim=True.")
+            return t(" On 2-D inputs with q_len = k_len = {m} it runs, and gives what the guard of fully masked rows "
+                     "gives without keepdim: mask.any(dim=-1) drops the k_len axis, and its (..., q_len) then lines "
+                     "up with the keys' axis. Keep it with keepdim=True.", m=m)
     return ""
 
 
@@ -691,36 +742,39 @@ def _attend(fn: Callable[..., Any], inputs: tuple[Tensor, ...], mask: Tensor | N
         if not isinstance(failure, CodeRaised):
             raise
         hint = ""
+        # What the code raised, not the message around it: the message is in the reader's language.
+        raised = failure.raised
         every_key = torch.ones(*q.shape[:-1], k.shape[-2], dtype=torch.bool)
         if mask is None and _runs(fn, (*inputs, every_key)):
-            hint = (" The same call with a mask that keeps every key, which must change nothing, runs: your code uses "
-                    "the mask when mask is None. Guard each step that uses it with `if mask is not None`.")
-        elif mask is None and "'NoneType' object has no attribute" in str(failure):
-            hint = (" Called without a mask, your code read an attribute of None, and mask is the only argument that "
-                    "is None: a step that uses the mask runs when mask is None. Guard each step that uses it with "
-                    "`if mask is not None`.")
+            hint = t(" The same call with a mask that keeps every key, which must change nothing, runs: your code "
+                     "uses the mask when mask is None. Guard each step that uses it with `if mask is not None`.")
+        elif mask is None and "'NoneType' object has no attribute" in raised:
+            hint = t(" Called without a mask, your code read an attribute of None, and mask is the only argument "
+                     "that is None: a step that uses the mask runs when mask is None. Guard each step that uses it "
+                     "with `if mask is not None`.")
         elif mask is not None and _runs(fn, inputs):
-            hint = (" The same call without the mask runs, so the error comes from where your code uses the mask: "
-                    "compare the shape of each tensor you make from it with the scores' (..., q_len, k_len)."
-                    + _square_mask_hint(fn, inputs))
+            hint = t(" The same call without the mask runs, so the error comes from where your code uses the mask: "
+                     "compare the shape of each tensor you make from it with the scores' (..., q_len, k_len).{more}",
+                     more=_square_mask_hint(fn, inputs))
         elif mask is None and (square := _square_projection_hint(fn, inputs)):
             hint = square
         elif q.dim() == 2:
-            hint = (" The leading axes are *batch, any number of them, none included: write einsum patterns with "
-                    "'...' (\"... q_len d_q, d_attn d_q -> ... q_len d_attn\"), never with fixed axis numbers.")
-        elif "shape" in str(failure) or "size" in str(failure):
-            hint = (" w_q is (d_attn, d_q) and w_k is (d_attn, d_k), the layout of nn.Linear.weight: W_q q is "
-                    "einsum(q, w_q, \"... q_len d_q, d_attn d_q -> ... q_len d_attn\"). The query and key terms "
-                    "meet in a (..., q_len, k_len, d_attn) tensor: add axes of size 1 with rearrange.")
+            hint = t(" The leading axes are *batch, any number of them, none included: write einsum patterns with "
+                     "'...' (\"... q_len d_q, d_attn d_q -> ... q_len d_attn\"), never with fixed axis numbers.")
+        elif "shape" in raised or "size" in raised:
+            hint = t(" w_q is (d_attn, d_q) and w_k is (d_attn, d_k), the layout of nn.Linear.weight: W_q q is "
+                     "einsum(q, w_q, \"... q_len d_q, d_attn d_q -> ... q_len d_attn\"). The query and key terms "
+                     "meet in a (..., q_len, k_len, d_attn) tensor: add axes of size 1 with rearrange.")
         text = _sentence(str(failure)) if hint else str(failure)
-        raise CheckFailure(f"{where} (sizes {_named(sizes)}): {text}{hint}") from None
+        raise CheckFailure(t("{where} (sizes {sizes}): {error}{hint}", where=where, sizes=_named(sizes), error=text,
+                             hint=hint)) from None
     if not isinstance(result, tuple) or len(result) != 2:
-        raise CheckFailure(f"{where} (sizes {_named(sizes)}): additive_attention should return a pair "
-                           f"(output, weights), got {kind(result)}.")
+        raise CheckFailure(t("{where} (sizes {sizes}): additive_attention should return a pair "
+                             "(output, weights), got {kind}.", where=where, sizes=_named(sizes), kind=kind(result)))
     lead = [n for n in ("batch",) if n in sizes]
-    output = expect_tensor(result[0], "output", (*q.shape[:-2], q.shape[-2], v.shape[-1]),
+    output = expect_tensor(result[0], t("output"), (*q.shape[:-2], q.shape[-2], v.shape[-1]),
                            " ".join([*lead, "q_len d_v"]), q.dtype)
-    weights = expect_tensor(result[1], "weights", (*q.shape[:-2], q.shape[-2], k.shape[-2]),
+    weights = expect_tensor(result[1], t("weights"), (*q.shape[:-2], q.shape[-2], k.shape[-2]),
                             " ".join([*lead, "q_len k_len"]), q.dtype)
     return output, weights
 
@@ -741,19 +795,19 @@ def _diagnose_attention(inputs: tuple[Tensor, ...], mask: Tensor | None, output:
         if close(output.nan_to_num(0.0), out.nan_to_num(0.0).to(dtype), dtype, tolerance):
             matches.append(hint)
     if len(matches) == 1:
-        return f"{matches[0]} (Your output: {found}.)"
+        return t("{hint} (Your output: {difference}.)", hint=tr(matches[0]), difference=found)
     if torch.isnan(output).any() or torch.isnan(weights).any():
-        return (f"Your result contains NaN ({found}). A query whose keys are all masked must give zeros: the "
-                "softmax of a row of -inf is NaN.")
-    return (f"Your output differs from the definition ({found}) and matches none of the common mistakes. On a small "
-            "example, compare your scores with v_aᵀ tanh(W_q q_i + W_k k_j) for one query i and key j, then their "
-            "softmax over k_len.")
+        return t("Your result contains NaN ({difference}). A query whose keys are all masked must give zeros: the "
+                 "softmax of a row of -inf is NaN.", difference=found)
+    return t("Your output differs from the definition ({difference}) and matches none of the common mistakes. On a "
+             "small example, compare your scores with v_aᵀ tanh(W_q q_i + W_k k_j) for one query i and key j, then "
+             "their softmax over k_len.", difference=found)
 
 
 def _leading(inputs: tuple[Tensor, ...]) -> list[tuple[str, tuple[Tensor, ...]]]:
     q, k, v, *weights = inputs
-    return [("With (batch, q_len, d) inputs", inputs), ("With batch=1", (q[:1], k[:1], v[:1], *weights)),
-            ("With 2-D (q_len, d) inputs, no batch axis", (q[0], k[0], v[0], *weights))]
+    return [(t("With (batch, q_len, d) inputs"), inputs), (t("With batch=1"), (q[:1], k[:1], v[:1], *weights)),
+            (t("With 2-D (q_len, d) inputs, no batch axis"), (q[0], k[0], v[0], *weights))]
 
 
 @check
@@ -763,8 +817,8 @@ def check_additive_attention_shapes(fn: Callable[..., Any], seed: int = 0) -> No
     for dtype in (torch.float32, torch.float64):
         _, inputs = _attention_inputs(seed, dtype)
         for where, case in _leading(inputs):
-            _attend(fn, case, None, f"{where}, {dtype_name(dtype)}")
-    passed("shapes and dtypes are right, with a batch axis, batch=1 and no batch axis")
+            _attend(fn, case, None, _case(where, dtype))
+    passed(t("shapes and dtypes are right, with a batch axis, batch=1 and no batch axis"))
 
 
 @check
@@ -777,24 +831,28 @@ def check_additive_attention_values(fn: Callable[..., Any], seed: int = 0, dtype
         output, weights = _attend(fn, case, None, where)
         expected_out, expected_w = _additive_oracle(*case)
         if not close(output, expected_out.to(dtype), dtype):
-            raise CheckFailure(f"{where}, {dtype_name(dtype)}: {_diagnose_attention(case, None, output, weights)}")
+            raise CheckFailure(t("{case}, {dtype}: {diagnosis}", case=where, dtype=dtype_name(dtype),
+                                 diagnosis=_diagnose_attention(case, None, output, weights)))
         if not close(weights, expected_w.to(dtype), dtype):
-            raise CheckFailure(f"{where}, {dtype_name(dtype)}: your output is right but the weights you return are "
-                               f"not the softmax of the scores ({difference(weights, expected_w.to(dtype), sizes)}): "
-                               "return the weights that you multiplied v by.")
+            raise CheckFailure(t("{case}, {dtype}: your output is right but the weights you return are "
+                                 "not the softmax of the scores ({difference}): "
+                                 "return the weights that you multiplied v by.", case=where, dtype=dtype_name(dtype),
+                                 difference=difference(weights, expected_w.to(dtype), sizes)))
     # An exact answer: with one key every query gives it weight 1 and reads its value, whatever the scores.
     q, k, v, *weights_in = inputs
     one_key = (q, k[..., :1, :], v[..., :1, :], *weights_in)
-    output, weights = _attend(fn, one_key, None, "With one key (k_len=1)")
+    output, weights = _attend(fn, one_key, None, t("With one key (k_len=1)"))
     sizes = _attention_names(*one_key[:4])
     if not (close(weights, torch.ones_like(weights), dtype) and close(output, v[..., :1, :].expand_as(output), dtype)):
-        raise CheckFailure(f"With one key (k_len=1) every query gives it weight 1 and its output is that key's value; "
-                           f"yours differ (weights: {difference(weights, torch.ones_like(weights), sizes)}; output: "
-                           f"{difference(output, v[..., :1, :].expand_as(output), sizes)}). Look at the axis of "
-                           "your softmax (it must be k_len, dim=-1) and at anything that drops the k_len axis when "
-                           "it is 1 (a squeeze).")
-    passed(f"equal to softmax(v_aᵀ tanh(W_q q + W_k k)) written out key by key, and its weighted sum of v; weight 1 "
-           f"on a single key ({dtype_name(dtype)})")
+        raise CheckFailure(t("With one key (k_len=1) every query gives it weight 1 and its output is that key's "
+                             "value; yours differ (weights: {weights_difference}; output: "
+                             "{output_difference}). Look at the axis of "
+                             "your softmax (it must be k_len, dim=-1) and at anything that drops the k_len axis when "
+                             "it is 1 (a squeeze).",
+                             weights_difference=difference(weights, torch.ones_like(weights), sizes),
+                             output_difference=difference(output, v[..., :1, :].expand_as(output), sizes)))
+    passed(t("equal to softmax(v_aᵀ tanh(W_q q + W_k k)) written out key by key, and its weighted sum of v; weight 1 "
+             "on a single key ({dtype})", dtype=dtype_name(dtype)))
 
 
 @check
@@ -809,49 +867,56 @@ def check_additive_attention_mask(fn: Callable[..., Any], seed: int = 0, dtype: 
     full[..., 0] = True  # every query keeps a key here; the fully masked row comes last
     lengths = torch.randint(1, k_len + 1, (b,), generator=g)
     padding = torch.arange(k_len).expand(b, 1, k_len) < lengths.view(b, 1, 1)  # (batch, 1, k_len)
-    cases = [("a random (batch, q_len, k_len) mask", inputs, full),
-             ("a padding mask (batch, 1, k_len)", inputs, padding),
-             ("a padding mask on batch=1", (q[:1], k[:1], v[:1], *weights_in), padding[:1]),
-             ("a (q_len, k_len) mask on 2-D inputs", (q[0], k[0], v[0], *weights_in), full[0])]
+    cases = [(t("a random (batch, q_len, k_len) mask"), inputs, full),
+             (t("a padding mask (batch, 1, k_len)"), inputs, padding),
+             (t("a padding mask on batch=1"), (q[:1], k[:1], v[:1], *weights_in), padding[:1]),
+             (t("a (q_len, k_len) mask on 2-D inputs"), (q[0], k[0], v[0], *weights_in), full[0])]
     for what, case, mask in cases:
         sizes = _attention_names(*case[:4])
-        output, weights = _attend(fn, case, mask, f"With {what}")
+        output, weights = _attend(fn, case, mask, t("With {mask}", mask=what))
         expected_out, expected_w = _additive_oracle(*case, mask)
         if not close(output, expected_out.to(dtype), dtype):
-            raise CheckFailure(f"With {what}, {dtype_name(dtype)}: {_diagnose_attention(case, mask, output, weights)}")
+            raise CheckFailure(t("With {mask}, {dtype}: {diagnosis}", mask=what, dtype=dtype_name(dtype),
+                                 diagnosis=_diagnose_attention(case, mask, output, weights)))
         leaked = weights.masked_select(~mask.expand_as(weights))
         if leaked.numel() and leaked.abs().max() != 0:
-            raise CheckFailure(f"With {what}, masked keys got weight up to {leaked.abs().max().item():.3g} (sizes "
-                               f"{_named(sizes)}); they must get exactly 0: fill their scores with -inf before the "
-                               "softmax.")
+            raise CheckFailure(t("With {mask}, masked keys got weight up to {largest:.3g} (sizes "
+                                 "{sizes}); they must get exactly 0: fill their scores with -inf before the "
+                                 "softmax.", mask=what, largest=leaked.abs().max().item(), sizes=_named(sizes)))
         if not close(weights, expected_w.to(dtype), dtype):
-            raise CheckFailure(f"With {what} your output is right, but the weights you return differ from the masked "
-                               f"softmax ({difference(weights, expected_w.to(dtype), sizes)}): return the weights that "
-                               "you multiplied v by.")
+            raise CheckFailure(t("With {mask} your output is right, but the weights you return differ from the masked "
+                                 "softmax ({difference}): return the weights that "
+                                 "you multiplied v by.", mask=what,
+                                 difference=difference(weights, expected_w.to(dtype), sizes)))
         sums = weights.sum(-1)
         if not close(sums, torch.ones_like(sums), dtype):
-            raise CheckFailure(f"With {what}, each query's weights over its unmasked keys should sum to 1 "
-                               f"({difference(sums, torch.ones_like(sums), sizes)}).")
+            raise CheckFailure(t("With {mask}, each query's weights over its unmasked keys should sum to 1 "
+                                 "({difference}).", mask=what,
+                                 difference=difference(sums, torch.ones_like(sums), sizes)))
     blind = full.clone()
     blind[:, 1, :] = False  # query 1 of every sentence may read no key
-    output, weights = _attend(fn, inputs, blind, "With a mask that hides every key from query 1")
+    output, weights = _attend(fn, inputs, blind, t("With a mask that hides every key from query 1"))
     row_out, row_w = output[:, 1], weights[:, 1]
-    where = f"query 1 of every sentence, sizes {_named(s)}"
+    where = t("query 1 of every sentence, sizes {sizes}", sizes=_named(s))
     if torch.isnan(row_out).any() or torch.isnan(row_w).any():
-        raise CheckFailure(f"A query whose keys are all masked gives NaN (the softmax of a row of -inf), {where}. Give "
-                           "such rows zero weights and a zero output: find them with mask.any(dim=-1, keepdim=True).")
+        raise CheckFailure(t("A query whose keys are all masked gives NaN (the softmax of a row of -inf), {where}. "
+                             "Give such rows zero weights and a zero output: find them with mask.any(dim=-1, "
+                             "keepdim=True).", where=where))
     if row_out.abs().max() != 0 or row_w.abs().max() != 0:
-        raise CheckFailure(f"A query whose keys are all masked should get zero weights and a zero output ({where}), "
-                           f"got weights {describe(row_w)} with largest {row_w.abs().max().item():.3g} (output: "
-                           f"{difference(row_out, torch.zeros_like(row_out))}).")
+        raise CheckFailure(t("A query whose keys are all masked should get zero weights and a zero output ({where}), "
+                             "got weights {weights} with largest {largest:.3g} (output: "
+                             "{output_difference}).", where=where, weights=describe(row_w),
+                             largest=row_w.abs().max().item(),
+                             output_difference=difference(row_out, torch.zeros_like(row_out))))
     others = torch.cat([output[:, :1], output[:, 2:]], dim=1)
     expected_out, _ = _additive_oracle(*inputs, blind)
     expected_others = torch.cat([expected_out[:, :1], expected_out[:, 2:]], dim=1).to(dtype)
     if not close(others, expected_others, dtype):
-        raise CheckFailure(f"With a fully masked query 1, the other queries' outputs changed "
-                           f"({difference(others, expected_others, s)}): only that row should be zeroed.")
-    passed(f"masks: masked keys get 0 and the others sum to 1, masks broadcast (batch=1 and 2-D too), a fully masked "
-           f"row gives zeros ({dtype_name(dtype)})")
+        raise CheckFailure(t("With a fully masked query 1, the other queries' outputs changed "
+                             "({difference}): only that row should be zeroed.",
+                             difference=difference(others, expected_others, s)))
+    passed(t("masks: masked keys get 0 and the others sum to 1, masks broadcast (batch=1 and 2-D too), a fully masked "
+             "row gives zeros ({dtype})", dtype=dtype_name(dtype)))
 
 
 # -- exercise 5: the measurement ----------------------------------------------------------------
@@ -909,9 +974,9 @@ def _measure(fn: Callable[..., Any], d_k: int, **kwargs: Any) -> Any:
         said = failure.text if isinstance(failure, CodeRaised) else ""
         if re.search(r"\bdouble\b", said, re.I) and re.search(r"\bfloat\b", said, re.I):
             # Every tensor of the exercise is drawn in float64: a float32 one is a draw without its dtype.
-            raise CheckFailure(f"{_sentence(str(failure))} Your tensors mix float32 and float64: the exercise draws "
-                               "every tensor in float64, and torch.randn without dtype=torch.float64 gives float32. "
-                               "Pass dtype=torch.float64 to each draw.") from None
+            raise CheckFailure(t("{error} Your tensors mix float32 and float64: the exercise draws "
+                                 "every tensor in float64, and torch.randn without dtype=torch.float64 gives float32. "
+                                 "Pass dtype=torch.float64 to each draw.", error=_sentence(str(failure)))) from None
         raise
 
 
@@ -931,35 +996,36 @@ def _top_weight_hint(table: dict[tuple[int, bool], float], references: dict[tupl
     value = table[cell]
     dots = [d for d, a in table if not a]
     if abs(value - 1 / k_len) < 1e-6:
-        return "You took the mean weight, which is always 1/k_len: take each query's largest weight (max over k_len)."
+        return t("You took the mean weight, which is always 1/k_len: take each query's largest weight (max over "
+                 "k_len).")
     if all(abs(table[d, a] - references[d, not a]) <= max(TOP_WEIGHT_TOLERANCE[d, a], TOP_WEIGHT_TOLERANCE[d, not a])
            for d, a in table):
-        return ("Your additive=False values agree with fresh samples of additive attention, and your additive=True "
-                "values with the dot product's, at every d_k: the branch on additive is inverted.")
+        return t("Your additive=False values agree with fresh samples of additive attention, and your additive=True "
+                 "values with the dot product's, at every d_k: the branch on additive is inverted.")
     if additive:
         if value > references[cell]:
-            return ("Your additive attention is more peaked than it should be. Does exercise 4 pass (the tanh keeps "
-                    "each score bounded)? Are w_q and w_k drawn with torch.randn divided by sqrt(d_k), and v_a with "
-                    "torch.randn divided by sqrt(d_attn)?")
-        return ("Are q, k, w_q, w_k and v_a drawn with torch.randn, w_q and w_k divided by sqrt(d_k) and v_a by "
-                "sqrt(d_attn), with the q_len, k_len, d_attn and samples you are given, and is the result the mean "
-                "over every query of its largest weight?")
+            return t("Your additive attention is more peaked than it should be. Does exercise 4 pass (the tanh keeps "
+                     "each score bounded)? Are w_q and w_k drawn with torch.randn divided by sqrt(d_k), and v_a with "
+                     "torch.randn divided by sqrt(d_attn)?")
+        return t("Are q, k, w_q, w_k and v_a drawn with torch.randn, w_q and w_k divided by sqrt(d_k) and v_a by "
+                 "sqrt(d_attn), with the q_len, k_len, d_attn and samples you are given, and is the result the mean "
+                 "over every query of its largest weight?")
     scaled = {d: _reference_top_weight(d, False, q_len, k_len, d_attn, g, scaled=True) for d in dots}
     if all(abs(table[d, False] - scaled[d]) < SCALED_TOLERANCE[d] for d in dots):
-        return "You divided the dot products by sqrt(d_k): this experiment measures the unscaled scores q·k."
+        return t("You divided the dot products by sqrt(d_k): this experiment measures the unscaled scores q·k.")
     over_queries = {d: _reference_top_weight(d, False, q_len, k_len, d_attn, g, dim=-2) for d in dots}
     if all(abs(table[d, False] - over_queries[d]) <= TOP_WEIGHT_TOLERANCE[d, False] for d in dots):
-        return ("Your dot-product values agree, at every d_k, with fresh samples of a softmax taken over the queries "
-                f"(for d_k={d_k}, about {over_queries[d_k]:.3f}): take it over the keys, dim=-1, so that each query's "
-                "weights sum to 1.")
+        return t("Your dot-product values agree, at every d_k, with fresh samples of a softmax taken over the queries "
+                 "(for d_k={d_k}, about {value:.3f}): take it over the keys, dim=-1, so that each query's "
+                 "weights sum to 1.", d_k=d_k, value=over_queries[d_k])
     over_q_len = {d: _reference_top_weight(d, False, q_len, q_len, d_attn, g) for d in dots}
     if all(abs(table[d, False] - over_q_len[d]) <= TOP_WEIGHT_TOLERANCE[d, False] for d in dots):
-        return (f"That is the largest weight over {q_len} keys, as many as queries (a fresh sample gives about "
-                f"{over_q_len[d_k]:.3f}): are the keys drawn with k_len rows, torch.randn(k_len, d_k), and are your "
-                "scores (q_len, k_len), a row per query?")
-    return ("Are q and k unit-variance (torch.randn) with the q_len, k_len and samples you are given, are the scores "
-            "the unscaled q·k, softmaxed over the keys, and is the result the mean over every query of its largest "
-            "weight?")
+        return t("That is the largest weight over {q_len} keys, as many as queries (a fresh sample gives about "
+                 "{value:.3f}): are the keys drawn with k_len rows, torch.randn(k_len, d_k), and are your "
+                 "scores (q_len, k_len), a row per query?", q_len=q_len, value=over_q_len[d_k])
+    return t("Are q and k unit-variance (torch.randn) with the q_len, k_len and samples you are given, are the scores "
+             "the unscaled q·k, softmaxed over the keys, and is the result the mean over every query of its largest "
+             "weight?")
 
 
 @check
@@ -977,10 +1043,11 @@ def check_top_weight_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
                                                 samples=samples, seed=seed)
     for (d_k, additive), value in table.items():
         if type(value) is Tensor and value.numel() == 1:
-            raise CheckFailure(f"Your mean_top_weight returns a one-element Tensor ({value.dtype}), not a Python "
-                               "float: end with .item().")
+            raise CheckFailure(t("Your mean_top_weight returns a one-element Tensor ({dtype}), not a Python "
+                                 "float: end with .item().", dtype=value.dtype))
         if type(value) is not float:
-            raise CheckFailure(f"mean_top_weight should return a Python float (use .item()), got {kind(value)}.")
+            raise CheckFailure(t("mean_top_weight should return a Python float (use .item()), got {kind}.",
+                                 kind=kind(value)))
         if not 1 / k_len - 1e-9 <= value <= 1 + 1e-9:
             with one_thread():
                 g = torch.Generator().manual_seed(seed + 13)
@@ -989,16 +1056,18 @@ def check_top_weight_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
             near = [abs(value - over_q_len) <= TOP_WEIGHT_TOLERANCE[d_k, additive],
                     not additive and abs(value - over_queries) <= TOP_WEIGHT_TOLERANCE[d_k, additive]]
             if near == [True, False]:
-                hint = (f"That is the largest weight over {q_len} keys (a fresh sample gives about {over_q_len:.3f}): "
-                        "draw the keys with k_len rows, torch.randn(k_len, d_k), and the queries with q_len.")
+                hint = t("That is the largest weight over {q_len} keys (a fresh sample gives about {value:.3f}): "
+                         "draw the keys with k_len rows, torch.randn(k_len, d_k), and the queries with q_len.",
+                         q_len=q_len, value=over_q_len)
             elif near == [False, True]:
-                hint = (f"That agrees with a fresh sample of weights softmaxed over the queries (about "
-                        f"{over_queries:.3f}), whose largest over the keys can be below 1/k_len: take the softmax "
-                        "over the keys, dim=-1, so that each query's weights sum to 1.")
+                hint = t("That agrees with a fresh sample of weights softmaxed over the queries (about "
+                         "{value:.3f}), whose largest over the keys can be below 1/k_len: take the softmax "
+                         "over the keys, dim=-1, so that each query's weights sum to 1.", value=over_queries)
             else:
-                hint = "Does your function draw the k_len keys it is given, and take the largest weight over k_len?"
-            raise CheckFailure(f"The largest of {k_len} weights that sum to 1 lies in [1/{k_len}, 1] = "
-                               f"[{1 / k_len:.3f}, 1], got {value:.3f} for d_k={d_k}, additive={additive}. {hint}")
+                hint = t("Does your function draw the k_len keys it is given, and take the largest weight over k_len?")
+            raise CheckFailure(t("The largest of {k_len} weights that sum to 1 lies in [1/{k_len}, 1] = "
+                                 "[{lowest:.3f}, 1], got {value:.3f} for d_k={d_k}, additive={additive}. {hint}",
+                                 k_len=k_len, lowest=1 / k_len, value=value, d_k=d_k, additive=additive, hint=hint))
     g = torch.Generator().manual_seed(seed + 11)
     with one_thread():
         references = {cell: _reference_top_weight(*cell, q_len, k_len, d_attn, g) for cell in table}
@@ -1008,10 +1077,12 @@ def check_top_weight_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
             continue
         with one_thread():
             hint = _top_weight_hint(table, references, (d_k, additive), (q_len, k_len, d_attn), g)
-        raise CheckFailure(f"For d_k={d_k}, additive={additive}, q_len={q_len}, k_len={k_len}, d_attn={d_attn}, "
-                           f"samples={samples} you measured {value:.3f}; a fresh sample gives about {reference:.3f} "
-                           f"(difference {abs(value - reference):.3f}, allowed {allowed}: 5.2 standard deviations "
-                           f"of the difference between two such samples). {hint}")
+        raise CheckFailure(t("For d_k={d_k}, additive={additive}, q_len={q_len}, k_len={k_len}, d_attn={d_attn}, "
+                             "samples={samples} you measured {value:.3f}; a fresh sample gives about {reference:.3f} "
+                             "(difference {gap:.3f}, allowed {allowed}: 5.2 standard deviations "
+                             "of the difference between two such samples). {hint}", d_k=d_k, additive=additive,
+                             q_len=q_len, k_len=k_len, d_attn=d_attn, samples=samples, value=value,
+                             reference=reference, gap=abs(value - reference), allowed=allowed, hint=hint))
     first = (table[4, False], (4,), dict(additive=False, q_len=q_len, k_len=k_len, d_attn=d_attn, samples=samples,
                                         seed=seed))
     with one_thread():
@@ -1021,20 +1092,23 @@ def check_top_weight_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
         except CheckFailure as failure:
             if not isinstance(failure, CodeRaised) or not _measure_runs(fn, samples=2, seed=seed + 1000):
                 raise
-            hint = ("With samples=1 your function stacked an empty list, and with samples=2 it runs: its loop runs "
-                    "fewer times than samples (once per sample is range(samples))." if "empty" in str(failure) else
-                    "The same call with samples=2 runs: look at what your function does with samples when it is 1.")
-            raise CheckFailure(f"{_sentence(str(failure))} {hint}") from None
-        _check_measurement_arguments(fn, "mean_top_weight", "additive", 1.0, "the largest weight", seed,
+            # What the code raised, not the message around it: the message is in the reader's language.
+            hint = (t("With samples=1 your function stacked an empty list, and with samples=2 it runs: its loop runs "
+                      "fewer times than samples (once per sample is range(samples)).") if "empty" in failure.raised
+                    else t("The same call with samples=2 runs: look at what your function does with samples when it "
+                           "is 1."))
+            raise CheckFailure(t("{error} {hint}", error=_sentence(str(failure)), hint=hint)) from None
+        _check_measurement_arguments(fn, "mean_top_weight", "additive", 1.0, t("the largest weight"), seed,
                                      SINGLE_DRAW_SD, first)
         # The argument check called additive=False twice; the additive branch draws three more tensors.
         again = call(fn, 4, additive=True, q_len=q_len, k_len=k_len, d_attn=d_attn, samples=samples, seed=seed)
     if again != table[4, True]:
-        raise CheckFailure(
-            f"Called twice with the same arguments and seed={seed}, additive=True gave {table[4, True]!r} and then "
-            f"{again!r}, while additive=False gives one answer: a draw of the additive branch (w_q, w_k or v_a) "
-            "does not come from the seeded generator. Pass generator=... to each torch.randn."
-        )
-    passed(f"dot product: the largest weight grows from {table[4, False]:.2f} to {table[256, False]:.2f} as d_k goes "
-           f"4 → 256; additive: it stays near {table[256, True]:.2f} (over {k_len} keys); 1 for one key; seed and "
-           "samples used")
+        raise CheckFailure(t(
+            "Called twice with the same arguments and seed={seed}, additive=True gave {first!r} and then "
+            "{again!r}, while additive=False gives one answer: a draw of the additive branch (w_q, w_k or v_a) "
+            "does not come from the seeded generator. Pass generator=... to each torch.randn.",
+            seed=seed, first=table[4, True], again=again))
+    passed(t("dot product: the largest weight grows from {smallest_d_k:.2f} to {largest_d_k:.2f} as d_k goes "
+             "4 → 256; additive: it stays near {additive:.2f} (over {k_len} keys); 1 for one key; seed and "
+             "samples used", smallest_d_k=table[4, False], largest_d_k=table[256, False], additive=table[256, True],
+             k_len=k_len))

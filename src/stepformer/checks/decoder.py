@@ -41,6 +41,7 @@ from stepformer.checks._core import (
     passed,
     raised_error,
 )
+from stepformer.checks._messages import marked, t, tr
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import set_training as _set_training
 from stepformer.checks.encoder import _expect_parameters, _layer_norm, _layout, _load, _quiet, _randomise, _stored
@@ -52,8 +53,8 @@ AXES = ("batch", "tgt_len", "src_len", "heads", "d_head", "d_ff")
 # What this chapter asks students to write themselves. (Not MultiHeadAttention, FeedForward, LayerNorm or
 # add_and_norm: the notebook hands students the earlier chapters' pieces under those names.)
 BUILT_IN_DECODER = {
-    "torch.nn.TransformerDecoderLayer": "PyTorch's built-in decoder layer",
-    "torch.nn.TransformerDecoder": "PyTorch's built-in decoder",
+    "torch.nn.TransformerDecoderLayer": marked("PyTorch's built-in decoder layer"),
+    "torch.nn.TransformerDecoder": marked("PyTorch's built-in decoder"),
     "torch.nn.Transformer": "PyTorch's built-in Transformer",
     "torch.nn.MultiheadAttention": "PyTorch's built-in multi-head attention",
     "torch.nn.functional.multi_head_attention_forward": "PyTorch's built-in multi-head attention",
@@ -100,31 +101,33 @@ def _target_mask_variants(tokens: Tensor, pad_id: int) -> dict[str, Tensor]:
     lower = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).tril()
     keys, queries = real[:, None, None, :], real[:, None, :, None]
     return {
-        "Your mask is only the padding mask: the decoder's self-attention also needs the causal mask, so that "
-        "position i cannot read the tokens after it (combine them with &).": keys & torch.ones_like(lower),
-        "Your mask is only the causal mask: the padding keys must be hidden too (combine the two with &).":
+        t("Your mask is only the padding mask: the decoder's self-attention also needs the causal mask, so that "
+          "position i cannot read the tokens after it (combine them with &)."): keys & torch.ones_like(lower),
+        t("Your mask is only the causal mask: the padding keys must be hidden too (combine the two with &)."):
             lower.expand_as(keys & lower),
-        "You combined the two masks with | (or): a key may be read only when it is both not ahead and not padding, "
-        "which is &.": keys | lower,
-        "Your causal part is the upper triangle: query i may read keys 0 ... i, on and below the diagonal "
-        "(tril, not triu).": keys & lower.T,
-        "Your causal part leaves out the diagonal: position i may read itself (tril with diagonal 0).":
+        t("You combined the two masks with | (or): a key may be read only when it is both not ahead and not padding, "
+          "which is &."): keys | lower,
+        t("Your causal part is the upper triangle: query i may read keys 0 ... i, on and below the diagonal "
+          "(tril, not triu)."): keys & lower.T,
+        t("Your causal part leaves out the diagonal: position i may read itself (tril with diagonal 0)."):
             keys & lower.tril(-1),
-        "Your padding mask lies along the query axis: padding hides keys, the last axis (batch, 1, 1, k_len).":
+        t("Your padding mask lies along the query axis: padding hides keys, the last axis (batch, 1, 1, k_len)."):
             queries & lower,
     }
 
 
-def _return_shape_hint(message: str, s: dict[str, int]) -> str:
-    """Name the mistake behind a return value that the signature's shape refused (only one of the two masks)."""
+def _return_shape_hint(message: str, s: dict[str, int]) -> tuple[str, str]:
+    """Name the mistake behind a return value that the signature's shape refused (only one of the two masks): which
+    mask it is the shape of ("padding", "causal" or ""), and the hint."""
     batch, length = s["batch"], s["tgt_len"]
     if f"bool[{batch},1,1,{length}]" in message:
-        return ("\nThat is the shape of the padding mask alone: the decoder's self-attention also needs the causal "
-                "mask, so that position i cannot read the tokens after it (combine them with &).")
+        return "padding", "\n" + t("That is the shape of the padding mask alone: the decoder's self-attention also "
+                                   "needs the causal mask, so that position i cannot read the tokens after it "
+                                   "(combine them with &).")
     if f"bool[{length},{length}]" in message:
-        return ("\nThat is the shape of the causal mask alone: the padding keys must be hidden too (combine the two "
-                "with &).")
-    return ""
+        return "causal", "\n" + t("That is the shape of the causal mask alone: the padding keys must be hidden too "
+                                  "(combine the two with &).")
+    return "", ""
 
 
 def _unchecked(fn: Callable[..., Any], *args: Any) -> Any:
@@ -174,26 +177,27 @@ def check_target_mask(fn: Callable[..., Any], seed: int = 0) -> None:
         try:
             got = call(fn, tokens, pad_id)
         except CheckFailure as failure:
-            hint = _return_shape_hint(str(failure), s)
-            if hint and "causal mask alone" in hint:
+            alone, hint = _return_shape_hint(str(failure), s)
+            if alone == "causal":
                 # The signature refused the value: look at the value itself, without the signature's check.
                 value = call(_unchecked, fn, tokens, pad_id)
                 lower = torch.ones(s["tgt_len"], s["tgt_len"], dtype=torch.bool).tril()
                 if type(value) is Tensor and value.shape == lower.shape and torch.equal(value, lower):
-                    hint = ("\nYour target_mask returns the causal mask alone, without the padding mask: the padding "
-                            "keys must be hidden too, padding_mask(tgt, pad_id) & causal_mask(...), which broadcast "
-                            "to (batch, 1, tgt_len, tgt_len).")
+                    hint = "\n" + t("Your target_mask returns the causal mask alone, without the padding mask: the "
+                                    "padding keys must be hidden too, padding_mask(tgt, pad_id) & causal_mask(...), "
+                                    "which broadcast to (batch, 1, tgt_len, tgt_len).")
             if not hint and raised_error(failure) == "IndexError":
                 past = call(_shape_indexes_past_the_end, fn, tokens, pad_id)
                 if past:
-                    hint = (f"\nYour target_mask reads tgt.shape[{past[0]}], but tgt has two axes, (batch, tgt_len): "
-                            "its length is tgt.shape[1] (or tgt.shape[-1]).")
-            raise CheckFailure(f"{failure}{hint}") from failure
+                    hint = "\n" + t("Your target_mask reads tgt.shape[{index}], but tgt has two axes, (batch, "
+                                    "tgt_len): its length is tgt.shape[1] (or tgt.shape[-1]).", index=past[0])
+            raise CheckFailure(str(failure) + hint) from failure
         expected = _target_mask_by_definition(tokens, pad_id)
         if type(got) is not Tensor:
-            raise CheckFailure(f"target_mask should return a torch.Tensor, got {kind(got)}.")
+            raise CheckFailure(t("target_mask should return a torch.Tensor, got {kind}.", kind=kind(got)))
         if got.dtype != torch.bool:
-            raise CheckFailure(f"target_mask should return a boolean mask (True = may attend), got {got.dtype}.")
+            raise CheckFailure(t("target_mask should return a boolean mask (True = may attend), got {dtype}.",
+                                 dtype=got.dtype))
         variants = _target_mask_variants(tokens, pad_id)
         try:  # a mask of another shape that broadcasts (padding only, causal only) is named by its content
             spread = got.expand(expected.shape)
@@ -202,20 +206,20 @@ def check_target_mask(fn: Callable[..., Any], seed: int = 0) -> None:
         if spread is not None and not torch.equal(spread, expected):
             hint = next((h for h, v in variants.items() if torch.equal(spread, v)), None)
             if hint is not None:
-                raise CheckFailure(f"Your mask differs from the expected one "
-                                   f"({difference(spread.int(), expected.int(), sizes)}). {hint}")
+                raise CheckFailure(t("Your mask differs from the expected one ({difference}). {hint}",
+                                     difference=difference(spread.int(), expected.int(), sizes), hint=hint))
         if tuple(got.shape) != tuple(expected.shape):
-            raise CheckFailure(
-                f"target_mask should have shape (batch, 1, tgt_len, tgt_len): {difference(got, expected, sizes)}. "
+            raise CheckFailure(t(
+                "target_mask should have shape (batch, 1, tgt_len, tgt_len): {difference}. "
                 "The padding mask is (batch, 1, 1, tgt_len) and the causal mask (tgt_len, tgt_len): combined with &, "
-                "they broadcast to (batch, 1, tgt_len, tgt_len).")
+                "they broadcast to (batch, 1, tgt_len, tgt_len).", difference=difference(got, expected, sizes)))
         if torch.equal(got, expected):
             continue
         hint = next((h for h, v in variants.items() if torch.equal(got, v)),
-                    "Entry [b, 0, i, j] is True exactly when j <= i and tokens[b, j] != pad_id.")
-        raise CheckFailure(f"Your mask differs from the expected one ({difference(got.int(), expected.int(), sizes)})."
-                           f" {hint}")
-    passed("target_mask: causal and padding together, (batch, 1, tgt_len, tgt_len), pad_id 0 and 3, batch=1")
+                    t("Entry [b, 0, i, j] is True exactly when j <= i and tokens[b, j] != pad_id."))
+        raise CheckFailure(t("Your mask differs from the expected one ({difference}). {hint}",
+                             difference=difference(got.int(), expected.int(), sizes), hint=hint))
+    passed(t("target_mask: causal and padding together, (batch, 1, tgt_len, tgt_len), pad_id 0 and 3, batch=1"))
 
 
 # -- exercise 2: the decoder layer -------------------------------------------------------------
@@ -287,26 +291,26 @@ def _mistaken(state: dict[str, Tensor], heads: int, x: Tensor, memory: Tensor, s
 
 def _layer_mistakes(norm_first: bool, masked_source: bool) -> dict[str, str]:
     hints = {
-        "cross reads the decoder": (
+        "cross reads the decoder": t(
             "Your cross-attention reads its keys and values from the decoder, not from the encoder's memory: it is "
             "self.cross_attn(h, memory, memory, src_mask), queries from the target, keys and values from the source."),
-        "no target mask": (
+        "no target mask": t(
             "Your self-attention ignores tgt_mask, so every target position reads the positions after it (and the "
             "padding): pass tgt_mask to self.self_attn(h, h, h, tgt_mask)."),
-        "no cross-attention": "Your layer leaves out cross-attention: between self-attention and the FFN comes "
-                              "AddNorm_2 with self.cross_attn(h, memory, memory, src_mask).",
-        "cross first": "Your layer runs cross-attention before self-attention: the order is masked self-attention, "
-                       "then cross-attention, then the feed-forward network.",
-        "no residual": "Your sublayers have no residual connection: add_and_norm adds the sublayer's input back.",
-        "swapped placement": (
+        "no cross-attention": t("Your layer leaves out cross-attention: between self-attention and the FFN comes "
+                                "AddNorm_2 with self.cross_attn(h, memory, memory, src_mask)."),
+        "cross first": t("Your layer runs cross-attention before self-attention: the order is masked self-attention, "
+                         "then cross-attention, then the feed-forward network."),
+        "no residual": t("Your sublayers have no residual connection: add_and_norm adds the sublayer's input back."),
+        "swapped placement": t(
             "Your layer computes the other norm placement: pass self.norm_first to add_and_norm in every sublayer "
             "(post-norm: norm(x + dropout(f(x))); pre-norm: x + dropout(f(norm(x))))."),
     }
     if norm_first:
-        hints["normed memory"] = ("You normalised the encoder's memory with norm2: in pre-norm only the sublayer's "
-                                  "input (the target stream) is normalised; memory is read as it is.")
+        hints["normed memory"] = t("You normalised the encoder's memory with norm2: in pre-norm only the sublayer's "
+                                   "input (the target stream) is normalised; memory is read as it is.")
     if masked_source:
-        hints["no source mask"] = (
+        hints["no source mask"] = t(
             "Your cross-attention ignores src_mask, so the target reads the source's padding: pass src_mask to "
             "self.cross_attn(h, memory, memory, src_mask).")
     return hints
@@ -352,11 +356,11 @@ def _layer_shapes(s: dict[str, int], cross_attention: bool = True) -> dict[str, 
     return shapes
 
 
-LAYER_HINT = ("Keep the attribute names of torch.nn.TransformerDecoderLayer, with cross_attn for its multihead_attn: "
-              "store the given parts as self.self_attn, self.cross_attn, self.ffn, self.norm1, self.norm2 and "
-              "self.norm3.")
-BUILD_HINT = ("build_decoder_layer gives DecoderLayer two MultiHeadAttention(d_model, heads, dropout=dropout), one "
-              "FeedForward(d_model, d_ff, activation, dropout) and three LayerNorm(d_model).")
+LAYER_HINT = marked("Keep the attribute names of torch.nn.TransformerDecoderLayer, with cross_attn for its "
+                    "multihead_attn: store the given parts as self.self_attn, self.cross_attn, self.ffn, self.norm1, "
+                    "self.norm2 and self.norm3.")
+BUILD_HINT = marked("build_decoder_layer gives DecoderLayer two MultiHeadAttention(d_model, heads, dropout=dropout), "
+                    "one FeedForward(d_model, d_ff, activation, dropout) and three LayerNorm(d_model).")
 PART_NAMES = ("self_attn", "cross_attn", "ffn", "norm1", "norm2", "norm3")
 
 
@@ -371,8 +375,8 @@ def _layer_from_parts(cls: Callable[..., Any], parts: dict[str, Any], dropout: f
     try:
         return call(cls, *(parts[name] for name in PART_NAMES), dropout=dropout, norm_first=norm_first)
     except CodeRaised as failure:  # its own message would print every part's repr
-        raise CodeRaised(f"{_signature(parts, dropout, norm_first)} raised {failure.error}: {failure.text}",
-                         failure.error, failure.text) from None
+        raise CodeRaised(t("{call} raised {error}: {text}", call=_signature(parts, dropout, norm_first),
+                           error=failure.error, text=failure.text), failure.error, failure.text) from None
 
 
 class _Attention(nn.Module):
@@ -453,37 +457,44 @@ def _check_stores_parts(cls: Callable[..., Any], s: dict[str, int], cross_attent
         if got == expected:
             continue
         if got == "missing":
-            raise CheckFailure(f"{built} gives a layer without self.{name}. {LAYER_HINT}")
+            raise CheckFailure(t("{built} gives a layer without self.{name}. {hint}", built=built, name=name,
+                                 hint=tr(LAYER_HINT)))
         if expected == "None":
-            raise CheckFailure(f"{built} gives a layer whose self.{name} is not None: without cross-attention the "
-                               f"layer keeps {name} None as it is given.")
+            raise CheckFailure(t("{built} gives a layer whose self.{name} is not None: without cross-attention the "
+                                 "layer keeps {name} None as it is given.", built=built, name=name))
         if got == "other":
-            raise CheckFailure(f"{built} gives a layer whose self.{name} is not the module given as {name}: store the "
-                               f"given part itself (self.{name} = {name}); the layer is its wiring, and "
-                               "build_decoder_layer chooses its parts.")
-        held = "None" if got == "None" else f"the module given as {got}"
-        raise CheckFailure(f"{built} gives a layer whose self.{name} holds {held}: the parameters come in the order "
-                           "(self_attn, cross_attn, ffn, norm1, norm2, norm3, dropout, norm_first), and each part is "
-                           "stored under its own name.")
+            raise CheckFailure(t("{built} gives a layer whose self.{name} is not the module given as {name}: store "
+                                 "the given part itself (self.{name} = {name}); the layer is its wiring, and "
+                                 "build_decoder_layer chooses its parts.", built=built, name=name))
+        if got == "None":
+            raise CheckFailure(t("{built} gives a layer whose self.{name} holds None: the parameters come in the order "
+                                 "(self_attn, cross_attn, ffn, norm1, norm2, norm3, dropout, norm_first), and each "
+                                 "part is stored under its own name.", built=built, name=name))
+        raise CheckFailure(t("{built} gives a layer whose self.{name} holds the module given as {got}: the parameters "
+                             "come in the order (self_attn, cross_attn, ffn, norm1, norm2, norm3, dropout, "
+                             "norm_first), and each part is stored under its own name.", built=built, name=name,
+                             got=got))
     dropouts = call(_layout, module)["dropouts"]
     for name in ("dropout1", "dropout2", "dropout3") if cross_attention else ("dropout1", "dropout3"):
         p = dropouts.get(name)
         if p is None:
-            raise CheckFailure(f"{built} gives a layer without {name}: each sublayer's output gets its own "
-                               "nn.Dropout(dropout), named dropout1, dropout2 and dropout3 as in PyTorch.")
+            raise CheckFailure(t("{built} gives a layer without {name}: each sublayer's output gets its own "
+                                 "nn.Dropout(dropout), named dropout1, dropout2 and dropout3 as in PyTorch.",
+                                 built=built, name=name))
         if p != 0.25:
-            raise CheckFailure(f"{built} gives a layer whose {name}.p is {p}: pass dropout on to nn.Dropout(dropout).")
+            raise CheckFailure(t("{built} gives a layer whose {name}.p is {p}: pass dropout on to "
+                                 "nn.Dropout(dropout).", built=built, name=name, p=p))
     if not cross_attention and "dropout2" in dropouts:
-        raise CheckFailure(f"{built} gives a layer with a dropout2: a decoder-only block has no middle sublayer, so "
-                           "it has neither norm2 nor dropout2 (self.dropout2 = None), one layout for every such "
-                           "block.")
+        raise CheckFailure(t("{built} gives a layer with a dropout2: a decoder-only block has no middle sublayer, so "
+                             "it has neither norm2 nor dropout2 (self.dropout2 = None), one layout for every such "
+                             "block.", built=built))
 
 
 def _check_refuses(cls: Callable[..., Any], s: dict[str, int]) -> None:
     """ValueError for a cross-attention without its norm2 (or the other way round) and for one norm in two places."""
     parts = _parts(s)
-    pairing = "norm2 belongs to the cross-attention sublayer: a layer gets cross_attn and norm2, or neither"
-    sharing = "one norm in two sublayers would give both the same weight and bias: each sublayer needs its own"
+    pairing = t("norm2 belongs to the cross-attention sublayer: a layer gets cross_attn and norm2, or neither")
+    sharing = t("one norm in two sublayers would give both the same weight and bias: each sublayer needs its own")
     cases = [
         ({**parts, "norm2": None}, "DecoderLayer(self_attn, cross_attn, ffn, norm1, None, norm3)", pairing),
         ({**parts, "cross_attn": None}, "DecoderLayer(self_attn, None, ffn, norm1, norm2, norm3)", pairing),
@@ -493,9 +504,12 @@ def _check_refuses(cls: Callable[..., Any], s: dict[str, int]) -> None:
     ]
     for given, written, why in cases:
         error = call(_error_of, cls, *(given[name] for name in PART_NAMES), dropout=0.25, norm_first=False)
+        if error is None:
+            raise CheckFailure(t("{call} should raise a ValueError ({why}); it raised no error.", call=written,
+                                 why=why))
         if error != "ValueError":
-            raised = "no error" if error is None else f"a {error}"
-            raise CheckFailure(f"{written} should raise a ValueError ({why}); it raised {raised}.")
+            raise CheckFailure(t("{call} should raise a ValueError ({why}); it raised a {error}.", call=written,
+                                 why=why, error=error))
 
 
 def _ffn_activation(module: nn.Module, x: Tensor) -> str:
@@ -601,14 +615,15 @@ def _check_runs_with_memory(module: Any, x: Tensor, memory: Tensor) -> None:
             parts = types.SimpleNamespace(self_attn=None, cross_attn=None)
             with_cache = call(_run_with_memory, module, x, memory, parts)
             if read.group(0) not in with_cache["error"]:
-                hint = (f" That error reads .{read.group(1)} of None, and it goes away when a cache object is "
-                        f"passed: without a cache (cache=None, as in every call of this chapter) your forward "
-                        f"still reads cache.{read.group(1)}. Read the cache's parts only when cache is not None.")
-        raise CheckFailure(f"Called with a memory, your layer(x, memory, None, None) raised {run['error']}.{hint}")
+                hint = t(" That error reads .{part} of None, and it goes away when a cache object is passed: without "
+                         "a cache (cache=None, as in every call of this chapter) your forward still reads "
+                         "cache.{part}. Read the cache's parts only when cache is not None.", part=read.group(1))
+        raise CheckFailure(t("Called with a memory, your layer(x, memory, None, None) raised {error}.{hint}",
+                             error=run["error"], hint=hint))
     if run["cross_calls"] == 0:
-        raise CheckFailure("Called with a memory, your layer (built with cross-attention) never calls "
-                           "self.cross_attn: the cross-attention sublayer must run whenever self.cross_attn is not "
-                           "None, and there a missing memory raises a ValueError.")
+        raise CheckFailure(t("Called with a memory, your layer (built with cross-attention) never calls "
+                             "self.cross_attn: the cross-attention sublayer must run whenever self.cross_attn is not "
+                             "None, and there a missing memory raises a ValueError."))
 
 
 def _build(build: Callable[..., Any], s: dict[str, int], **options: Any) -> Any:
@@ -621,57 +636,61 @@ def check_build_decoder_layer(build: Callable[..., Any], seed: int = 0) -> None:
     given dropout, activation and norm_first; cross_attention=False leaves out cross_attn and norm2."""
     s = _sizes(seed)
     module = _build(build, s, dropout=0.25, cross_attention=True)  # named: a message shows the call
-    what = "The layer that your build_decoder_layer builds"
     if call(_set_to_none, module, "cross_attn"):
         other = _build(build, s, dropout=0.25, cross_attention=False)
         if any(name.startswith("cross_attn.") for name in call(_layout, other)["shapes"]):
-            raise CheckFailure("Your build_decoder_layer with cross_attention=True (the default) gives the layer no "
-                               "cross-attention, and with cross_attention=False it gives it one: the condition is "
-                               "inverted. Give it a cross_attn (and a norm2) when cross_attention is True.")
-        raise CheckFailure("Your build_decoder_layer with cross_attention=True (the default) gives the layer no "
-                           "cross-attention (self.cross_attn is None): create it, a MultiHeadAttention(d_model, heads, "
-                           "dropout=dropout), when cross_attention is True, with its own norm2.")
+            raise CheckFailure(t("Your build_decoder_layer with cross_attention=True (the default) gives the layer no "
+                                 "cross-attention, and with cross_attention=False it gives it one: the condition is "
+                                 "inverted. Give it a cross_attn (and a norm2) when cross_attention is True."))
+        raise CheckFailure(t("Your build_decoder_layer with cross_attention=True (the default) gives the layer no "
+                             "cross-attention (self.cross_attn is None): create it, a MultiHeadAttention(d_model, "
+                             "heads, dropout=dropout), when cross_attention is True, with its own norm2."))
     if ["self_attn", "cross_attn"] in call(_layout, module)["aliases"]:  # before the shapes: one set of weights
-        raise CheckFailure(f"{what} has self_attn and cross_attn one and the same module: create two "
-                           "MultiHeadAttention objects, one for each sublayer.")
-    layout = _expect_parameters(module, _layer_shapes(s), what, f"{BUILD_HINT} {LAYER_HINT}")
+        raise CheckFailure(t("The layer that your build_decoder_layer builds has self_attn and cross_attn one and the "
+                             "same module: create two MultiHeadAttention objects, one for each sublayer."))
+    layout = _expect_parameters(module, _layer_shapes(s), t("The layer that your build_decoder_layer builds"),
+                                t("{build_hint} {layer_hint}", build_hint=tr(BUILD_HINT), layer_hint=tr(LAYER_HINT)))
     for name in ("dropout1", "dropout2", "dropout3"):
         if layout["dropouts"].get(name) != 0.25:
-            raise CheckFailure(f"With dropout=0.25, {what.lower()} has {name}.p {layout['dropouts'].get(name)}: "
-                               "pass dropout on to DecoderLayer(..., dropout, norm_first).")
+            raise CheckFailure(t("With dropout=0.25, the layer that your build_decoder_layer builds has {name}.p {p}: "
+                                 "pass dropout on to DecoderLayer(..., dropout, norm_first).", name=name,
+                                 p=layout["dropouts"].get(name)))
     for name in ("self_attn.dropout", "cross_attn.dropout", "ffn.dropout"):
         if layout["dropouts"].get(name) != 0.25:
-            raise CheckFailure(f"With dropout=0.25, {name} should drop with p=0.25 too (as in PyTorch): pass dropout "
-                               "to both MultiHeadAttention(..., dropout=dropout) and to FeedForward(d_model, d_ff, "
-                               "activation, dropout).")
+            raise CheckFailure(t("With dropout=0.25, {name} should drop with p=0.25 too (as in PyTorch): pass "
+                                 "dropout to both MultiHeadAttention(..., dropout=dropout) and to FeedForward(d_model, "
+                                 "d_ff, activation, dropout).", name=name))
     g = torch.Generator().manual_seed(seed + 23)
     x = torch.randn(2, 3, s["d_model"], generator=g)
     memory = torch.randn(2, 4, s["d_model"], generator=g)
     gelu = _build(build, s, dropout=0.0, activation="gelu")
     if call(_ffn_activation, gelu, x) == "relu":
-        raise CheckFailure("Built with activation='gelu', the FFN of your build_decoder_layer's layer computes ReLU: "
-                           "pass activation on to FeedForward(d_model, d_ff, activation, dropout) instead of leaving "
-                           "it at its default.")
+        raise CheckFailure(t("Built with activation='gelu', the FFN of your build_decoder_layer's layer computes "
+                             "ReLU: pass activation on to FeedForward(d_model, d_ff, activation, dropout) instead of "
+                             "leaving it at its default."))
     placement = call(_placement, _build(build, s, dropout=0.0, norm_first=True), x, memory)
     if placement == "post":
-        raise CheckFailure("Built with norm_first=True, the layer of your build_decoder_layer computes what your "
-                           "DecoderLayer computes with norm_first=False, from the same parts: pass norm_first on to "
-                           "DecoderLayer(..., dropout, norm_first).")
+        raise CheckFailure(t("Built with norm_first=True, the layer of your build_decoder_layer computes what your "
+                             "DecoderLayer computes with norm_first=False, from the same parts: pass norm_first on to "
+                             "DecoderLayer(..., dropout, norm_first)."))
     decoder_only = _build(build, s, dropout=0.25, cross_attention=False)
     shapes = call(_layout, decoder_only)["shapes"]
     cross = sorted(name for name in shapes if name.startswith("cross_attn."))
-    if cross or not call(_is_none, decoder_only, "cross_attn"):
-        found = f" it has parameters {cross[:2]} ..." if cross else ""
-        raise CheckFailure(f"With cross_attention=False (a decoder-only block) self.cross_attn should be None;{found} "
-                           "create the cross-attention only when cross_attention is True.")
+    if cross:
+        raise CheckFailure(t("With cross_attention=False (a decoder-only block) self.cross_attn should be None; it "
+                             "has parameters {parameters} ... create the cross-attention only when cross_attention "
+                             "is True.", parameters=cross[:2]))
+    if not call(_is_none, decoder_only, "cross_attn"):
+        raise CheckFailure(t("With cross_attention=False (a decoder-only block) self.cross_attn should be None; "
+                             "create the cross-attention only when cross_attention is True."))
     if any(name.startswith("norm2.") for name in shapes):
-        raise CheckFailure("With cross_attention=False (a decoder-only block) your build_decoder_layer still gives "
-                           "the layer a norm2: norm2 belongs to the cross-attention sublayer, so pass None for both "
-                           "cross_attn and norm2.")
+        raise CheckFailure(t("With cross_attention=False (a decoder-only block) your build_decoder_layer still gives "
+                             "the layer a norm2: norm2 belongs to the cross-attention sublayer, so pass None for both "
+                             "cross_attn and norm2."))
     _expect_parameters(decoder_only, _layer_shapes(s, cross_attention=False),
-                       "With cross_attention=False, the layer that your build_decoder_layer builds", LAYER_HINT)
-    passed("build_decoder_layer: torch.nn.TransformerDecoderLayer's parts, separate norms, with the given dropout, "
-           "activation and norm_first; no cross_attn or norm2 with cross_attention=False")
+                       t("With cross_attention=False, the layer that your build_decoder_layer builds"), tr(LAYER_HINT))
+    passed(t("build_decoder_layer: torch.nn.TransformerDecoderLayer's parts, separate norms, with the given dropout, "
+             "activation and norm_first; no cross_attn or norm2 with cross_attention=False"))
 
 
 @check(forbid=BUILT_IN_DECODER)
@@ -688,36 +707,47 @@ def check_decoder_layer_init(cls: Callable[..., Any], seed: int = 0) -> None:
     if error != "ValueError":
         memory = torch.randn(2, 4, s["d_model"], generator=torch.Generator().manual_seed(seed + 1))
         _check_runs_with_memory(module, x, memory)
-        raise CheckFailure("A layer with cross-attention called with memory=None should raise a ValueError (it has "
-                           f"nothing to attend to); it raised {'no error' if error is None else f'a {error}'}. Check "
-                           "`memory is None` before the cross-attention sublayer.")
-    passed("DecoderLayer keeps its given parts, has dropout1-dropout3 (no dropout2 without cross-attention), refuses a "
-           "shared norm or a cross_attn without norm2, and raises a ValueError for memory=None")
+        if error is None:
+            raise CheckFailure(t("A layer with cross-attention called with memory=None should raise a ValueError (it "
+                                 "has nothing to attend to); it raised no error. Check `memory is None` before the "
+                                 "cross-attention sublayer."))
+        raise CheckFailure(t("A layer with cross-attention called with memory=None should raise a ValueError (it has "
+                             "nothing to attend to); it raised a {error}. Check `memory is None` before the "
+                             "cross-attention sublayer.", error=error))
+    passed(t("DecoderLayer keeps its given parts, has dropout1-dropout3 (no dropout2 without cross-attention), "
+             "refuses a shared norm or a cross_attn without norm2, and raises a ValueError for memory=None"))
 
 
 def _compare(module: Any, oracle: nn.Module, state: dict[str, Tensor], s: dict[str, int], norm_first: bool,
              dtype: torch.dtype, x: Tensor, memory: Tensor, src_mask: Tensor | None, tgt_mask: Tensor | None,
              what: str, activation: str = "relu") -> None:
-    name = "pre-norm" if norm_first else "post-norm"
+    name = _placement_name(norm_first)
     try:
         got = call(module, x, memory, src_mask, tgt_mask)
     except CheckFailure as failure:  # say which case broke it (one position without a mask, say)
-        raise CheckFailure(f"For a {name} layer {what}: {failure}") from failure
-    got = expect_tensor(got, "the decoder layer's output", tuple(x.shape), "batch tgt_len d_model", x.dtype)
+        raise CheckFailure(t("For a {name} layer {what}: {failure}", name=name, what=what, failure=failure)) \
+            from failure
+    got = expect_tensor(got, t("the decoder layer's output"), tuple(x.shape), "batch tgt_len d_model", x.dtype)
     expected = _run_torch(oracle, x, memory, src_mask, tgt_mask)
     if close(got, expected, dtype):
         return
     if torch.isnan(got).any():
-        hint = "Your output contains NaN: did a mask reach the softmax inverted (True means 'may attend')?"
+        hint = t("Your output contains NaN: did a mask reach the softmax inverted (True means 'may attend')?")
     else:
         hint = next((h for mistake, h in _layer_mistakes(norm_first, src_mask is not None).items()
                      if close(got, _mistaken(state, s["heads"], x, memory, src_mask, tgt_mask, norm_first, mistake,
                                              activation), dtype)),
-                    "Compare each sublayer with torch.nn.TransformerDecoderLayer's on a small example: masked "
-                    "self-attention, cross-attention to memory, then the FFN, each wrapped by add_and_norm.")
-    raise CheckFailure(
-        f"For a {name} layer {what}, your output differs from torch.nn.TransformerDecoderLayer's with the same "
-        f"weights ({difference(got, expected, _layer_sizes(s, x, memory))}). {hint}")
+                    t("Compare each sublayer with torch.nn.TransformerDecoderLayer's on a small example: masked "
+                      "self-attention, cross-attention to memory, then the FFN, each wrapped by add_and_norm."))
+    raise CheckFailure(t(
+        "For a {name} layer {what}, your output differs from torch.nn.TransformerDecoderLayer's with the same "
+        "weights ({difference}). {hint}", name=name, what=what,
+        difference=difference(got, expected, _layer_sizes(s, x, memory)), hint=hint))
+
+
+def _placement_name(norm_first: bool) -> str:
+    """"pre-norm" or "post-norm", as a message names the layer."""
+    return t("pre-norm") if norm_first else t("post-norm")
 
 
 @jaxtyped(typechecker=beartype)
@@ -737,11 +767,14 @@ def _dropped(state: dict[str, Tensor], x: Float[Tensor, "batch tgt_len d_model"]
 
 
 DROPOUT_MISTAKES = {
-    (1, 2, 3): "your layer ignores dropout1, dropout2 and dropout3: apply each to its sublayer's output, before "
-               "the residual add.",
-    (1,): "your self-attention sublayer skips dropout1: apply it to the sublayer's output, before the residual add.",
-    (2,): "your cross-attention sublayer skips dropout2: apply it to the sublayer's output, before the residual add.",
-    (3,): "your feed-forward sublayer skips dropout3: apply it to the sublayer's output, before the residual add.",
+    (1, 2, 3): marked("your layer ignores dropout1, dropout2 and dropout3: apply each to its sublayer's output, "
+                      "before the residual add."),
+    (1,): marked("your self-attention sublayer skips dropout1: apply it to the sublayer's output, before the residual "
+                 "add."),
+    (2,): marked("your cross-attention sublayer skips dropout2: apply it to the sublayer's output, before the "
+                 "residual add."),
+    (3,): marked("your feed-forward sublayer skips dropout3: apply it to the sublayer's output, before the residual "
+                 "add."),
 }
 
 
@@ -749,36 +782,38 @@ def _check_dropout_and_activation(cls: Callable[..., Any], s: dict[str, int], no
                                   seed: int, x: Tensor, memory: Tensor, src_mask: Tensor, tgt_mask: Tensor) -> None:
     """Given GELU parts and dropout=1.0: PyTorch's GELU layer in eval(); in training every sublayer's output is
     dropped, which leaves x (pre-norm) or norm3(norm2(norm1(x))) (post-norm)."""
-    name = "pre-norm" if norm_first else "post-norm"
     module = _build_layer(cls, s, 1.0, norm_first, activation="gelu", dtype=dtype)
-    _expect_parameters(module, _layer_shapes(s), "Your DecoderLayer", LAYER_HINT)
+    _expect_parameters(module, _layer_shapes(s), t("Your DecoderLayer"), tr(LAYER_HINT))
     oracle = _torch_layer(s, norm_first, dtype, seed + 1, activation="gelu")
     state = _layer_state(oracle)
     call(_load, module, state)
     _compare(module, oracle, state, s, norm_first, dtype, x, memory, src_mask, tgt_mask,
-             "given a GELU FeedForward and dropout=1.0, in eval() mode (where dropout does nothing)", "gelu")
+             t("given a GELU FeedForward and dropout=1.0, in eval() mode (where dropout does nothing)"), "gelu")
     call(_set_training, module, True)
-    got = expect_tensor(call(module, x, memory, src_mask, tgt_mask), "the output in training", tuple(x.shape),
+    got = expect_tensor(call(module, x, memory, src_mask, tgt_mask), t("the output in training"), tuple(x.shape),
                         "batch tgt_len d_model", dtype)
     expected = _dropped(state, x, norm_first)
     if not close(got, expected, dtype):
-        hint = next((h for undropped, h in DROPOUT_MISTAKES.items()
+        hint = next((tr(h) for undropped, h in DROPOUT_MISTAKES.items()
                      if close(got, _dropped(state, x, norm_first, undropped), dtype)),
-                    "dropout1, dropout2 and dropout3 act on each sublayer's output, before the residual add, never on "
-                    "the residual stream x.")
-        form = "x itself" if norm_first else "norm3(norm2(norm1(x)))"
-        raise CheckFailure(f"With dropout=1.0 in training mode, a {name} layer drops all three sublayers' outputs "
-                           f"and should return {form} ({difference(got, expected, _layer_sizes(s, x, memory))}); "
-                           f"{hint}")
+                    t("dropout1, dropout2 and dropout3 act on each sublayer's output, before the residual add, never "
+                      "on the residual stream x."))
+        found = difference(got, expected, _layer_sizes(s, x, memory))
+        if norm_first:
+            raise CheckFailure(t("With dropout=1.0 in training mode, a pre-norm layer drops all three sublayers' "
+                                 "outputs and should return x itself ({difference}); {hint}", difference=found,
+                                 hint=hint))
+        raise CheckFailure(t("With dropout=1.0 in training mode, a post-norm layer drops all three sublayers' outputs "
+                             "and should return norm3(norm2(norm1(x))) ({difference}); {hint}", difference=found,
+                             hint=hint))
 
 
 def _check_decoder_only(cls: Callable[..., Any], s: dict[str, int], norm_first: bool, dtype: torch.dtype, seed: int,
                         x: Tensor) -> None:
     """cross_attn=None, norm2=None is a decoder-only (GPT) block: PyTorch's encoder layer under a causal mask, whose
     norm2 is our norm3."""
-    name = "pre-norm" if norm_first else "post-norm"
-    what = (f"a {name} layer given cross_attn=None and norm2=None (a decoder-only block), memory=None and a causal "
-            "mask")
+    what = t("a {name} layer given cross_attn=None and norm2=None (a decoder-only block), memory=None and a causal "
+             "mask", name=_placement_name(norm_first))
     module = _build_layer(cls, s, 0.0, norm_first, cross_attention=False, dtype=dtype)
     oracle = _torch_encoder_layer(s, norm_first, dtype, seed + 2)
     state = {key.replace("norm2.", "norm3."): value for key, value in _encoder_layer_state(oracle).items()}
@@ -791,19 +826,21 @@ def _check_decoder_only(cls: Callable[..., Any], s: dict[str, int], norm_first: 
     try:
         got = call(module, x, None, None, causal)
     except CheckFailure as failure:
-        raise CheckFailure(f"For {what}: {failure}\nWithout cross-attention the layer needs no memory: skip the "
-                           "middle sublayer when self.cross_attn is None.") from failure
-    got = expect_tensor(got, "the decoder-only block's output", tuple(x.shape), "batch tgt_len d_model", dtype)
+        raise CheckFailure(t("For {what}: {failure}\nWithout cross-attention the layer needs no memory: skip the "
+                             "middle sublayer when self.cross_attn is None.", what=what, failure=failure)) \
+            from failure
+    got = expect_tensor(got, t("the decoder-only block's output"), tuple(x.shape), "batch tgt_len d_model", dtype)
     expected = _run_encoder_layer(oracle, x, causal)
     if close(got, expected, dtype):
         return
     if "norm2.weight" in state and close(got, _norm2_for_ffn(state, s, x, causal, norm_first), dtype):
-        hint = ("Your feed-forward sublayer is normalised by norm2, which belongs to the missing cross-attention: the "
-                "FFN always has norm3.")
+        hint = t("Your feed-forward sublayer is normalised by norm2, which belongs to the missing cross-attention: "
+                 "the FFN always has norm3.")
     else:
-        hint = "Masked self-attention (with tgt_mask) and the FFN, each in add_and_norm with norm1 and norm3."
-    raise CheckFailure(f"For {what}, your output differs from torch.nn.TransformerEncoderLayer's under the same "
-                       f"causal mask ({difference(got, expected, _layer_sizes(s, x, None))}). {hint}")
+        hint = t("Masked self-attention (with tgt_mask) and the FFN, each in add_and_norm with norm1 and norm3.")
+    raise CheckFailure(t("For {what}, your output differs from torch.nn.TransformerEncoderLayer's under the same "
+                         "causal mask ({difference}). {hint}", what=what,
+                         difference=difference(got, expected, _layer_sizes(s, x, None)), hint=hint))
 
 
 @jaxtyped(typechecker=beartype)
@@ -890,12 +927,14 @@ class _Weights(dict):
     """The oracle's weights handed to a helper run through call(): a short repr, should a message show it."""
 
     def __repr__(self) -> str:
-        return "<the check's weights>"
+        return t("<the check's weights>")
 
 
 CACHE_ROUTES = {
-    "self": "pass cache.self_attn to self-attention",
-    "cross": "pass cache.cross_attn to cross-attention",
+    "self": marked("{what}, your {prefix} got {got} as its cache at some steps: pass cache.self_attn to "
+                   "self-attention at every step (and only that)."),
+    "cross": marked("{what}, your {prefix} got {got} as its cache at some steps: pass cache.cross_attn to "
+                    "cross-attention at every step (and only that)."),
 }
 
 
@@ -907,47 +946,47 @@ def _check_cache_path(module: Any, oracle: nn.Module, state: dict[str, Tensor], 
     routes = {entry.split(":")[1] for entry in result["log"]}
     got_by = {prefix: {e.split(":")[1] for e in result["log"] if e.startswith(prefix)}
               for prefix in ("self_attn", "cross_attn")}
-    name = "pre-norm" if norm_first else "post-norm"
-    what = f"Decoding a {name} layer one target position at a time with a LayerCache"
+    what = t("Decoding a {name} layer one target position at a time with a LayerCache",
+             name=_placement_name(norm_first))
     if routes == {"none"} and not result["error"]:
-        raise CheckFailure(f"{what}, your attention modules got cache=None at every "
-                           "step: pass cache.self_attn to self-attention and cache.cross_attn to cross-attention, "
-                           "as the keyword cache.")
+        raise CheckFailure(t("{what}, your attention modules got cache=None at every "
+                             "step: pass cache.self_attn to self-attention and cache.cross_attn to cross-attention, "
+                             "as the keyword cache.", what=what))
     if "other" in routes:
-        raise CheckFailure(f"{what}, your attention modules got an object other than the two caches: "
-                           "pass cache.self_attn to self-attention and cache.cross_attn to cross-attention, not the "
-                           "LayerCache itself.")
+        raise CheckFailure(t("{what}, your attention modules got an object other than the two caches: "
+                             "pass cache.self_attn to self-attention and cache.cross_attn to cross-attention, not the "
+                             "LayerCache itself.", what=what))
     if got_by["self_attn"] == {"cross"} and got_by["cross_attn"] == {"self"}:
-        raise CheckFailure(f"{what}, your self-attention got the cross-attention cache and the other way round: "
-                           "self-attention reads the growing cache.self_attn, cross-attention the fixed "
-                           "cache.cross_attn.")
+        raise CheckFailure(t("{what}, your self-attention got the cross-attention cache and the other way round: "
+                             "self-attention reads the growing cache.self_attn, cross-attention the fixed "
+                             "cache.cross_attn.", what=what))
     for prefix, expected_route in (("self_attn", "self"), ("cross_attn", "cross")):
         if got_by[prefix] != {expected_route}:
             got = ", ".join(sorted(got_by[prefix]))
-            raise CheckFailure(f"{what}, your {prefix} got {got} as its cache at some steps: "
-                               f"{CACHE_ROUTES[expected_route]} at every step (and only that).")
+            raise CheckFailure(tr(CACHE_ROUTES[expected_route], what=what, prefix=prefix, got=got))
     if result["error"]:
-        raise CheckFailure(f"{what}, your layer raised {result['error']}")
+        raise CheckFailure(t("{what}, your layer raised {error}", what=what, error=result["error"]))
     steps = result["steps"]
     bad = next((step for step in steps if type(step) is not Tensor), None)
     if bad is not None:
-        raise CheckFailure(f"{what}, your layer returned {bad} instead of a tensor.")
-    got = expect_tensor(torch.cat(steps, dim=1), "the outputs decoded one position at a time", tuple(x.shape),
+        raise CheckFailure(t("{what}, your layer returned {kind} instead of a tensor.", what=what, kind=bad))
+    got = expect_tensor(torch.cat(steps, dim=1), t("the outputs decoded one position at a time"), tuple(x.shape),
                         "batch tgt_len d_model", dtype)
     causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
     expected = _run_torch(oracle, x, memory, src_mask, causal)
     if not close(got, expected, dtype):
-        raise CheckFailure(
-            f"{what} gives other outputs than torch.nn.TransformerDecoderLayer's one pass under a causal mask "
-            f"({difference(got, expected, _layer_sizes(s, x, memory))}). With a cache, x holds only the new position "
-            "and tgt_mask is None: hand the caches to the attention and let it read the cached positions.")
+        raise CheckFailure(t(
+            "{what} gives other outputs than torch.nn.TransformerDecoderLayer's one pass under a causal mask "
+            "({difference}). With a cache, x holds only the new position "
+            "and tgt_mask is None: hand the caches to the attention and let it read the cached positions.",
+            what=what, difference=difference(got, expected, _layer_sizes(s, x, memory))))
 
 
 def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_first: bool) -> None:
     """Every case of one norm placement, the layer given the check's own parts, the cache path included."""
     s = _sizes(seed)
     module = _build_layer(cls, s, 0.0, norm_first, dtype=dtype)
-    _expect_parameters(module, _layer_shapes(s), "Your DecoderLayer", LAYER_HINT)
+    _expect_parameters(module, _layer_shapes(s), t("Your DecoderLayer"), tr(LAYER_HINT))
     oracle = _torch_layer(s, norm_first, dtype, seed)
     state = _layer_state(oracle)
     call(_load, module, state)
@@ -956,11 +995,12 @@ def _check_layer(cls: Callable[..., Any], seed: int, dtype: torch.dtype, norm_fi
     # Without the source mask first: a layer whose cross-attention reads the decoder then runs (the
     # source's padding mask has the source's length) and its mistake can be named.
     cases = [
-        (x, memory, None, tgt_mask, "with the target mask only"),
-        (x, memory, src_mask, tgt_mask, "with the target mask and the source's padding mask"),
-        (x, memory, src_mask, causal, "with a (tgt_len, tgt_len) causal target mask and the source's padding mask"),
-        (x[:1], memory[:1], src_mask[:1], tgt_mask[:1], "on one sentence pair (batch=1), with both masks"),
-        (x[:, :1], memory, src_mask, None, "for a single target position (tgt_len=1) and tgt_mask=None"),
+        (x, memory, None, tgt_mask, t("with the target mask only")),
+        (x, memory, src_mask, tgt_mask, t("with the target mask and the source's padding mask")),
+        (x, memory, src_mask, causal, t("with a (tgt_len, tgt_len) causal target mask and the source's padding "
+                                        "mask")),
+        (x[:1], memory[:1], src_mask[:1], tgt_mask[:1], t("on one sentence pair (batch=1), with both masks")),
+        (x[:, :1], memory, src_mask, None, t("for a single target position (tgt_len=1) and tgt_mask=None")),
     ]
     for x_case, memory_case, src_case, tgt_case, what in cases:
         _compare(module, oracle, state, s, norm_first, dtype, x_case, memory_case, src_case, tgt_case, what)
@@ -974,9 +1014,9 @@ def check_decoder_layer_post_norm(cls: Callable[..., Any], seed: int = 0, dtype:
     """Given parts with copied weights: equal to torch.nn.TransformerDecoderLayer(norm_first=False), causal and
     padding masks."""
     _check_layer(cls, seed, dtype, norm_first=False)
-    passed(f"post-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks, for one "
-           f"sentence and one position, with a GELU FFN, dropout only in training, and as a decoder-only block"
-           f"; decoding with a LayerCache equals the causal pass ({dtype_name(dtype)})")
+    passed(t("post-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks, for one "
+             "sentence and one position, with a GELU FFN, dropout only in training, and as a decoder-only block"
+             "; decoding with a LayerCache equals the causal pass ({dtype})", dtype=dtype_name(dtype)))
 
 
 @check(forbid=BUILT_IN_DECODER)
@@ -984,9 +1024,9 @@ def check_decoder_layer_pre_norm(cls: Callable[..., Any], seed: int = 0, dtype: 
     """Given parts with copied weights: equal to torch.nn.TransformerDecoderLayer(norm_first=True), causal and
     padding masks."""
     _check_layer(cls, seed, dtype, norm_first=True)
-    passed(f"pre-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks, for one "
-           f"sentence and one position, with a GELU FFN, dropout only in training, and as a decoder-only block"
-           f"; decoding with a LayerCache equals the causal pass ({dtype_name(dtype)})")
+    passed(t("pre-norm DecoderLayer equal to torch.nn.TransformerDecoderLayer with causal and padding masks, for one "
+             "sentence and one position, with a GELU FFN, dropout only in training, and as a decoder-only block"
+             "; decoding with a LayerCache equals the causal pass ({dtype})", dtype=dtype_name(dtype)))
 
 
 # -- exercise 3: greedy generation for a batch -------------------------------------------------
@@ -1085,31 +1125,31 @@ def _greedy_variants(model: ToyModel, src: Tensor, max_new_tokens: int, tokens: 
     variants = {}
     if ends.any():
         first_stop = int((tokens == eos).int().argmax(dim=1)[ends].min())
-        variants["Your loop stops every sentence at the first EOS of the batch: each sentence stops at its own EOS "
-                 "(keep a boolean `finished` per sentence), and the loop ends only when all are finished."] = \
+        variants[t("Your loop stops every sentence at the first EOS of the batch: each sentence stops at its own EOS "
+                   "(keep a boolean `finished` per sentence), and the loop ends only when all are finished.")] = \
             tokens[:, :first_stop + 1]
     variants |= {
-        "After a sentence's EOS, your loop keeps writing its argmax tokens: a finished sentence gets pad_id in every "
-        "later place (masked_fill the next token where finished).": _unpadded(model, src, max_new_tokens, bos_id,
-                                                                              next_logits),
-        "Your loop always runs max_new_tokens steps: stop as soon as every sentence has produced its EOS.":
+        t("After a sentence's EOS, your loop keeps writing its argmax tokens: a finished sentence gets pad_id in every "
+          "later place (masked_fill the next token where finished)."): _unpadded(model, src, max_new_tokens, bos_id,
+                                                                                next_logits),
+        t("Your loop always runs max_new_tokens steps: stop as soon as every sentence has produced its EOS."):
             torch.cat([tokens, torch.full((src.shape[0], max_new_tokens + 1 - tokens.shape[1]), pad)], dim=1),
-        "Your loop marks a sentence finished when its new token is not eos_id: the comparison is inverted, a "
-        "sentence is finished once it has produced eos_id (finished |= next_token == eos_id).":
+        t("Your loop marks a sentence finished when its new token is not eos_id: the comparison is inverted, a "
+          "sentence is finished once it has produced eos_id (finished |= next_token == eos_id)."):
             _unpadded(model, src, max_new_tokens, bos_id, next_logits, "not eos"),
-        "Your loop forgets the sentences that finished at earlier steps: finished is set from the last token alone, "
-        "so a sentence after its EOS (given pad_id) counts as unfinished again. Keep them: finished |= next_token == "
-        "eos_id.": _unpadded(model, src, max_new_tokens, bos_id, next_logits, "reset"),
+        t("Your loop forgets the sentences that finished at earlier steps: finished is set from the last token alone, "
+          "so a sentence after its EOS (given pad_id) counts as unfinished again. Keep them: finished |= next_token "
+          "== eos_id."): _unpadded(model, src, max_new_tokens, bos_id, next_logits, "reset"),
     }
     if next_logits != model.next_logits:  # a bound method is made anew at each access: compare, not `is`
-        variants["Your loop calls model.next_logits: use the next_logits argument, which may be another function "
-                 "(chapter 09 passes a cached one)."] = _reference_greedy(model, src, max_new_tokens, bos_id)[0]
+        variants[t("Your loop calls model.next_logits: use the next_logits argument, which may be another function "
+                   "(chapter 09 passes a cached one).")] = _reference_greedy(model, src, max_new_tokens, bos_id)[0]
     if pad != PAD:
         zero = copy.copy(model)
         zero.pad_id = PAD
-        variants[f"Your loop uses pad_id {PAD}: take model.pad_id ({pad} here), for the source's padding mask and for "
-                 "the places after a sentence's EOS."] = _reference_greedy(zero, src, max_new_tokens, bos_id,
-                                                                          next_logits)[0]
+        variants[t("Your loop uses pad_id {default}: take model.pad_id ({pad} here), for the source's padding mask "
+                   "and for the places after a sentence's EOS.", default=PAD, pad=pad)] = \
+            _reference_greedy(zero, src, max_new_tokens, bos_id, next_logits)[0]
     return variants
 
 
@@ -1173,33 +1213,34 @@ def _trace_hint(run: dict[str, Any], batch: int) -> str:
         return ""
     first = seen[0]
     if first.shape == (batch, 0):
-        return (f"The first call of next_logits got tokens of shape {tuple(first.shape)}, one short: it gets the "
-                "start token of each sentence alone, (batch, 1) filled with bos_id.")
+        return t("The first call of next_logits got tokens of shape {shape}, one short: it gets the "
+                 "start token of each sentence alone, (batch, 1) filled with bos_id.", shape=tuple(first.shape))
     if len(seen) < 2 or type(seen[1]) is not Tensor or not logits:
         return ""
     second, step = seen[1], logits[0].argmax(dim=-1)
     if second.shape == (2 * batch, first.shape[1]) and torch.equal(second, torch.cat([first, step[:, None]], dim=0)):
-        return (f"At its second call next_logits got tokens of shape {tuple(second.shape)}: your loop appended the "
-                "new tokens as new rows, along dim 0 (the batch axis). Append them as a new column, along the length "
-                "axis: torch.cat([tokens, next_token[:, None]], dim=1).")
+        return t("At its second call next_logits got tokens of shape {shape}: your loop appended the "
+                 "new tokens as new rows, along dim 0 (the batch axis). Append them as a new column, along the length "
+                 "axis: torch.cat([tokens, next_token[:, None]], dim=1).", shape=tuple(second.shape))
     flat = int(logits[0].flatten().argmax())
     if second.shape == (batch, first.shape[1] + 1) and bool((second[:, -1] == flat).all()) \
             and not torch.equal(second[:, -1], step):
-        return (f"The token your loop appended at step 1 is {flat} for every sentence: the argmax of the whole "
-                f"(batch, vocab) logits flattened into one row. Take the argmax over the vocab axis, "
-                "logits.argmax(dim=-1), one token per sentence.")
+        return t("The token your loop appended at step 1 is {token} for every sentence: the argmax of the whole "
+                 "(batch, vocab) logits flattened into one row. Take the argmax over the vocab axis, "
+                 "logits.argmax(dim=-1), one token per sentence.", token=flat)
     return ""
 
 
 def _error_hint(error: str) -> str:
     """What some errors say for themselves about the loop."""
     if "masked_fill() received an invalid combination of arguments - got (Tensor)," in error:
-        return ("masked_fill was called with the mask alone: it needs the value to fill in too, model.pad_id for the "
-                "finished sentences.")
+        return t("masked_fill was called with the mask alone: it needs the value to fill in too, model.pad_id for the "
+                 "finished sentences.")
     found = re.search(r"Dimension out of range \(expected to be in range of \[-2, 1\], but got (-?\d+)\)", error)
     if found:
-        return (f"An operation in your loop was asked for dim={found.group(1)} of a tensor with two axes: tokens are "
-                "(batch, length) and each step's logits (batch, vocab); a new token goes along dim=1 of tokens.")
+        return t("An operation in your loop was asked for dim={dim} of a tensor with two axes: tokens are "
+                 "(batch, length) and each step's logits (batch, vocab); a new token goes along dim=1 of tokens.",
+                 dim=found.group(1))
     return ""
 
 
@@ -1217,19 +1258,19 @@ def _square_hint(fn: Callable[..., Any], s: dict[str, int], seed: int, dtype: to
 
     # The same ids and next_logits on both: only whether batch == src_len differs.
     if right_for(src_len) and not right_for(src_len - 2):
-        return (f"With as many sentences as source positions (batch = src_len = {src_len}) your loop gives the right "
-                f"tokens, and with batch={src_len - 2} it does not: a size that your loop uses for the batch (of the "
-                "start tokens, or of finished) is read from the source's length axis, src.shape[1]; the batch is "
-                "src.shape[0].")
+        return t("With as many sentences as source positions (batch = src_len = {src_len}) your loop gives the right "
+                 "tokens, and with batch={other} it does not: a size that your loop uses for the batch (of the "
+                 "start tokens, or of finished) is read from the source's length axis, src.shape[1]; the batch is "
+                 "src.shape[0].", src_len=src_len, other=src_len - 2)
     src = _sources([1 + i % 5 for i in range(vocab)], src_len, seed)
     run = call(_recorded_greedy, fn, model, src, max_new_tokens, BOS, EOS, model.next_logits)
     seen, logits = run["tokens"], run["logits"]
     if len(seen) >= 2 and type(seen[1]) is Tensor and seen[1].shape == (vocab, 2) and logits:
         across = logits[0].argmax(dim=0)
         if torch.equal(seen[1][:, -1], across) and not torch.equal(across, logits[0].argmax(dim=-1)):
-            return (f"With a batch of {vocab} sentences, as many as vocab ids, your loop runs, and the token it "
-                    "appends to sentence b at step 1 is the argmax of column b over the batch axis "
-                    "(logits.argmax(dim=0)): take the argmax over the vocab axis, dim=-1.")
+            return t("With a batch of {vocab} sentences, as many as vocab ids, your loop runs, and the token it "
+                     "appends to sentence b at step 1 is the argmax of column b over the batch axis "
+                     "(logits.argmax(dim=0)): take the argmax over the vocab axis, dim=-1.", vocab=vocab)
     return ""
 
 
@@ -1252,11 +1293,11 @@ def check_greedy(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = tor
     src_len, vocab = 6 + seed % 3, 16
     # (stops, max_new_tokens, ids, what): the ids differ in the third case and next_logits is not
     # model.next_logits there; the last is a batch of one sentence.
-    cases = [([2, 5, 1, 3], 7, {}, "every sentence ends, at different steps"),
-             ([4, 0, 2], 6, {}, "one sentence never ends"),
-             ([4, 1, 0, 2], 6, OTHER_IDS, "pad_id=5, bos_id=3, eos_id=4 and a next_logits other than "
-                                          "model.next_logits"),
-             ([3], 5, {}, "one sentence (batch=1)")]
+    cases = [([2, 5, 1, 3], 7, {}, t("every sentence ends, at different steps")),
+             ([4, 0, 2], 6, {}, t("one sentence never ends")),
+             ([4, 1, 0, 2], 6, OTHER_IDS, t("pad_id=5, bos_id=3, eos_id=4 and a next_logits other than "
+                                            "model.next_logits")),
+             ([3], 5, {}, t("one sentence (batch=1)"))]
     for stops, max_new_tokens, ids, what in cases:
         pad_id, bos_id, eos_id = ids.get("pad_id", PAD), ids.get("bos_id", BOS), ids.get("eos_id", EOS)
         model = ToyModel(vocab, seed, pad_id, eos_id).to(dtype)
@@ -1264,50 +1305,60 @@ def check_greedy(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = tor
         order = torch.randperm(len(stops), generator=g).tolist()
         src = _sources([stops[i] for i in order], src_len, seed, pad_id)
         sizes = {"batch": src.shape[0], "src_len": src_len, "max_new_tokens": max_new_tokens, "vocab": vocab}
-        where = f"With {what} ({', '.join(f'{k}={v}' for k, v in sizes.items())})"
+        where = t("With {what} ({sizes})", what=what, sizes=", ".join(f"{k}={v}" for k, v in sizes.items()))
         try:
             result = call(fn, model, src, max_new_tokens, bos_id, eos_id, next_logits)
         except CheckFailure as failure:
             hint = _loop_hint(fn, model, src, max_new_tokens, bos_id, eos_id, next_logits, str(failure), seed, dtype)
-            raise CheckFailure(f"{failure}\n{where}. {hint}" if hint else str(failure)) from None
+            raise CheckFailure(t("{failure}\n{where}. {hint}", failure=failure, where=where, hint=hint) if hint
+                               else str(failure)) from None
         expected_tokens, expected_logits = _reference_greedy(model, src, max_new_tokens, bos_id, next_logits)
         if type(result) is not tuple or len(result) != 2:
-            raise CheckFailure(f"greedy should return a tuple (tokens, logits), got {kind(result)}.")
+            raise CheckFailure(t("greedy should return a tuple (tokens, logits), got {kind}.", kind=kind(result)))
         tokens, logits = result
-        if type(tokens) is not Tensor or tokens.dtype != torch.long or tokens.dim() != 2:
-            shown = kind(tokens) if type(tokens) is not Tensor else f"shape {tuple(tokens.shape)}, {tokens.dtype}"
-            raise CheckFailure(f"{where}: tokens should be a (batch, length) tensor of torch.long token ids, got "
-                               f"{shown}.")
+        if type(tokens) is not Tensor:
+            raise CheckFailure(t("{where}: tokens should be a (batch, length) tensor of torch.long token ids, got "
+                                 "{kind}.", where=where, kind=kind(tokens)))
+        if tokens.dtype != torch.long or tokens.dim() != 2:
+            raise CheckFailure(t("{where}: tokens should be a (batch, length) tensor of torch.long token ids, got "
+                                 "shape {shape}, {dtype}.", where=where, shape=tuple(tokens.shape),
+                                 dtype=tokens.dtype))
         if tokens.shape[1] >= 1 and not bool((tokens[:, 0] == bos_id).all()):
-            raise CheckFailure(f"{where}: every sentence's tokens start with bos_id ({bos_id}): the first place is "
-                               "the start token, the generated ones follow.")
+            raise CheckFailure(t("{where}: every sentence's tokens start with bos_id ({bos_id}): the first place is "
+                                 "the start token, the generated ones follow.", where=where, bos_id=bos_id))
         if not torch.equal(tokens, expected_tokens):
             variants = _greedy_variants(model, src, max_new_tokens, expected_tokens, bos_id, next_logits)
             hint = next((h for h, v in variants.items() if tokens.shape == v.shape and torch.equal(tokens, v)),
                         None) or _loop_hint(fn, model, src, max_new_tokens, bos_id, eos_id, next_logits, "", seed,
-                                            dtype) or (
+                                            dtype) or t(
                         "Each step: logits = next_logits(tokens, memory, src_mask), the argmax is the next token "
                         "(pad_id where the sentence is finished), appended to tokens.")
-            raise CheckFailure(f"{where}, your tokens\n{tokens.tolist()}\ndiffer from the expected\n"
-                               f"{expected_tokens.tolist()}.\n{hint}")
+            raise CheckFailure(t("{where}, your tokens\n{tokens}\ndiffer from the expected\n{expected}.\n{hint}",
+                                 where=where, tokens=tokens.tolist(), expected=expected_tokens.tolist(), hint=hint))
         if type(logits) is Tensor and logits.shape == expected_logits.transpose(0, 1).shape \
                 and logits.shape != expected_logits.shape and close(logits.transpose(0, 1), expected_logits, dtype):
-            raise CheckFailure(f"{where}, your tokens are right and your logits have shape {tuple(logits.shape)}, "
-                               "(steps, batch, vocab): the steps are stacked along dim 0. Stack them along dim=1, "
-                               "torch.stack(steps, dim=1), for (batch, steps, vocab).")
+            raise CheckFailure(t("{where}, your tokens are right and your logits have shape {shape}, "
+                                 "(steps, batch, vocab): the steps are stacked along dim 0. Stack them along dim=1, "
+                                 "torch.stack(steps, dim=1), for (batch, steps, vocab).", where=where,
+                                 shape=tuple(logits.shape)))
         logits = expect_tensor(logits, "logits", tuple(expected_logits.shape), "batch steps vocab", dtype)
         if not close(logits, expected_logits, dtype):
-            raise CheckFailure(f"{where}, your tokens are right but your logits differ "
-                               f"({difference(logits, expected_logits)}): return torch.stack of each step's "
-                               "next_logits output along dim=1, (batch, steps, vocab).")
+            raise CheckFailure(t("{where}, your tokens are right but your logits differ "
+                                 "({difference}): return torch.stack of each step's "
+                                 "next_logits output along dim=1, (batch, steps, vocab).", where=where,
+                                 difference=difference(logits, expected_logits)))
     model = ToyModel(vocab, seed).to(dtype)
     src = _sources([2, 1], src_len, seed)
     error = call(_error_of, fn, model, src, 0, BOS, EOS, model.next_logits)
+    if error is None:
+        raise CheckFailure(t("greedy(..., max_new_tokens=0, ...) should raise a ValueError (there must be at least "
+                             "one step); it raised no error."))
     if error != "ValueError":
-        raise CheckFailure("greedy(..., max_new_tokens=0, ...) should raise a ValueError (there must be at least "
-                           f"one step); it raised {'no error' if error is None else f'a {error}'}.")
-    passed(f"greedy: each sentence stops at its own EOS, pad_id after it, the loop ends when all have; the ids and "
-           f"next_logits come from the arguments; batch=1; ValueError for max_new_tokens < 1 ({dtype_name(dtype)})")
+        raise CheckFailure(t("greedy(..., max_new_tokens=0, ...) should raise a ValueError (there must be at least "
+                             "one step); it raised a {error}.", error=error))
+    passed(t("greedy: each sentence stops at its own EOS, pad_id after it, the loop ends when all have; the ids and "
+             "next_logits come from the arguments; batch=1; ValueError for max_new_tokens < 1 ({dtype})",
+             dtype=dtype_name(dtype)))
 
 
 # -- exercise 4: predict, then measure ---------------------------------------------------------
@@ -1379,21 +1430,21 @@ def _measure_variants(model: nn.Module, src: Tensor, tgt: Tensor, position: int,
     after, before = model(src, changed), model(src, tgt)
     change = after - before
     return {
-        "Your answer is True where a logit of the changed run itself exceeds tol in size, whether it changed or not: "
-        "subtract the original run, model(src, tgt), before taking .abs().": after.abs().amax(dim=-1) > tol,
-        "Your answer is True where a logit of the changed run itself exceeds tol, whether it changed or not: "
-        "subtract the original run, model(src, tgt), and take .abs() of the difference.": after.amax(dim=-1) > tol,
-        "Your answer takes the largest signed change: a logit that went down by more than tol does not count in it. "
-        "Take .abs() of the difference before the max over vocab.": change.amax(dim=-1) > tol,
-        "Your answer takes the largest signed change of model(src, tgt) - model(src, changed): a logit that went up "
-        "by more than tol does not count in it. Take .abs() of the difference before the max over vocab.":
+        t("Your answer is True where a logit of the changed run itself exceeds tol in size, whether it changed or not: "
+          "subtract the original run, model(src, tgt), before taking .abs()."): after.abs().amax(dim=-1) > tol,
+        t("Your answer is True where a logit of the changed run itself exceeds tol, whether it changed or not: "
+          "subtract the original run, model(src, tgt), and take .abs() of the difference."): after.amax(dim=-1) > tol,
+        t("Your answer takes the largest signed change: a logit that went down by more than tol does not count in "
+          "it. Take .abs() of the difference before the max over vocab."): change.amax(dim=-1) > tol,
+        t("Your answer takes the largest signed change of model(src, tgt) - model(src, changed): a logit that went up "
+          "by more than tol does not count in it. Take .abs() of the difference before the max over vocab."):
             (-change).amax(dim=-1) > tol,
-        "Your answer takes the smallest change over vocab (min): an entry is True when any logit moves by more than "
-        "tol, which is the largest change, the max over vocab.": change.abs().amin(dim=-1) > tol,
-        "Your answer takes the mean change over vocab: an entry is True when any logit moves by more than tol, which "
-        "is the largest change, the max over vocab.": change.abs().mean(dim=-1) > tol,
-        "Your answer takes the summed change over vocab: an entry is True when any logit moves by more than tol, "
-        "which is the largest change, the max over vocab.": change.abs().sum(dim=-1) > tol,
+        t("Your answer takes the smallest change over vocab (min): an entry is True when any logit moves by more than "
+          "tol, which is the largest change, the max over vocab."): change.abs().amin(dim=-1) > tol,
+        t("Your answer takes the mean change over vocab: an entry is True when any logit moves by more than tol, "
+          "which is the largest change, the max over vocab."): change.abs().mean(dim=-1) > tol,
+        t("Your answer takes the summed change over vocab: an entry is True when any logit moves by more than tol, "
+          "which is the largest change, the max over vocab."): change.abs().sum(dim=-1) > tol,
     }
 
 
@@ -1417,22 +1468,28 @@ def check_logits_that_change(fn: Callable[..., Any], seed: int = 0, dtype: torch
         result = call(_measure, fn, model, src, tgt.clone(), position, token, tol)
         got, after = result if type(result) is tuple and len(result) == 2 else (result, tgt)
         if not torch.equal(after, tgt):
-            raise CheckFailure("Your function changed the caller's tgt in place: change a copy (tgt.clone()), or the "
-                               "second run compares the changed targets with themselves.")
+            raise CheckFailure(t("Your function changed the caller's tgt in place: change a copy (tgt.clone()), or "
+                                 "the second run compares the changed targets with themselves."))
         measured = _largest_changes(model, src, tgt, position, token)
         expected = measured > (1e-6 if tol is None else tol)
-        if type(got) is not Tensor or got.dtype != torch.bool:
-            raise CheckFailure(f"logits_that_change should return a boolean torch.Tensor, got {kind(got)}"
-                               f"{f' of dtype {got.dtype}' if type(got) is Tensor else ''}.")
+        if type(got) is not Tensor:
+            raise CheckFailure(t("logits_that_change should return a boolean torch.Tensor, got {kind}.",
+                                 kind=kind(got)))
+        if got.dtype != torch.bool:
+            raise CheckFailure(t("logits_that_change should return a boolean torch.Tensor, got {kind} of dtype "
+                                 "{dtype}.", kind=kind(got), dtype=got.dtype))
         if tuple(got.shape) != tuple(expected.shape):
-            raise CheckFailure(f"The answer should have shape (batch, tgt_len) = {tuple(expected.shape)}, one entry "
-                               f"per sentence and position, got {tuple(got.shape)}: reduce over vocab only.")
+            raise CheckFailure(t("The answer should have shape (batch, tgt_len) = {expected}, one entry "
+                                 "per sentence and position, got {shape}: reduce over vocab only.",
+                                 expected=tuple(expected.shape), shape=tuple(got.shape)))
         if torch.equal(got, expected):
             continue
         steps = torch.arange(s["tgt_len"]).expand_as(expected)
-        what = "a causal model" if causal else "a model whose decoder has no causal mask"
-        if tol is not None:
-            what += f" with tol={tol:.3g}"
+        if tol is None:
+            what = t("a causal model") if causal else t("a model whose decoder has no causal mask")
+        else:
+            what = t("a causal model with tol={tol:.3g}", tol=tol) if causal else \
+                t("a model whose decoder has no causal mask with tol={tol:.3g}", tol=tol)
         mistaken = [h for h, v in _measure_variants(model, src, tgt, position, token, tol).items()
                     if torch.equal(got, v) and not torch.equal(v, expected)]
         for probe in PROBE_TOLS if len(mistaken) > 1 else ():
@@ -1443,21 +1500,22 @@ def check_logits_that_change(fn: Callable[..., Any], seed: int = 0, dtype: torch
             mistaken = [h for h in mistaken if type(answer) is Tensor and answer.shape == variants[h].shape
                         and torch.equal(answer, variants[h])]
         if tol is not None and torch.equal(got, measured > 1e-6):
-            hint = ("Your answer ignores tol: an entry is True only where the largest change of a logit exceeds the "
-                    "tol passed in (its default is 1e-6).")
+            hint = t("Your answer ignores tol: an entry is True only where the largest change of a logit exceeds the "
+                     "tol passed in (its default is 1e-6).")
         elif torch.equal(got, steps >= position) or torch.equal(got, steps > position):
-            hint = ("Your answer is the causal pattern, not a measurement: on a model without the causal mask every "
-                    "position reads the changed token. Run the model twice and compare the logits.")
+            hint = t("Your answer is the causal pattern, not a measurement: on a model without the causal mask every "
+                     "position reads the changed token. Run the model twice and compare the logits.")
         elif len(mistaken) == 1:
             hint = mistaken[0]
         elif torch.equal(got, torch.ones_like(got)):
-            hint = ("Every entry is True, also where the change cannot reach on a causal model: an entry compares the "
-                    "changed run with the original, at one position, reduced over vocab only.")
+            hint = t("Every entry is True, also where the change cannot reach on a causal model: an entry compares "
+                     "the changed run with the original, at one position, reduced over vocab only.")
         else:
-            hint = ("Entry [b, i] is True when any logit of sentence b at position i differs by more than tol "
-                    "between model(src, tgt) and model(src, changed).")
-        raise CheckFailure(f"On {what}, changing the target token at position {position}, your answer\n"
-                           f"{got.int().tolist()}\ndiffers from the measured\n{expected.int().tolist()}\n"
-                           f"({difference(got.int(), expected.int(), sizes)}).\n{hint}")
-    passed(f"logits_that_change: measured on a causal model and on one without the mask, with the default tol and "
-           f"another ({dtype_name(dtype)})")
+            hint = t("Entry [b, i] is True when any logit of sentence b at position i differs by more than tol "
+                     "between model(src, tgt) and model(src, changed).")
+        raise CheckFailure(t("On {what}, changing the target token at position {position}, your answer\n"
+                             "{got}\ndiffers from the measured\n{expected}\n({difference}).\n{hint}", what=what,
+                             position=position, got=got.int().tolist(), expected=expected.int().tolist(),
+                             difference=difference(got.int(), expected.int(), sizes), hint=hint))
+    passed(t("logits_that_change: measured on a causal model and on one without the mask, with the default tol and "
+             "another ({dtype})", dtype=dtype_name(dtype)))

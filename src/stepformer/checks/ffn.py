@@ -1,7 +1,7 @@
 """Checks for chapter 04: the position-wise feed-forward network, SwiGLU, and matching parameter counts."""
 
 from collections.abc import Callable
-from functools import partial
+from functools import partial, reduce
 from typing import Any
 
 import torch
@@ -23,23 +23,24 @@ from stepformer.checks._core import (
     passed,
     raised_error,
 )
+from stepformer.checks._messages import marked, t, tr
 from stepformer.checks._noise import binomial_bounds, dropped_count_problem
 from stepformer.checks.attention import _expect_kept
 
 AXES = ("batch", "seq", "d_model", "d_ff")
 # What exercise 1 asks students to write themselves: the feed-forward half of a Transformer layer.
 BUILT_IN_LAYERS = {
-    "torch.nn.TransformerEncoderLayer": "PyTorch's Transformer encoder layer",
-    "torch.nn.TransformerDecoderLayer": "PyTorch's Transformer decoder layer",
+    "torch.nn.TransformerEncoderLayer": marked("PyTorch's Transformer encoder layer"),
+    "torch.nn.TransformerDecoderLayer": marked("PyTorch's Transformer decoder layer"),
 }
 FFN_AXES = "batch seq d_model"
 # The activations FeedForward takes, each with PyTorch's own function as its oracle and the words a message uses.
 ACTIVATIONS = {
-    "relu": (F.relu, "ReLU"),
-    "gelu": (F.gelu, "the exact GELU (erf)"),
-    "gelu_tanh": (partial(F.gelu, approximate="tanh"), "GELU's tanh approximation"),
+    "relu": (F.relu, marked("ReLU")),
+    "gelu": (F.gelu, marked("the exact GELU (erf)")),
+    "gelu_tanh": (partial(F.gelu, approximate="tanh"), marked("GELU's tanh approximation")),
 }
-ALLOWED = "'relu', 'gelu' and 'gelu_tanh'"
+ALLOWED = marked("'relu', 'gelu' and 'gelu_tanh'")
 
 
 def _sizes(seed: int) -> dict[str, int]:
@@ -77,20 +78,24 @@ def _expect_parameters(module: Any, expected: dict[str, tuple[int, ...]], cls: s
     missing = [n for n in expected if n not in shapes]
     extra = [n for n in shapes if n not in expected]
     if missing and all(n.endswith(".bias") for n in missing) and not extra:
-        raise CheckFailure(f"{cls} has no {', '.join(missing)}: {bias_hint}")
+        raise CheckFailure(t("{cls} has no {missing}: {hint}", cls=cls, missing=", ".join(missing),
+                             hint=tr(bias_hint)))
     if extra and all(n.endswith(".bias") for n in extra) and not missing:
-        raise CheckFailure(f"{cls} has {', '.join(extra)}, which it should not have: {bias_hint}")
+        raise CheckFailure(t("{cls} has {extra}, which it should not have: {hint}", cls=cls, extra=", ".join(extra),
+                             hint=tr(bias_hint)))
     if missing or extra:
-        raise CheckFailure(
-            f"{cls}'s parameters should be named {sorted(expected)}, got {sorted(shapes)}. "
-            "Name the layers exactly as the docstring says (the checks copy weights in by name)."
-        )
+        raise CheckFailure(t(
+            "{cls}'s parameters should be named {expected}, got {got}. "
+            "Name the layers exactly as the docstring says (the checks copy weights in by name).",
+            cls=cls, expected=sorted(expected), got=sorted(shapes)
+        ))
     wrong = {n: shapes[n] for n in expected if shapes[n] != expected[n]}
     name, got = next(iter(wrong.items()))
-    raise CheckFailure(
-        f"{cls}.{name} should have shape {expected[name]}, got {got}. nn.Linear(in_features, out_features) "
-        "stores its weight as (out_features, in_features): check the order of d_model and d_ff."
-    )
+    raise CheckFailure(t(
+        "{cls}.{name} should have shape {expected}, got {got}. nn.Linear(in_features, out_features) "
+        "stores its weight as (out_features, in_features): check the order of d_model and d_ff.",
+        cls=cls, name=name, expected=expected[name], got=got
+    ))
 
 
 def _seeded(module: nn.Module, x: Float[Tensor, "batch seq d_model"], seed: int) -> Any:
@@ -111,6 +116,11 @@ def _named(s: dict[str, int]) -> dict[str, int]:
     return {a: s[a] for a in AXES}
 
 
+def _listed(before: str, after: str) -> str:
+    """Two items of a list in a message, joined as the reader's language joins them."""
+    return t("{before}, {after}", before=before, after=after)
+
+
 # -- FeedForward -------------------------------------------------------------------------------
 
 def _ffn_expected(s: dict[str, int]) -> dict[str, tuple[int, ...]]:
@@ -119,7 +129,7 @@ def _ffn_expected(s: dict[str, int]) -> dict[str, tuple[int, ...]]:
             "linear2.weight": (d_model, d_ff), "linear2.bias": (d_model,)}
 
 
-FFN_BIAS_HINT = "nn.Linear has a bias by default, and the Transformer's FFN uses it (max(0, xW₁ + b₁)W₂ + b₂)."
+FFN_BIAS_HINT = marked("nn.Linear has a bias by default, and the Transformer's FFN uses it (max(0, xW₁ + b₁)W₂ + b₂).")
 
 
 def _oracle_layer(s: dict[str, int], activation: str, seed: int, dtype: torch.dtype) -> nn.TransformerEncoderLayer:
@@ -140,11 +150,16 @@ def _build(cls: Callable[..., Any], s: dict[str, int], activation: str, **kwargs
     except CheckFailure as failure:
         if raised_error(failure) != "ValueError":
             raise
-        raise failure.reworded(
-            f"{str(failure).rstrip('.')}. FeedForward takes three activations, {ALLOWED}, and refused {activation!r}"
-            + (": 'gelu_tanh' is GELU's tanh approximation, nn.GELU(approximate='tanh')." if activation == "gelu_tanh"
-               else ".")
-        ) from None
+        if activation == "gelu_tanh":
+            raise failure.reworded(t(
+                "{raised}. FeedForward takes three activations, {allowed}, and refused {activation!r}: 'gelu_tanh' is "
+                "GELU's tanh approximation, nn.GELU(approximate='tanh').",
+                raised=str(failure).rstrip("."), allowed=tr(ALLOWED), activation=activation
+            )) from None
+        raise failure.reworded(t(
+            "{raised}. FeedForward takes three activations, {allowed}, and refused {activation!r}.",
+            raised=str(failure).rstrip("."), allowed=tr(ALLOWED), activation=activation
+        )) from None
 
 
 def _ffn_state(layer: nn.TransformerEncoderLayer) -> dict[str, Tensor]:
@@ -158,34 +173,35 @@ def _ffn_diagnose(layer: nn.TransformerEncoderLayer, activation: str, x: Tensor,
     """
     dtype = x.dtype
     if not close(alone, got[:, -1:], dtype):
-        return ("the output at one position depends on the other positions. The FFN acts on each position "
-                "alone: apply nn.Linear to the last axis (d_model) and never mix the seq axis.")
+        return t("the output at one position depends on the other positions. The FFN acts on each position "
+                 "alone: apply nn.Linear to the last axis (d_model) and never mix the seq axis.")
     lin1, lin2 = layer.linear1, layer.linear2
     act = ACTIVATIONS[activation][0]
-    variants: dict[str, Callable[[], Tensor]] = {
-        "you applied the activation after linear2; it goes between the two layers: "
-        "linear2(activation(linear1(x))).": lambda: act(lin2(lin1(x))),
-        "you applied the activation after both layers; it goes between them only.": lambda: act(lin2(act(lin1(x)))),
-        "there is no activation: without it the two layers collapse into one linear map.": lambda: lin2(lin1(x)),
-    }
+    variants: list[tuple[str, Callable[[], Tensor]]] = [
+        (t("you applied the activation after linear2; it goes between the two layers: "
+           "linear2(activation(linear1(x)))."), lambda: act(lin2(lin1(x)))),
+        (t("you applied the activation after both layers; it goes between them only."),
+         lambda: act(lin2(act(lin1(x))))),
+        (t("there is no activation: without it the two layers collapse into one linear map."), lambda: lin2(lin1(x))),
+    ]
     # Each other activation, tried in its place; the hint names what the output equals.
     for other, (fn, words) in ACTIVATIONS.items():
         if other == activation:
             continue
         if (activation, other) == ("gelu", "gelu_tanh"):
-            hint = ("you used GELU's tanh approximation (approximate='tanh'); 'gelu' is the exact one, x·Φ(x) with "
-                    "the erf (nn.GELU() or F.gelu(x)), as in torch.nn.TransformerEncoderLayer.")
+            hint = t("you used GELU's tanh approximation (approximate='tanh'); 'gelu' is the exact one, x·Φ(x) with "
+                     "the erf (nn.GELU() or F.gelu(x)), as in torch.nn.TransformerEncoderLayer.")
         elif (activation, other) == ("gelu_tanh", "gelu"):
-            hint = ("activation='gelu_tanh' gave the exact GELU (nn.GELU()'s default, approximate='none'); "
-                    "'gelu_tanh' is its tanh approximation, nn.GELU(approximate='tanh') (GPT-2's).")
+            hint = t("activation='gelu_tanh' gave the exact GELU (nn.GELU()'s default, approximate='none'); "
+                     "'gelu_tanh' is its tanh approximation, nn.GELU(approximate='tanh') (GPT-2's).")
         else:
-            hint = (f"activation={activation!r} gave {words}: each of {ALLOWED} needs its own activation; pick it "
-                    "from the argument.")
-        variants[hint] = lambda fn=fn: lin2(fn(lin1(x)))
-    for hint, variant in variants.items():
+            hint = t("activation={activation!r} gave {words}: each of {allowed} needs its own activation; pick it "
+                     "from the argument.", activation=activation, words=tr(words), allowed=tr(ALLOWED))
+        variants.append((hint, lambda fn=fn: lin2(fn(lin1(x)))))
+    for hint, variant in variants:
         if close(got, variant(), dtype):
             return hint
-    return "compare linear1, the activation and linear2 step by step with the formula on a small input."
+    return t("compare linear1, the activation and linear2 step by step with the formula on a small input.")
 
 
 @check(forbid=BUILT_IN_LAYERS)
@@ -198,17 +214,18 @@ def check_feedforward_structure(cls: Callable[..., Any], seed: int = 0) -> None:
         for dtype in (torch.float32, torch.float64):
             state = _ffn_state(_oracle_layer(s, activation, seed, dtype))
             call(_prepare, module, state, False)
-            _output(module, _input(s, seed, dtype), "FeedForward's output")
+            _output(module, _input(s, seed, dtype), t("FeedForward's output"))
     try:
         call(cls, s["d_model"], s["d_ff"], activation="swish")
     except CheckFailure as failure:
         if raised_error(failure) != "ValueError":
-            raise CheckFailure(f"An unknown activation should raise a ValueError, got: {failure}") from None
+            raise CheckFailure(t("An unknown activation should raise a ValueError, got: {failure}",
+                                 failure=failure)) from None
     else:
-        raise CheckFailure("FeedForward(..., activation='swish') should raise a ValueError that names the "
-                           f"allowed activations ({ALLOWED}); it was accepted.")
-    passed("FeedForward has linear1 (d_model → d_ff) and linear2 (d_ff → d_model) with biases, keeps shapes "
-           "and dtypes for relu, gelu and gelu_tanh, and refuses unknown activations")
+        raise CheckFailure(t("FeedForward(..., activation='swish') should raise a ValueError that names the "
+                             "allowed activations ({allowed}); it was accepted.", allowed=tr(ALLOWED)))
+    passed(t("FeedForward has linear1 (d_model → d_ff) and linear2 (d_ff → d_model) with biases, keeps shapes "
+             "and dtypes for relu, gelu and gelu_tanh, and refuses unknown activations"))
 
 
 @check(forbid=BUILT_IN_LAYERS)
@@ -223,18 +240,19 @@ def check_feedforward_values(cls: Callable[..., Any], seed: int = 0, dtype: torc
         _expect_parameters(module, _ffn_expected(s), "FeedForward", FFN_BIAS_HINT)
         call(_prepare, module, _ffn_state(layer), False)
         for sample in (x, x[:1]):
-            got = _output(module, sample, "FeedForward's output")
+            got = _output(module, sample, t("FeedForward's output"))
             with torch.no_grad():
                 expected = layer.linear2(layer.activation(layer.linear1(sample)))
             if not close(got, expected, dtype):
-                alone = _output(module, sample[:, -1:], "FeedForward's output")
+                alone = _output(module, sample[:, -1:], t("FeedForward's output"))
                 found = difference(got, expected, dict(_named(s), batch=len(sample)))
-                raise CheckFailure(
-                    f"With activation={activation!r}, your output differs from PyTorch's TransformerEncoderLayer "
-                    f"(same weights; {found}): {_ffn_diagnose(layer, activation, sample, got, alone)}"
-                )
-    passed(f"equal to nn.TransformerEncoderLayer's feed-forward, ReLU, exact GELU and its tanh approximation, batch=1 "
-           f"too ({dtype_name(dtype)})")
+                raise CheckFailure(t(
+                    "With activation={activation!r}, your output differs from PyTorch's TransformerEncoderLayer "
+                    "(same weights; {found}): {diagnosis}", activation=activation, found=found,
+                    diagnosis=_ffn_diagnose(layer, activation, sample, got, alone)
+                ))
+    passed(t("equal to nn.TransformerEncoderLayer's feed-forward, ReLU, exact GELU and its tanh approximation, batch=1 "
+             "too ({dtype})", dtype=dtype_name(dtype)))
 
 
 @jaxtyped(typechecker=beartype)
@@ -266,22 +284,22 @@ def _dropout_diagnose(layer: nn.TransformerEncoderLayer, x: Float[Tensor, "batch
     factor = ratios.median().item() if ratios.numel() else float("nan")
     if ratios.numel() and ((ratios - factor).abs() <= 1e-6).all():
         if abs(factor - 1.0) <= 1e-6:
-            return ("the kept hidden activations are not scaled: dropout must divide what it keeps by 1 - p, so that "
-                    "the expected output stays the same (nn.Dropout does; a hand-made mask must too).")
+            return t("the kept hidden activations are not scaled: dropout must divide what it keeps by 1 - p, so "
+                     "that the expected output stays the same (nn.Dropout does; a hand-made mask must too).")
         count, n = int((dropped & (hidden.abs() > 1e-3)).sum()), int((hidden.abs() > 1e-3).sum())
         low, high = binomial_bounds(n, 1 - p)
         if abs(factor - 1 / p) <= 1e-6 and low <= count <= high:  # the scale and the rate of 1 - p, both tested
-            return (f"the kept hidden activations are scaled by 1/{p} and {count} of {n} ({count / n:.0%}) were "
-                    "dropped: you dropped with probability 1 - p (nn.Dropout(1 - dropout)); nn.Dropout's p is the "
-                    "probability of dropping.")
-        return (f"the kept hidden activations are scaled by {factor:.4g}, not by 1/(1-p) = {1 / (1 - p):.4g}: pass "
-                "the module's dropout probability to nn.Dropout.")
+            return t("the kept hidden activations are scaled by 1/{p} and {count} of {n} ({share:.0%}) were "
+                     "dropped: you dropped with probability 1 - p (nn.Dropout(1 - dropout)); nn.Dropout's p is the "
+                     "probability of dropping.", p=p, count=count, n=n, share=count / n)
+        return t("the kept hidden activations are scaled by {factor:.4g}, not by 1/(1-p) = {scale:.4g}: pass "
+                 "the module's dropout probability to nn.Dropout.", factor=factor, scale=1 / (1 - p))
     before = layer.activation(layer.linear1(x) / (1 - p))
     if ((reached - before).abs() <= scale)[~dropped].all():
-        return ("you applied dropout before the activation, to linear1's output: it belongs after it, on "
-                "activation(linear1(x)) (with GELU the two differ).")
-    return ("what reaches linear2 is not the hidden activations with some of them dropped: apply dropout to "
-            "activation(linear1(x)), not to x (the input) or to linear1's output.")
+        return t("you applied dropout before the activation, to linear1's output: it belongs after it, on "
+                 "activation(linear1(x)) (with GELU the two differ).")
+    return t("what reaches linear2 is not the hidden activations with some of them dropped: apply dropout to "
+             "activation(linear1(x)), not to x (the input) or to linear1's output.")
 
 
 @check(forbid=BUILT_IN_LAYERS)
@@ -323,29 +341,29 @@ def check_feedforward_dropout(cls: Callable[..., Any], seed: int = 0) -> None:
         _expect_parameters(dropping, _ffn_expected(s), "FeedForward", FFN_BIAS_HINT)
         call(_prepare, plain, state, False)
         call(_prepare, dropping, state, False)
-        reference = _output(plain, x, "FeedForward's output")
-        evaluated = _output(dropping, x, "FeedForward's output in eval mode")
+        reference = _output(plain, x, t("FeedForward's output"))
+        evaluated = _output(dropping, x, t("FeedForward's output in eval mode"))
         if not close(evaluated, reference, torch.float64):
-            raise CheckFailure(
-                f"With dropout={p} and activation={activation!r} in eval mode the output changed "
-                f"({difference(evaluated, reference, _named(s))}): dropout must do nothing after module.eval(). "
+            raise CheckFailure(t(
+                "With dropout={p} and activation={activation!r} in eval mode the output changed "
+                "({found}): dropout must do nothing after module.eval(). "
                 "Use an nn.Dropout layer (it follows train()/eval()), not F.dropout(x, p), whose training=True "
-                "by default."
-            )
+                "by default.", p=p, activation=activation, found=difference(evaluated, reference, _named(s))
+            ))
         call(_prepare, dropping, state, True)
-        trained = _output(dropping, x, "FeedForward's output in training mode", seed=seed + 6000)
+        trained = _output(dropping, x, t("FeedForward's output in training mode"), seed=seed + 6000)
         found = difference(trained, reference, _named(s))
         if close(trained, reference, torch.float64):
-            raise CheckFailure(
-                f"With dropout={p} in training mode nothing was dropped ({found}): pass `dropout` to nn.Dropout and "
-                "apply it to the hidden activations in forward."
-            )
+            raise CheckFailure(t(
+                "With dropout={p} in training mode nothing was dropped ({found}): pass `dropout` to nn.Dropout and "
+                "apply it to the hidden activations in forward.", p=p, found=found
+            ))
         zeros = trained == 0
         if zeros.any() and close(trained[~zeros], reference[~zeros] / (1 - p), torch.float64):
-            raise CheckFailure(
-                f"Dropout zeroes whole outputs ({found}): you applied it after linear2. It belongs to the hidden "
-                "activations, between the activation and linear2."
-            )
+            raise CheckFailure(t(
+                "Dropout zeroes whole outputs ({found}): you applied it after linear2. It belongs to the hidden "
+                "activations, between the activation and linear2.", found=found
+            ))
         with torch.no_grad():
             hidden, residual = _reaching_linear2(layer, reference)
             if residual > 1e-8 * (1.0 + reference.abs().max().item()):
@@ -353,25 +371,28 @@ def check_feedforward_dropout(cls: Callable[..., Any], seed: int = 0) -> None:
             reached, _ = _reaching_linear2(layer, trained)
             hint = _dropout_diagnose(layer, x, hidden, reached, p)
         if hint is not None:
-            raise CheckFailure(f"With dropout={p} and activation={activation!r} in training mode ({found}): {hint}")
+            raise CheckFailure(t("With dropout={p} and activation={activation!r} in training mode ({found}): {hint}",
+                                 p=p, activation=activation, found=found, hint=hint))
         live = hidden.abs() > 1e-3
         count, n = int((reached[live].abs() <= 1e-8 * (1 + hidden.abs().max())).sum()), int(live.sum())
         shares[activation] = count / n
         problem = dropped_count_problem(count, n, p, comparisons=len(ACTIVATIONS))
         if problem is not None:
-            raise CheckFailure(f"With dropout={p}, {count} of {n} hidden activations ({count / n:.0%}) were dropped "
-                               f"(activation={activation!r}, sizes {_named(s)}); {problem}")
+            raise CheckFailure(t("With dropout={p}, {count} of {n} hidden activations ({share:.0%}) were dropped "
+                                 "(activation={activation!r}, sizes {sizes}); {problem}", p=p, count=count, n=n,
+                                 share=count / n, activation=activation, sizes=_named(s), problem=problem))
     if len(refused) == len(ACTIVATIONS):
         raise next(iter(refused.values()))
-    left_out = (f"; not with {', '.join(map(repr, refused))}, which your FeedForward refused (see the structure check)"
-                if refused else "")
+    left_out = (t("; not with {refused}, which your FeedForward refused (see the structure check)",
+                  refused=", ".join(map(repr, refused))) if refused else "")
     if not shares:
-        passed("dropout is on in training and off in eval mode; where it acts is checked once your forward ends in "
-               f"linear2 (see the values check){left_out}")
+        passed(t("dropout is on in training and off in eval mode; where it acts is checked once your forward ends in "
+                 "linear2 (see the values check){left_out}", left_out=left_out))
         return
-    measured = ", ".join(f"{share:.0%} with {activation}" for activation, share in shares.items())
-    passed(f"dropout sets hidden activations to 0 ({measured}, at p={p}) or scales them by 1/(1-p), only in training "
-           f"mode{left_out}")
+    measured = [t("{share:.0%} with {activation}", share=share, activation=activation)
+                for activation, share in shares.items()]
+    passed(t("dropout sets hidden activations to 0 ({measured}, at p={p}) or scales them by 1/(1-p), only in training "
+             "mode{left_out}", measured=reduce(_listed, measured), p=p, left_out=left_out))
 
 
 # -- SwiGLU ------------------------------------------------------------------------------------
@@ -381,7 +402,7 @@ def _swiglu_expected(s: dict[str, int]) -> dict[str, tuple[int, ...]]:
     return {"w_gate.weight": (d_ff, d_model), "w_up.weight": (d_ff, d_model), "w_down.weight": (d_model, d_ff)}
 
 
-SWIGLU_BIAS_HINT = "SwiGLU's three layers have no bias (nn.Linear(..., bias=False)), as in Shazeer 2020."
+SWIGLU_BIAS_HINT = marked("SwiGLU's three layers have no bias (nn.Linear(..., bias=False)), as in Shazeer 2020.")
 
 
 def _swiglu_state(s: dict[str, int], seed: int) -> dict[str, Tensor]:
@@ -419,8 +440,8 @@ def check_swiglu_structure(cls: Callable[..., Any], seed: int = 0) -> None:
     for dtype in (torch.float32, torch.float64):
         state = {k: v.to(dtype) for k, v in _swiglu_state(s, seed).items()}
         call(_prepare, module, state, False)
-        _output(module, _input(s, seed, dtype), "SwiGLU's output")
-    passed("SwiGLU has w_gate, w_up (d_model → d_ff) and w_down (d_ff → d_model) without bias, and keeps shapes")
+        _output(module, _input(s, seed, dtype), t("SwiGLU's output"))
+    passed(t("SwiGLU has w_gate, w_up (d_model → d_ff) and w_down (d_ff → d_model) without bias, and keeps shapes"))
 
 
 @check
@@ -433,40 +454,41 @@ def check_swiglu_values(cls: Callable[..., Any], seed: int = 0, dtype: torch.dty
     module = call(cls, s["d_model"], s["d_ff"])
     _expect_parameters(module, _swiglu_expected(s), "SwiGLU", SWIGLU_BIAS_HINT)
     call(_prepare, module, state, False)
-    got = _output(module, x, "SwiGLU's output")
+    got = _output(module, x, t("SwiGLU's output"))
     expected = _glu(state64, x, _swish).to(dtype)
     if not close(got, expected, dtype):
-        variants = {
-            "w_gate and w_up are swapped: the silu goes on w_gate(x), and w_up(x) is the value it gates.":
-                dict(gate_fn=_swish, swap=True),
-            "you used sigmoid as the gate (that is GLU); SwiGLU uses silu(z) = z·sigmoid(z) (F.silu).":
-                dict(gate_fn=torch.sigmoid),
-            "you used sigmoid instead of silu, and on w_up(x) instead of w_gate(x): the gate is silu(w_gate(x)).":
-                dict(gate_fn=torch.sigmoid, swap=True),
-            "you used GELU (that is GeGLU); SwiGLU uses silu (F.silu).": dict(gate_fn=F.gelu),
-            "you used ReLU (that is ReGLU); SwiGLU uses silu (F.silu).": dict(gate_fn=F.relu),
-            "the silu is missing: the gate is silu(w_gate(x)), not w_gate(x) (that is the 'bilinear' variant).":
-                dict(gate_fn=lambda z: z),
-            "the gate is missing: your output is w_down(w_up(x)), without silu(w_gate(x)) multiplying w_up(x).":
-                dict(gate_fn=_swish, combine=lambda gate, up: up),
-            "w_up(x) is missing: your output is w_down(silu(w_gate(x))); the gate multiplies w_up(x) before w_down.":
-                dict(gate_fn=_swish, combine=lambda gate, up: gate),
-            "you divided the gate by w_up(x): multiply them elementwise, silu(w_gate(x)) * w_up(x).":
-                dict(gate_fn=_swish, combine=torch.div),
-            "you added w_up(x) to the gate: multiply them elementwise, silu(w_gate(x)) * w_up(x).":
-                dict(gate_fn=_swish, combine=torch.add),
-        }
+        variants = [
+            (t("w_gate and w_up are swapped: the silu goes on w_gate(x), and w_up(x) is the value it gates."),
+             dict(gate_fn=_swish, swap=True)),
+            (t("you used sigmoid as the gate (that is GLU); SwiGLU uses silu(z) = z·sigmoid(z) (F.silu)."),
+             dict(gate_fn=torch.sigmoid)),
+            (t("you used sigmoid instead of silu, and on w_up(x) instead of w_gate(x): the gate is silu(w_gate(x))."),
+             dict(gate_fn=torch.sigmoid, swap=True)),
+            (t("you used GELU (that is GeGLU); SwiGLU uses silu (F.silu)."), dict(gate_fn=F.gelu)),
+            (t("you used ReLU (that is ReGLU); SwiGLU uses silu (F.silu)."), dict(gate_fn=F.relu)),
+            (t("the silu is missing: the gate is silu(w_gate(x)), not w_gate(x) (that is the 'bilinear' variant)."),
+             dict(gate_fn=lambda z: z)),
+            (t("the gate is missing: your output is w_down(w_up(x)), without silu(w_gate(x)) multiplying w_up(x)."),
+             dict(gate_fn=_swish, combine=lambda gate, up: up)),
+            (t("w_up(x) is missing: your output is w_down(silu(w_gate(x))); the gate multiplies w_up(x) before "
+               "w_down."), dict(gate_fn=_swish, combine=lambda gate, up: gate)),
+            (t("you divided the gate by w_up(x): multiply them elementwise, silu(w_gate(x)) * w_up(x)."),
+             dict(gate_fn=_swish, combine=torch.div)),
+            (t("you added w_up(x) to the gate: multiply them elementwise, silu(w_gate(x)) * w_up(x)."),
+             dict(gate_fn=_swish, combine=torch.add)),
+        ]
         found = difference(got, expected, _named(s))
         # Each variant is computed on the same input and weights; one is named only when the output equals it
         # (to the dtype's tolerance), and the correct output differs from it (it does, or this branch is not taken).
-        for hint, kwargs in variants.items():
+        for hint, kwargs in variants:
             if close(got, _glu(state64, x, **kwargs).to(dtype), dtype):
-                raise CheckFailure(f"Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)) ({found}); {hint}")
-        raise CheckFailure(
-            f"Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)) ({found}) and matches none of the common "
-            "mistakes. Multiply the gate and w_up(x) elementwise (over d_ff), then apply w_down."
-        )
-    passed(f"equal to w_down(silu(w_gate(x)) ⊙ w_up(x)) computed in float64 ({dtype_name(dtype)})")
+                raise CheckFailure(t("Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)) ({found}); {hint}",
+                                     found=found, hint=hint))
+        raise CheckFailure(t(
+            "Your SwiGLU differs from w_down(silu(w_gate(x)) * w_up(x)) ({found}) and matches none of the common "
+            "mistakes. Multiply the gate and w_up(x) elementwise (over d_ff), then apply w_down.", found=found
+        ))
+    passed(t("equal to w_down(silu(w_gate(x)) ⊙ w_up(x)) computed in float64 ({dtype})", dtype=dtype_name(dtype)))
 
 
 # -- matching the parameter count --------------------------------------------------------------
@@ -489,13 +511,15 @@ def check_matching_swiglu_hidden(fn: Callable[..., Any], seed: int = 0) -> None:
             if raised_error(failure) != "ZeroDivisionError":
                 raise
             # Python raises ZeroDivisionError only for a division (or modulo) by 0: that much is known.
-            raise CheckFailure(
-                f"{str(failure).rstrip('.')}. What your function divides by is 0, but one SwiGLU hidden unit costs "
-                f"3·d_model = {3 * d_model:,} parameters here: divide FeedForward's count by the parameter count of "
-                "SwiGLU(d_model, 1), a SwiGLU with one hidden unit."
-            ) from None
+            raise CheckFailure(t(
+                "{raised}. What your function divides by is 0, but one SwiGLU hidden unit costs "
+                "3·d_model = {per_unit:,} parameters here: divide FeedForward's count by the parameter count of "
+                "SwiGLU(d_model, 1), a SwiGLU with one hidden unit.", raised=str(failure).rstrip("."),
+                per_unit=3 * d_model
+            )) from None
         if type(value) is not int:
-            raise CheckFailure(f"matching_swiglu_hidden should return a Python int (use round()), got {kind(value)}.")
+            raise CheckFailure(t("matching_swiglu_hidden should return a Python int (use round()), got {kind}.",
+                                 kind=kind(value)))
         # The FFN's parameters are those of nn.Linear(d_model, d_ff) and nn.Linear(d_ff, d_model), biases included;
         # one SwiGLU hidden unit costs three bias-free weight vectors of length d_model.
         with torch.device("meta"):  # shapes only: nothing is allocated
@@ -508,25 +532,29 @@ def check_matching_swiglu_hidden(fn: Callable[..., Any], seed: int = 0) -> None:
             # Each key is what one mistake returns on these sizes; a hint is given only when the value equals
             # exactly one key, which the correct answer (tested above) does not.
             candidates = [
-                (round(2 * d_model * d_ff / per_unit), "Probably you left out linear1's and linear2's biases "
-                                                       "(d_ff + d_model parameters)."),
-                (d_ff, "Probably the same hidden size gives SwiGLU 1.5 times the parameters: it has three "
-                       "matrices, not two."),
-                (round(target / (2 * d_model)), "Probably SwiGLU has three weight matrices (w_gate, w_up, w_down), "
-                                                "not two."),
-                (target, f"Your answer is FeedForward's parameter count itself ({target:,}), without the division by "
-                         f"what one SwiGLU hidden unit costs (SwiGLU(d_model, 1): {per_unit:,} parameters)."),
-                (target * per_unit, f"Your answer is FeedForward's count ({target:,}) multiplied by what one SwiGLU "
-                                    f"hidden unit costs ({per_unit:,}): divide by it instead."),
+                (round(2 * d_model * d_ff / per_unit), t("Probably you left out linear1's and linear2's biases "
+                                                         "(d_ff + d_model parameters).")),
+                (d_ff, t("Probably the same hidden size gives SwiGLU 1.5 times the parameters: it has three "
+                         "matrices, not two.")),
+                (round(target / (2 * d_model)), t("Probably SwiGLU has three weight matrices (w_gate, w_up, w_down), "
+                                                  "not two.")),
+                (target, t("Your answer is FeedForward's parameter count itself ({target:,}), without the division by "
+                           "what one SwiGLU hidden unit costs (SwiGLU(d_model, 1): {per_unit:,} parameters).",
+                           target=target, per_unit=per_unit)),
+                (target * per_unit, t("Your answer is FeedForward's count ({target:,}) multiplied by what one SwiGLU "
+                                      "hidden unit costs ({per_unit:,}): divide by it instead.",
+                                      target=target, per_unit=per_unit)),
             ]
             named = [hint for key, hint in candidates if key == value]
-            hint = named[0] if len(named) == 1 else (
+            hint = named[0] if len(named) == 1 else t(
                 "Your value matches none of the common mistakes. Count both modules' parameters with "
                 "sum(p.numel() for p in m.parameters()) and divide FeedForward's count by SwiGLU(d_model, 1)'s.")
-            raise CheckFailure(
-                f"For d_model={d_model}, d_ff={d_ff}: FeedForward has {target:,} parameters, so the closest "
-                f"SwiGLU has hidden size {right[0]} ({per_unit * right[0]:,} parameters); you returned {value} "
-                f"({per_unit * value:,}). {hint}"
-            )
+            raise CheckFailure(t(
+                "For d_model={d_model}, d_ff={d_ff}: FeedForward has {target:,} parameters, so the closest "
+                "SwiGLU has hidden size {closest} ({closest_count:,} parameters); you returned {value} "
+                "({value_count:,}). {hint}", d_model=d_model, d_ff=d_ff, target=target, closest=right[0],
+                closest_count=per_unit * right[0], value=value, value_count=per_unit * value, hint=hint
+            ))
         ratios.append(value / d_ff)
-    passed(f"matching SwiGLU hidden sizes found; for d_ff = 4·d_model they are {ratios[0]:.3f}·d_ff (about 2/3)")
+    passed(t("matching SwiGLU hidden sizes found; for d_ff = 4·d_model they are {ratio:.3f}·d_ff (about 2/3)",
+             ratio=ratios[0]))

@@ -22,6 +22,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from stepformer.checks._messages import t
+
+# A Chinese notebook lies in a zh/ folder inside its assignment's folder (01_attention/zh/attention.ipynb).
+TRANSLATION_FOLDER = "zh"
+
 
 class GivenError(RuntimeError):
     """An earlier piece could not be found: the message says where it was looked for and what to do."""
@@ -52,29 +57,53 @@ def given(qualified_name: str, notebook: str, namespace: dict[str, Any], *, fold
 
     ``notebook`` is the earlier chapter's notebook as ``"01_attention/attention.ipynb"``, looked
     up in ``folder`` (default: the parent of the working folder, where a course's assignments lie
-    side by side, in ``exercises/`` as in nbgrader's fetched assignments).
+    side by side, in ``exercises/`` as in nbgrader's fetched assignments). From a Chinese notebook
+    (working folder ``07_encoder/zh``) the assignments are two levels up, and the earlier chapter's
+    Chinese notebook (``01_attention/zh/attention.ipynb``) is read first, its English one if the
+    Chinese one does not answer it.
     """
     name = qualified_name.rpartition(".")[2]
     if reference_installed(qualified_name):
-        source, origin = given_source(qualified_name), "the course's copy"
+        source, origin = given_source(qualified_name), t("the course's copy")
     else:
-        path = (folder if folder is not None else Path.cwd().parent) / notebook
-        source, origin = own_answer(path, name), f"your own answer in {notebook}"
+        found: tuple[str, str] | None = None
+        first_problem: GivenError | None = None
+        for shown, path in _candidates(notebook, folder):
+            try:
+                found = own_answer(path, name), t("your own answer in {notebook}", notebook=shown)
+                break
+            except GivenError as problem:
+                first_problem = first_problem or problem
+        if found is None:
+            raise first_problem
+        source, origin = found
     exec(compile(source, f"<{name}: {origin}>", "exec"), namespace)  # what a locked cell holds, run as one would
     message = f"{name}: {origin}"
     print(message)
     return message
 
 
+def _candidates(notebook: str, folder: Path | None) -> list[tuple[str, Path]]:
+    """Where the earlier chapter's notebook may be, in order: (as messages name it, path)."""
+    here = Path.cwd()
+    if folder is None and here.name == TRANSLATION_FOLDER:
+        chapter, _, file = notebook.rpartition("/")
+        translated = f"{chapter}/{TRANSLATION_FOLDER}/{file}"
+        return [(translated, here.parent.parent / translated), (notebook, here.parent.parent / notebook)]
+    return [(notebook, (folder if folder is not None else here.parent) / notebook)]
+
+
 def own_answer(path: Path, name: str) -> str:
     """The source of the top-level function or class ``name`` in the notebook at ``path`` (its last definition)."""
     if not path.is_file():
-        raise GivenError(f"{name} is an answer of an earlier chapter, and its notebook {path} is not there. Keep the "
-                         "course's notebooks side by side (as they were fetched), or ask your instructor.")
+        raise GivenError(t("{name} is an answer of an earlier chapter, and its notebook {path} is not there. Keep the "
+                           "course's notebooks side by side (as they were fetched), or ask your instructor.",
+                           name=name, path=path))
     try:
         cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise GivenError(f"{path} cannot be read as a notebook ({error}): {name} is taken from it.") from None
+        raise GivenError(t("{path} cannot be read as a notebook ({error}): {name} is taken from it.", path=path,
+                           error=error, name=name)) from None
     found = None
     for cell in cells:
         if cell.get("cell_type") == "code":
@@ -83,10 +112,11 @@ def own_answer(path: Path, name: str) -> str:
             python = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
             found = _definition(python, name) or found
     if found is None:
-        raise GivenError(f"{path} defines no {name}: write it there first (this notebook uses your answer).")
+        raise GivenError(t("{path} defines no {name}: write it there first (this notebook uses your answer).",
+                           path=path, name=name))
     if _unanswered(found):
-        raise GivenError(f"{name} in {path} is still the stub that raises NotImplementedError: answer that exercise "
-                         "first (this notebook uses your answer).")
+        raise GivenError(t("{name} in {path} is still the stub that raises NotImplementedError: answer that exercise "
+                           "first (this notebook uses your answer).", name=name, path=path))
     return found
 
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from stepformer.checks._core import (
     CheckFailure,
     CodeRaised,
+    NotOwnWork,
     call,
     check,
     close,
@@ -36,6 +37,7 @@ from stepformer.checks._core import (
     passed,
     refuse_extra_parameters,
 )
+from stepformer.checks._messages import marked, t, tr
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import load_state as _load
 from stepformer.checks._modules import parameter_shapes as _parameter_shapes
@@ -49,7 +51,8 @@ PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
 # path calls it (through the given _fused_attention), and its default path may too; the module's
 # checks grade what the module adds (projections, heads, masks, dropout, cache) against the oracle.
 BUILT_IN_GQA = {
-    "torch.nn.functional.scaled_dot_product_attention": "PyTorch's fused attention, whose enable_gqa does the grouping",
+    "torch.nn.functional.scaled_dot_product_attention":
+        marked("PyTorch's fused attention, whose enable_gqa does the grouping"),
 }
 
 
@@ -131,9 +134,9 @@ def _raised_repeat(fn: Callable[..., Any], x: Tensor, heads: int) -> str:
             continue
         if type(got) is Tensor and got.shape == (shape[0], heads, *shape[2:]) and \
                 torch.equal(got, probe.repeat_interleave(heads // kv_heads, dim=1)):
-            return (f" With x's {name} axis (dim {axis}) as long as its kv_heads axis (both {kv_heads}) the same call "
-                    f"runs and is right: your code reads kv_heads from x.shape[{axis}], the {name} axis, not "
-                    "x.shape[1].")
+            return t(" With x's {axis_name} axis (dim {axis}) as long as its kv_heads axis (both {kv_heads}) the same "
+                     "call runs and is right: your code reads kv_heads from x.shape[{axis}], the {axis_name} axis, not "
+                     "x.shape[1].", axis_name=name, axis=axis, kv_heads=kv_heads)
     return ""
 
 
@@ -143,16 +146,17 @@ def _head_count_failure(fn: Callable[..., Any], x: Tensor, heads: int, got: Tens
     count is one of the usual wrong ones on a second pair of sizes too."""
     kv_heads = x.shape[1]
     shape = f"(batch={x.shape[0]}, heads={heads}, seq={x.shape[2]}, d_head={x.shape[3]})"
-    message = f"{what} should have shape {shape}, got {tuple(got.shape)}."
+    message = t("{what} should have shape {shape}, got {got}.", what=what, shape=shape, got=tuple(got.shape))
     if got.shape[1] % kv_heads:
-        return message + " Repeat every key/value head group = heads // kv_heads times: (kv_heads group) heads."
+        return message + t(" Repeat every key/value head group = heads // kv_heads times: (kv_heads group) heads.")
     times = got.shape[1] // kv_heads
-    message += f" Each key/value head was repeated {times} times; it should be heads // kv_heads = {heads // kv_heads}."
+    message += t(" Each key/value head was repeated {times} times; it should be heads // kv_heads = {group}.",
+                 times=times, group=heads // kv_heads)
     other_kv, other_heads = (1, 3) if kv_heads != 1 else (2, 6)
-    counts = {"heads % kv_heads, the remainder (0 whenever kv_heads divides heads), not the quotient heads // "
-              "kv_heads": lambda h, kv: h % kv,
-              "heads, not heads // kv_heads": lambda h, kv: h,
-              "kv_heads, not heads // kv_heads": lambda h, kv: kv}
+    counts = {t("heads % kv_heads, the remainder (0 whenever kv_heads divides heads), not the quotient heads // "
+                "kv_heads"): lambda h, kv: h % kv,
+              t("heads, not heads // kv_heads"): lambda h, kv: h,
+              t("kv_heads, not heads // kv_heads"): lambda h, kv: kv}
     probe = torch.randn(x.shape[0], other_kv, *x.shape[2:], generator=torch.Generator().manual_seed(23), dtype=dtype)
     try:
         again = call(fn, probe, other_heads)
@@ -163,8 +167,8 @@ def _head_count_failure(fn: Callable[..., Any], x: Tensor, heads: int, got: Tens
     for name, count in counts.items():
         if count(heads, kv_heads) == times and count(other_heads, other_kv) == again.shape[1] // other_kv and \
                 count(heads, kv_heads) != heads // kv_heads and count(other_heads, other_kv) != other_heads // other_kv:
-            return (message + f" With kv_heads={other_kv} and heads={other_heads} too (got {again.shape[1]} heads): "
-                    f"your group size is {name}.")
+            return message + t(" With kv_heads={kv_heads} and heads={heads} too (got {got} heads): your group size "
+                               "is {size}.", kv_heads=other_kv, heads=other_heads, got=again.shape[1], size=name)
     return message
 
 
@@ -178,13 +182,13 @@ def check_repeat_kv(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = 
     for batch, kv_heads, heads in ((b, kv, kv * group), (b, 1, group), (b, kv, kv), (1, kv, kv * group)):
         x = torch.randn(batch, kv_heads, seq, d_head, generator=g, dtype=dtype)
         sizes = {"batch": batch, "kv_heads": kv_heads, "heads": heads, "seq": seq, "d_head": d_head}
-        what = f"repeat_kv(x, heads={heads}) with kv_heads={kv_heads}"
+        what = t("repeat_kv(x, heads={heads}) with kv_heads={kv_heads}", heads=heads, kv_heads=kv_heads)
         try:
             got = call(fn, x, heads)
         except CheckFailure as failure:
             if not isinstance(failure, CodeRaised):
                 raise
-            raise CheckFailure(f"{failure}{_raised_repeat(fn, x, heads)}") from failure
+            raise CheckFailure(str(failure) + _raised_repeat(fn, x, heads)) from failure
         if type(got) is Tensor and got.dim() == 4 and tuple(got.shape) != (batch, heads, seq, d_head) and \
                 got.shape[0] == batch and got.shape[2:] == x.shape[2:]:
             raise CheckFailure(_head_count_failure(fn, x, heads, got, what, dtype))
@@ -193,28 +197,30 @@ def check_repeat_kv(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = 
         if torch.equal(got, expected):
             continue
         if torch.equal(got, x.repeat(1, heads // kv_heads, 1, 1)):
-            raise CheckFailure(
-                f"You repeated the key/value heads in the (group kv_heads) order, the order of Tensor.repeat "
-                f"({difference(got, expected, sizes)}): query head h then reads key head h % kv_heads. Consecutive "
-                "query heads form a group, so query head h must read key head h // group: write '(kv_heads group)' in "
-                "the pattern (or use repeat_interleave)."
-            )
-        raise CheckFailure(
-            f"With kv_heads={kv_heads} and heads={heads}, query head h should get key/value head h // "
-            f"{heads // kv_heads} unchanged, as x.repeat_interleave(heads // kv_heads, dim=1) gives "
-            f"({difference(got, expected, sizes)}): use repeat(x, 'batch kv_heads seq d_head -> batch (kv_heads "
-            "group) seq d_head', group=heads // kv_heads)."
-        )
+            raise CheckFailure(t(
+                "You repeated the key/value heads in the (group kv_heads) order, the order of Tensor.repeat "
+                "({difference}): query head h then reads key head h % kv_heads. Consecutive query heads form a group, "
+                "so query head h must read key head h // group: write '(kv_heads group)' in the pattern (or use "
+                "repeat_interleave).", difference=difference(got, expected, sizes)))
+        raise CheckFailure(t(
+            "With kv_heads={kv_heads} and heads={heads}, query head h should get key/value head h // {group} "
+            "unchanged, as x.repeat_interleave(heads // kv_heads, dim=1) gives ({difference}): use repeat(x, 'batch "
+            "kv_heads seq d_head -> batch (kv_heads group) seq d_head', group=heads // kv_heads).", kv_heads=kv_heads,
+            heads=heads, group=heads // kv_heads, difference=difference(got, expected, sizes)))
     x = torch.randn(b, kv, seq, d_head, generator=g, dtype=dtype)
     error = call(_error_of, fn, x, kv * group + 1)
+    if error is None:
+        raise CheckFailure(t(
+            "repeat_kv(x, heads={heads}) with kv_heads={kv_heads} should raise a ValueError, since {kv_heads} key "
+            "heads cannot be shared equally by {heads} query heads; it raised no error. Check heads % kv_heads.",
+            heads=kv * group + 1, kv_heads=kv))
     if error != "ValueError":
-        got = "no error" if error is None else f"a {error}"
-        raise CheckFailure(
-            f"repeat_kv(x, heads={kv * group + 1}) with kv_heads={kv} should raise a ValueError, since {kv} key heads "
-            f"cannot be shared equally by {kv * group + 1} query heads; it raised {got}. Check heads % kv_heads."
-        )
-    passed(f"repeat_kv: (batch, kv_heads, seq, d_head) -> (batch, heads, seq, d_head) in the (kv_heads group) order, "
-           f"batch=1 too, ValueError when kv_heads does not divide heads ({dtype_name(dtype)})")
+        raise CheckFailure(t(
+            "repeat_kv(x, heads={heads}) with kv_heads={kv_heads} should raise a ValueError, since {kv_heads} key "
+            "heads cannot be shared equally by {heads} query heads; it raised a {error}. Check heads % kv_heads.",
+            heads=kv * group + 1, kv_heads=kv, error=error))
+    passed(t("repeat_kv: (batch, kv_heads, seq, d_head) -> (batch, heads, seq, d_head) in the (kv_heads group) order, "
+             "batch=1 too, ValueError when kv_heads does not divide heads ({dtype})", dtype=dtype_name(dtype)))
 
 
 # -- exercise 2: grouped attention -----------------------------------------------------------
@@ -287,9 +293,9 @@ def _diagnose_grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, outp
         expected = _fused_oracle(q, k, v, mask)
         if rows.any() and torch.allclose(output[rows], inverted[rows], rtol=1e-5, atol=1e-5, equal_nan=True) \
                 and not torch.allclose(expected[rows], inverted[rows], rtol=1e-5, atol=1e-5, equal_nan=True):
-            return ("On every query that may read a key your output equals attention with the mask inverted "
-                        "(NaN where such a query may read every key: all its scores became -inf): fill the scores "
-                        "with -inf where mask is False (~mask), since True means may attend.")
+            return t("On every query that may read a key your output equals attention with the mask inverted "
+                     "(NaN where such a query may read every key: all its scores became -inf): fill the scores "
+                     "with -inf where mask is False (~mask), since True means may attend.")
         for at, variant in _guard_variants(q, k, v, mask).items():
             if not close(output, variant, output.dtype):
                 continue
@@ -302,39 +308,43 @@ def _diagnose_grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, outp
             if type(again) is not Tensor or not close(again, _guard_variants(q, k, v, probe)[at], output.dtype):
                 break
             if at == "before":
-                return ("Your weights are uniform over all k_len keys, masked ones included, for every query that may "
-                        "read a key, and zero for the queries that may read none (confirmed with a mask whose last "
-                        "sentence reads nothing): the step meant for queries with no readable key (set their scores "
-                        "to one value before the softmax) acts on the other queries: its condition is inverted.")
-            return ("Your output is zero for every query that may read a key, and the mean of all the values for the "
-                    "queries that may read none (confirmed with a mask whose last sentence reads nothing): the "
-                    "zeroing of the weights meant for queries with no readable key acts on the other queries: its "
-                    "condition is inverted.")
+                return t("Your weights are uniform over all k_len keys, masked ones included, for every query that "
+                         "may read a key, and zero for the queries that may read none (confirmed with a mask whose "
+                         "last sentence reads nothing): the step meant for queries with no readable key (set their "
+                         "scores to one value before the softmax) acts on the other queries: its condition is "
+                         "inverted.")
+            return t("Your output is zero for every query that may read a key, and the mean of all the values for the "
+                     "queries that may read none (confirmed with a mask whose last sentence reads nothing): the "
+                     "zeroing of the weights meant for queries with no readable key acts on the other queries: its "
+                     "condition is inverted.")
     if torch.isnan(output).any():
         nan_rows = torch.isnan(output).any(dim=-1)
         if mask is not None and not (nan_rows & _has_key(mask, output.shape[:-1] + k.shape[-2:-1])).any():
-            return ("Your output contains NaN, only for queries whose keys are all masked: such a query must get zero "
-                    "weights and a zero output, as in chapter 01 (softmax over all -inf is NaN: fill such rows "
-                    "before and after it).")
+            return t("Your output contains NaN, only for queries whose keys are all masked: such a query must get "
+                     "zero weights and a zero output, as in chapter 01 (softmax over all -inf is NaN: fill such rows "
+                     "before and after it).")
         where = [int(i) for i in nan_rows.nonzero()[0]]
-        return (f"Your output contains NaN, e.g. for the query at [batch, head, q_len] = {where}, which may read "
-                f"{'some keys' if mask is not None else 'every key'}.")
-    variants = {
-        "You repeated the key/value heads in the (group kv_heads) order (Tensor.repeat): query head h must read "
-        "key/value head h // group, the (kv_heads group) order of your repeat_kv.": dict(order="group kv_heads"),
-        "You scaled the scores by something other than sqrt(d_head): each head's dot products have d_head "
-        "terms.": dict(scale=math.sqrt(q.shape[1] * q.shape[-1])),
-        "You did not scale the scores at all: divide by sqrt(d_head).": dict(scale=1.0),
-    }
+        if mask is not None:
+            return t("Your output contains NaN, e.g. for the query at [batch, head, q_len] = {where}, which may read "
+                     "some keys.", where=where)
+        return t("Your output contains NaN, e.g. for the query at [batch, head, q_len] = {where}, which may read "
+                 "every key.", where=where)
+    variants = [
+        (t("You repeated the key/value heads in the (group kv_heads) order (Tensor.repeat): query head h must read "
+           "key/value head h // group, the (kv_heads group) order of your repeat_kv."), dict(order="group kv_heads")),
+        (t("You scaled the scores by something other than sqrt(d_head): each head's dot products have d_head "
+           "terms."), dict(scale=math.sqrt(q.shape[1] * q.shape[-1]))),
+        (t("You did not scale the scores at all: divide by sqrt(d_head)."), dict(scale=1.0)),
+    ]
     if mask is not None:
-        variants["Your output ignores the mask: fill the scores of masked keys with -inf before the softmax."] = dict(
-            use_mask=False)
-    for hint, mistake in variants.items():
+        variants.append((t("Your output ignores the mask: fill the scores of masked keys with -inf before the "
+                           "softmax."), dict(use_mask=False)))
+    for hint, mistake in variants:
         if close(output, _grouped_reference(q, k, v, mask, **mistake), output.dtype):
             return hint
-    return ("It matches none of the common mistakes. Repeat k and v with repeat_kv to `heads` heads, then attend as "
-            "in chapter 01: scores q·k / sqrt(d_head) with einsum, masked keys -inf, softmax over k_len, weighted sum "
-            "of the repeated values.")
+    return t("It matches none of the common mistakes. Repeat k and v with repeat_kv to `heads` heads, then attend as "
+             "in chapter 01: scores q·k / sqrt(d_head) with einsum, masked keys -inf, softmax over k_len, weighted "
+             "sum of the repeated values.")
 
 
 def _runs_right(fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
@@ -356,39 +366,39 @@ def _raised_grouped(fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, mas
     b, heads, q_len, d_head = q.shape
     kv, k_len = k.shape[1], k.shape[2]
     if _runs_right(fn, q, k, v, mask, nn.Identity()):
-        return (" With dropout=nn.Identity() (a dropout that does nothing) the same call runs and is right, so a "
-                "step meant for `dropout` runs when dropout is None: check its condition (dropout is not None).")
+        return t(" With dropout=nn.Identity() (a dropout that does nothing) the same call runs and is right, so a "
+                 "step meant for `dropout` runs when dropout is None: check its condition (dropout is not None).")
     if mask is None:
         everything = torch.ones(q_len, k_len, dtype=torch.bool)
         try:
             call(fn, q, k, v, everything)
         except CheckFailure as failure:
-            if _what_raised(failure) == error.raised:
+            if isinstance(failure, CodeRaised) and failure.raised == error.raised:
                 everything = None
             else:
-                return (" With an all-True (q_len, k_len) mask (the same attention) that error is gone (it raised "
-                        f"{_what_raised(failure)}), so it comes from a step meant for the mask that "
-                        "runs when mask is None: check the conditions (mask is not None) around the mask's steps.")
+                return t(" With an all-True (q_len, k_len) mask (the same attention) that error is gone (it raised "
+                         "{raised}), so it comes from a step meant for the mask that runs when mask is None: check "
+                         "the conditions (mask is not None) around the mask's steps.", raised=_what_raised(failure))
         if everything is not None:
-            return (" With an all-True (q_len, k_len) mask (the same attention) the same call runs, so a step meant "
-                    "for the mask runs when mask is None: check the conditions (mask is not None) around the mask's "
-                    "steps.")
+            return t(" With an all-True (q_len, k_len) mask (the same attention) the same call runs, so a step meant "
+                     "for the mask runs when mask is None: check the conditions (mask is not None) around the mask's "
+                     "steps.")
     else:
         square = torch.randn(b, heads, k_len, d_head, generator=g, dtype=q.dtype)
         square_mask = mask if mask.dim() > 2 and mask.shape[-2] == 1 else torch.ones(k_len, k_len,
                                                                                       dtype=torch.bool).tril()
         if _runs_right(fn, q, k, v, None) and q_len != k_len and _runs_right(fn, square, k, v, square_mask):
-            return (" The same call without the mask runs, and with q_len == k_len the masked call runs and is right: "
-                    "your code puts q_len and k_len in each other's place in a tensor it makes from the mask: check "
-                    "the order of the axes in the patterns that take the mask (..., q_len, k_len).")
+            return t(" The same call without the mask runs, and with q_len == k_len the masked call runs and is "
+                     "right: your code puts q_len and k_len in each other's place in a tensor it makes from the mask: "
+                     "check the order of the axes in the patterns that take the mask (..., q_len, k_len).")
         if mask.dim() > 2 and b > 1 and _runs_right(fn, q[:1], k[:1], v[:1], mask[:1]):
-            return (" The same mask for one sentence (batch=1) runs and is right, so your code moves the mask's "
-                    "leading axes (batch, heads): check the order of the axes in the patterns that take the mask "
-                    "('...' first, then q_len k_len).")
+            return t(" The same mask for one sentence (batch=1) runs and is right, so your code moves the mask's "
+                     "leading axes (batch, heads): check the order of the axes in the patterns that take the mask "
+                     "('...' first, then q_len k_len).")
         if _runs_right(fn, q, k, v, None):
-            return (" The same call without the mask runs, so the error comes from where your code uses the mask: "
-                    "compare the shape of each tensor you make from it with the scores' (batch, heads, q_len, "
-                    "k_len).")
+            return t(" The same call without the mask runs, so the error comes from where your code uses the mask: "
+                     "compare the shape of each tensor you make from it with the scores' (batch, heads, q_len, "
+                     "k_len).")
     # Which axis of q the number of heads is read from: re-run with that axis as long as the heads axis.
     names = {0: "batch", 2: "q_len", 3: "d_head"}
     for axis, name in names.items():
@@ -400,9 +410,9 @@ def _raised_grouped(fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, mas
         k2, v2 = (t if axis == 2 else torch.randn(shape[0], kv, k_len, shape[3], generator=g, dtype=q.dtype)
                   for t in (k, v))
         if _runs_right(fn, q2, k2, v2, None):
-            return (f" It runs and is right when q's {name} axis (dim {axis}) is as long as its heads axis (both "
-                    f"{heads}): your code reads the number of heads from q.shape[{axis}], the {name} axis, not "
-                    "q.shape[1].")
+            return t(" It runs and is right when q's {axis_name} axis (dim {axis}) is as long as its heads axis (both "
+                     "{heads}): your code reads the number of heads from q.shape[{axis}], the {axis_name} axis, not "
+                     "q.shape[1].", axis_name=name, axis=axis, heads=heads)
     return ""
 
 
@@ -413,24 +423,24 @@ def _grouped_cases(s: dict[str, int], dtype: torch.dtype, seed: int) -> list[tup
     for kv_heads, name in ((kv, "GQA"), (1, "MQA (kv_heads=1)"), (heads, "MHA (kv_heads=heads)")):
         q = torch.randn(b, heads, q_len, d_head, generator=g, dtype=dtype)
         k, v = (torch.randn(b, kv_heads, k_len, d_head, generator=g, dtype=dtype) for _ in range(2))
-        cases.append((f"{name} without a mask", (q, k, v, None)))
+        cases.append((t("{name} without a mask", name=name), (q, k, v, None)))
     q = torch.randn(b, heads, q_len, d_head, generator=g, dtype=dtype)
     k, v = (torch.randn(b, kv, k_len, d_head, generator=g, dtype=dtype) for _ in range(2))
     causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
-    cases.append(("GQA with a causal mask (q_len, k_len)", (q, k, v, causal)))
+    cases.append((t("GQA with a causal mask (q_len, k_len)"), (q, k, v, causal)))
     padding = torch.rand(b, 1, 1, k_len, generator=g) < 0.6
     padding[:, ..., 0] = True
     padding[-1] = False  # the last sentence is all padding: its rows may read nothing
-    cases.append(("GQA with a padding mask (batch, 1, 1, k_len) and fully masked rows", (q, k, v, padding)))
-    cases.append(("GQA for one sentence (batch=1) with a padding mask", (q[:1], k[:1], v[:1], padding[:1])))
+    cases.append((t("GQA with a padding mask (batch, 1, 1, k_len) and fully masked rows"), (q, k, v, padding)))
+    cases.append((t("GQA for one sentence (batch=1) with a padding mask"), (q[:1], k[:1], v[:1], padding[:1])))
     return cases
 
 
 DROPOUT_PLACES = {
-    "values": "You applied dropout to the values: it acts on the attention weights, (batch, heads, q_len, k_len), "
-              "after the softmax and before the weighted sum.",
-    "output": "You applied dropout to the output: it acts on the attention weights, (batch, heads, q_len, k_len), "
-              "after the softmax and before the weighted sum.",
+    "values": marked("You applied dropout to the values: it acts on the attention weights, (batch, heads, q_len, "
+                     "k_len), after the softmax and before the weighted sum."),
+    "output": marked("You applied dropout to the output: it acts on the attention weights, (batch, heads, q_len, "
+                     "k_len), after the softmax and before the weighted sum."),
 }
 
 
@@ -445,36 +455,36 @@ def check_grouped_attention(fn: Callable[..., Any], seed: int = 0, dtype: torch.
         except CheckFailure as failure:
             if not isinstance(failure, CodeRaised):
                 raise
-            raise CheckFailure(f"{failure}{_raised_grouped(fn, q, k, v, mask, failure)}") from failure
-        got = expect_tensor(got, f"the output for {what}", tuple(q.shape), "batch heads q_len d_head", dtype)
+            raise CheckFailure(str(failure) + _raised_grouped(fn, q, k, v, mask, failure)) from failure
+        got = expect_tensor(got, t("the output for {what}", what=what), tuple(q.shape), "batch heads q_len d_head",
+                            dtype)
         expected = _fused_oracle(q, k, v, mask)
         if not close(got, expected, dtype):
-            raise CheckFailure(
-                f"For {what}, your output differs from F.scaled_dot_product_attention(q, k, v, enable_gqa=True) "
-                f"({difference(got, expected, _attention_sizes(q, k))}). {_diagnose_grouped(q, k, v, mask, got, fn)}"
-            )
+            raise CheckFailure(t(
+                "For {what}, your output differs from F.scaled_dot_product_attention(q, k, v, enable_gqa=True) "
+                "({difference}). {diagnosis}", what=what, difference=difference(got, expected, _attention_sizes(q, k)),
+                diagnosis=_diagnose_grouped(q, k, v, mask, got, fn)))
     # Dropout: a stand-in that multiplies by a fixed mask, so that the weights it must act on can be computed.
     what, (q, k, v, mask) = cases[-2]
     drop = _FixedDropout(0.5, seed).train()
-    dropped = expect_tensor(call(fn, q, k, v, mask, drop), f"the output for {what}, with dropout", tuple(q.shape),
-                            "batch heads q_len d_head", dtype)
+    dropped = expect_tensor(call(fn, q, k, v, mask, drop), t("the output for {what}, with dropout", what=what),
+                            tuple(q.shape), "batch heads q_len d_head", dtype)
     expected = _grouped_reference(q, k, v, mask, drop=drop)
     if not close(dropped, expected, dtype):
         if close(dropped, _fused_oracle(q, k, v, mask), dtype):
-            hint = ("Your output ignores it: apply `dropout` (when it is not None) to the weights before the weighted "
-                    "sum.")
+            hint = t("Your output ignores it: apply `dropout` (when it is not None) to the weights before the "
+                     "weighted sum.")
         else:
-            hint = next((h for at, h in DROPOUT_PLACES.items()
-                         if close(dropped, _grouped_reference(q, k, v, mask, drop=drop, drop_at=at), dtype)),
-                        "Apply `dropout` to the softmax's weights, then take the weighted sum of the values.")
-        raise CheckFailure(
-            f"For {what}, with a `dropout` module that zeroes a fixed half of its input and doubles the rest, your "
-            f"output differs from attention whose weights went through it "
-            f"({difference(dropped, expected, _attention_sizes(q, k))}). {hint}"
-        )
-    passed(f"grouped_attention equal to F.scaled_dot_product_attention(enable_gqa=True) for GQA, MQA and MHA, "
-           f"with causal and padding masks, zeros for fully masked rows, batch=1; dropout on the weights "
-           f"({dtype_name(dtype)})")
+            hint = next((tr(h) for at, h in DROPOUT_PLACES.items()
+                         if close(dropped, _grouped_reference(q, k, v, mask, drop=drop, drop_at=at), dtype)), None)
+            hint = hint or t("Apply `dropout` to the softmax's weights, then take the weighted sum of the values.")
+        raise CheckFailure(t(
+            "For {what}, with a `dropout` module that zeroes a fixed half of its input and doubles the rest, your "
+            "output differs from attention whose weights went through it ({difference}). {hint}", what=what,
+            difference=difference(dropped, expected, _attention_sizes(q, k)), hint=hint))
+    passed(t("grouped_attention equal to F.scaled_dot_product_attention(enable_gqa=True) for GQA, MQA and MHA, "
+             "with causal and padding masks, zeros for fully masked rows, batch=1; dropout on the weights "
+             "({dtype})", dtype=dtype_name(dtype)))
 
 
 # -- exercise 3: the module ------------------------------------------------------------------
@@ -494,24 +504,23 @@ def _expect_parameters(module: Any, d_model: int, heads: int, kv_heads: int, bia
     expected = _expected_shapes(d_model, kv_heads, d_head, bias)
     for name, shape in expected.items():
         if name not in shapes:
-            raise CheckFailure(
-                f"Your module has no parameter {name}. Store the four projections as self.w_q, self.w_k, self.w_v "
-                "and self.w_o (nn.Linear, bias=bias)."
-            )
+            raise CheckFailure(t(
+                "Your module has no parameter {name}. Store the four projections as self.w_q, self.w_k, self.w_v "
+                "and self.w_o (nn.Linear, bias=bias).", name=name))
         if shapes[name] == shape:
             continue
         if name.startswith(("w_k", "w_v")) and shapes[name][0] == d_model and kv_heads != heads:
-            raise CheckFailure(
-                f"{name} has shape {tuple(shapes[name])}: it still projects to all d_model={d_model} features, as in "
-                f"multi-head attention, so the keys and values keep {heads} heads and GQA saves no memory. With "
-                f"kv_heads={kv_heads} it must map d_model to kv_heads * d_head = {kv_heads * d_head} features: "
-                f"shape {tuple(shape)}."
-            )
-        raise CheckFailure(
-            f"{name} has shape {tuple(shapes[name])}; it should be {tuple(shape)} with d_model={d_model}, "
-            f"heads={heads}, kv_heads={kv_heads} (d_head={d_head}): w_q and w_o are (d_model, d_model), w_k and w_v "
-            "map d_model to kv_heads * d_head."
-        )
+            raise CheckFailure(t(
+                "{name} has shape {shape}: it still projects to all d_model={d_model} features, as in multi-head "
+                "attention, so the keys and values keep {heads} heads and GQA saves no memory. With "
+                "kv_heads={kv_heads} it must map d_model to kv_heads * d_head = {features} features: shape "
+                "{expected}.", name=name, shape=tuple(shapes[name]), d_model=d_model, heads=heads,
+                kv_heads=kv_heads, features=kv_heads * d_head, expected=tuple(shape)))
+        raise CheckFailure(t(
+            "{name} has shape {shape}; it should be {expected} with d_model={d_model}, heads={heads}, "
+            "kv_heads={kv_heads} (d_head={d_head}): w_q and w_o are (d_model, d_model), w_k and w_v map d_model to "
+            "kv_heads * d_head.", name=name, shape=tuple(shapes[name]), expected=tuple(shape), d_model=d_model,
+            heads=heads, kv_heads=kv_heads, d_head=d_head))
     refuse_extra_parameters(shapes, expected, bias)
 
 
@@ -582,27 +591,28 @@ def _module_sizes(s: dict[str, int], kv_heads: int, query: Tensor, key: Tensor) 
 def _diagnose_module(state: dict[str, Tensor], heads: int, kv_heads: int, query: Tensor, key: Tensor, value: Tensor,
                      mask: Tensor | None, output: Tensor) -> str:
     if torch.isnan(output).any():
-        return ("Your output contains NaN: does the mask reach the attention, is the softmax over k_len, and does a "
-                "query with no readable key get zeros (the given _fused_attention does that for fast=True)?")
+        return t("Your output contains NaN: does the mask reach the attention, is the softmax over k_len, and does "
+                 "a query with no readable key get zeros (the given _fused_attention does that for fast=True)?")
     q, k, v = _projected(state, heads, kv_heads, query, key, value)
     d_model = query.shape[-1]
-    variants = {
-        "You repeated the key/value heads in the (group kv_heads) order (Tensor.repeat): query head h must read "
-        "key/value head h // group, the (kv_heads group) order.": dict(order="group kv_heads"),
-        "You scaled the scores by sqrt(d_model); each head's queries and keys have d_head features, so the scale "
-        "is sqrt(d_head) (your grouped_attention does it for you).": dict(scale=math.sqrt(d_model)),
-        "You did not scale the scores at all: divide by sqrt(d_head).": dict(scale=1.0),
-    }
+    variants = [
+        (t("You repeated the key/value heads in the (group kv_heads) order (Tensor.repeat): query head h must read "
+           "key/value head h // group, the (kv_heads group) order."), dict(order="group kv_heads")),
+        (t("You scaled the scores by sqrt(d_model); each head's queries and keys have d_head features, so the scale "
+           "is sqrt(d_head) (your grouped_attention does it for you)."), dict(scale=math.sqrt(d_model))),
+        (t("You did not scale the scores at all: divide by sqrt(d_head)."), dict(scale=1.0)),
+    ]
     if mask is not None:
-        variants["Your output ignores the mask: pass it on to the attention."] = dict(use_mask=False)
-    for hint, mistake in variants.items():
+        variants.append((t("Your output ignores the mask: pass it on to the attention."), dict(use_mask=False)))
+    for hint, mistake in variants:
         if close(output, _merge_project(state, _grouped_reference(q, k, v, mask, **mistake)), output.dtype):
             return hint
     no_w_o = rearrange(_fused_oracle(q, k, v, mask), "batch heads seq d_head -> batch seq (heads d_head)")
     if close(output, no_w_o, output.dtype):
-        return "You return the concatenated heads without the output projection: apply self.w_o to merge_heads(...)."
-    return ("Compare, on one small example, your q (heads heads), k and v (kv_heads heads) after split_heads with "
-            "those of the check: w_q's output splits into heads, w_k's and w_v's into kv_heads.")
+        return t("You return the concatenated heads without the output projection: apply self.w_o to "
+                 "merge_heads(...).")
+    return t("Compare, on one small example, your q (heads heads), k and v (kv_heads heads) after split_heads with "
+             "those of the check: w_q's output splits into heads, w_k's and w_v's into kv_heads.")
 
 
 def _build(cls: Any, s: dict[str, int], kv_heads: int, dtype: torch.dtype, seed: int,
@@ -625,16 +635,17 @@ def _compare(module: Any, state: dict[str, Tensor], s: dict[str, int], kv_heads:
         if not isinstance(failure, CodeRaised):
             raise
         hint = _raised_module(module, args, failure.raised, cls, s, kv_heads, state, dtype)
-        raise CheckFailure(f"For {what}: {failure}{hint}") from failure
-    output = expect_tensor(output, f"the output for {what}", (b, q_len, d_model), "batch q_len d_model", dtype)
+        raise CheckFailure(t("For {what}: {failure}{hint}", what=what, failure=failure, hint=hint)) from failure
+    output = expect_tensor(output, t("the output for {what}", what=what), (b, q_len, d_model), "batch q_len d_model",
+                           dtype)
     expected = _module_oracle(state, s["heads"], kv_heads, query, key, value, mask)
     if not close(output, expected, dtype):
         hint = (_eval_mode_hint(module, args, output, expected, state, dtype) or
                 _diagnose_module(state, s["heads"], kv_heads, query, key, value, mask, output))
-        raise CheckFailure(
-            f"For {what}, your output differs from F.scaled_dot_product_attention(..., enable_gqa=True) with the same "
-            f"projections ({difference(output, expected, _module_sizes(s, kv_heads, query, key))}). {hint}"
-        )
+        raise CheckFailure(t(
+            "For {what}, your output differs from F.scaled_dot_product_attention(..., enable_gqa=True) with the same "
+            "projections ({difference}). {hint}", what=what,
+            difference=difference(output, expected, _module_sizes(s, kv_heads, query, key)), hint=hint))
 
 
 def _cache_class(cls: Any) -> Any:
@@ -665,19 +676,19 @@ def _raised_module(module: Any, args: tuple, error: str, cls: Any, s: dict[str, 
     (the default positions, an empty cache, a module built with rope=True), to find which step the error comes from."""
     q_len = args[0].shape[1]
     if _error_after(module, *args, positions=torch.arange(q_len)) is None:
-        return (f" With positions=torch.arange({q_len}) given, the same call runs, so the error comes from the default "
-                "positions your code computes when positions is None: start, ..., start + query.shape[1] - 1, one "
-                "per query, with start = len(cache) with a cache and 0 without (cache is None).")
+        return t(" With positions=torch.arange({q_len}) given, the same call runs, so the error comes from the "
+                 "default positions your code computes when positions is None: start, ..., start + query.shape[1] - "
+                 "1, one per query, with start = len(cache) with a cache and 0 without (cache is None).", q_len=q_len)
     cache_cls = _cache_class(cls) if cls is not None else None
     if cache_cls is not None:
         other = _error_after(module, *args, cache=call(cache_cls))
         if other is None:
-            return (" With an empty KVCache passed the same call runs, so a step meant for the cache runs when cache "
-                    "is None: check the conditions (cache is not None, cache.fixed) around the cache's steps.")
+            return t(" With an empty KVCache passed the same call runs, so a step meant for the cache runs when "
+                     "cache is None: check the conditions (cache is not None, cache.fixed) around the cache's steps.")
         if other != error:
-            return (f" With an empty KVCache passed that error is gone (it raised {other}), so the error with "
-                    "cache=None comes from a step meant for the cache that runs when cache is None: check the "
-                    "conditions (cache is not None, cache.fixed) around the cache's steps.")
+            return t(" With an empty KVCache passed that error is gone (it raised {raised}), so the error with "
+                     "cache=None comes from a step meant for the cache that runs when cache is None: check the "
+                     "conditions (cache is not None, cache.fixed) around the cache's steps.", raised=other)
     if cls is not None and s["d_head"] % 2 == 0 and "'NoneType' object is not callable" in error and \
             call(getattr, module, "rope", 1) is None:
         try:
@@ -687,8 +698,8 @@ def _raised_module(module: Any, args: tuple, error: str, cls: Any, s: dict[str, 
         except CheckFailure:
             return ""
         if _error_after(turning, *args) is None:
-            return (" Built with rope=True and the same weights, the same call runs, so a step meant for RoPE runs "
-                    "when self.rope is None: check the condition around self.rope(...).")
+            return t(" Built with rope=True and the same weights, the same call runs, so a step meant for RoPE runs "
+                     "when self.rope is None: check the condition around self.rope(...).")
     return ""
 
 
@@ -707,9 +718,9 @@ def _eval_mode_hint(module: Any, args: tuple, output: Tensor, expected: Tensor, 
         finally:
             call(_set_training, module, False)
         if type(again) is Tensor and close(again, expected, dtype):
-            return ("In train() mode (dropout p = 0) the same module gives the right output; only in eval() mode "
-                    "does it differ. Look at the dropout probability used outside training (it is 0.0; with fast=True, "
-                    "dropout_p=self.dropout.p if self.training else 0.0).")
+            return t("In train() mode (dropout p = 0) the same module gives the right output; only in eval() mode "
+                     "does it differ. Look at the dropout probability used outside training (it is 0.0; with "
+                     "fast=True, dropout_p=self.dropout.p if self.training else 0.0).")
         return ""
     dropout = call(getattr, module, "dropout", None)
     call(_set_dropout, module, nn.Dropout(0.0))
@@ -718,9 +729,10 @@ def _eval_mode_hint(module: Any, args: tuple, output: Tensor, expected: Tensor, 
     finally:
         call(_set_dropout, module, dropout)
     if type(again) is Tensor and close(again, expected, dtype):
-        return ("With self.dropout's p set to 0 the same eval() call gives the right output. Your module drops "
-                "in eval() mode: dropout acts only in training (self.training): nn.Dropout does that itself, and with "
-                "fast=True the given _fused_attention takes dropout_p=self.dropout.p if self.training else 0.0.")
+        return t("With self.dropout's p set to 0 the same eval() call gives the right output. Your module drops "
+                 "in eval() mode: dropout acts only in training (self.training): nn.Dropout does that itself, and "
+                 "with fast=True the given _fused_attention takes dropout_p=self.dropout.p if self.training else "
+                 "0.0.")
     return ""
 
 
@@ -731,20 +743,26 @@ def _set_dropout(module: nn.Module, dropout: nn.Module) -> None:
 def _check_dropout(cls: Callable[..., Any], s: dict[str, int], dtype: torch.dtype, seed: int, x: Tensor,
                    fast: bool) -> None:
     """dropout=1.0: nothing in eval(); in training every weight is dropped, which leaves w_o's bias alone."""
-    path = " and fast=True" if fast else ""
     dropping, state = _build(cls, s, s["kv_heads"], dtype, seed, dropout=1.0, **({"fast": True} if fast else {}))
-    _compare(dropping, state, s, s["kv_heads"], dtype, f"self-attention built with dropout=1.0{path}, in eval() mode",
-             x, x, x, None, cls=cls)
+    what = (t("self-attention built with dropout=1.0 and fast=True, in eval() mode") if fast else
+            t("self-attention built with dropout=1.0, in eval() mode"))
+    _compare(dropping, state, s, s["kv_heads"], dtype, what, x, x, x, None, cls=cls)
     call(_set_training, dropping, True)
-    got = expect_tensor(call(dropping, x, x, x), "the output in training", tuple(x.shape), "batch q_len d_model", dtype)
+    got = expect_tensor(call(dropping, x, x, x), t("the output in training"), tuple(x.shape), "batch q_len d_model",
+                        dtype)
     expected = state["w_o.bias"].expand_as(x)
     if not close(got, expected, dtype):
-        raise CheckFailure(
-            f"With dropout=1.0{path} in training mode every attention weight is dropped, so the output should be w_o's "
-            f"bias alone ({difference(got, expected, _module_sizes(s, s['kv_heads'], x, x))}): apply self.dropout "
-            "(nn.Dropout(dropout)) to the attention weights, e.g. by passing it to grouped_attention"
-            + (" (fast=True: the given _fused_attention, dropout_p=self.dropout.p while training)." if fast else ".")
-        )
+        gap = difference(got, expected, _module_sizes(s, s["kv_heads"], x, x))
+        if fast:
+            raise CheckFailure(t(
+                "With dropout=1.0 and fast=True in training mode every attention weight is dropped, so the output "
+                "should be w_o's bias alone ({difference}): apply self.dropout (nn.Dropout(dropout)) to the attention "
+                "weights, e.g. by passing it to grouped_attention (fast=True: the given _fused_attention, "
+                "dropout_p=self.dropout.p while training).", difference=gap))
+        raise CheckFailure(t(
+            "With dropout=1.0 in training mode every attention weight is dropped, so the output should be w_o's bias "
+            "alone ({difference}): apply self.dropout (nn.Dropout(dropout)) to the attention weights, e.g. by passing "
+            "it to grouped_attention.", difference=gap))
 
 
 def _check_dropout_place(cls: Callable[..., Any], s: dict[str, int], dtype: torch.dtype, seed: int,
@@ -756,7 +774,8 @@ def _check_dropout_place(cls: Callable[..., Any], s: dict[str, int], dtype: torc
     drop = _FixedDropout(0.5, seed)
     call(_set_dropout, module, drop)
     call(_set_training, module, True)
-    got = expect_tensor(call(module, x, x, x), "the output in training", tuple(x.shape), "batch q_len d_model", dtype)
+    got = expect_tensor(call(module, x, x, x), t("the output in training"), tuple(x.shape), "batch q_len d_model",
+                        dtype)
     q, k, v = _projected(state, s["heads"], kv, x, x, x)
     expected = _merge_project(state, _grouped_reference(q, k, v, None, drop=drop))
     if close(got, expected, dtype):
@@ -769,42 +788,43 @@ def _check_dropout_place(cls: Callable[..., Any], s: dict[str, int], dtype: torc
         call(_set_training, fast, True)
         on_fast = call(fast, x, x, x)
         if type(on_fast) is Tensor and close(on_fast, expected, dtype) and torch.equal(on_fast, call(fast, x, x, x)):
-            raise CheckFailure(
-                f"In training, with self.dropout replaced by a module that zeroes a fixed half of its input, two calls "
-                f"on the same input give different outputs ({difference(got, expected, sizes)}), while the same "
-                "module built with fast=True gives the right output: with fast=False (the default) your module drops "
-                "on its own, as the fused path does, and with fast=True it uses self.dropout: are the two paths "
-                "swapped? fast=False calls grouped_attention(q, k, v, mask, self.dropout), fast=True the given "
-                "_fused_attention.")
-        raise CheckFailure(
-            f"In training, with self.dropout replaced by a module that zeroes a fixed half of its input, two calls on "
-            f"the same input give different outputs ({difference(got, expected, sizes)}): your module drops with a "
-            "dropout of its own (F.dropout?) instead of self.dropout. Keep nn.Dropout(dropout) as self.dropout and "
-            "pass it to grouped_attention.")
+            raise CheckFailure(t(
+                "In training, with self.dropout replaced by a module that zeroes a fixed half of its input, two calls "
+                "on the same input give different outputs ({difference}), while the same module built with fast=True "
+                "gives the right output: with fast=False (the default) your module drops on its own, as the fused "
+                "path does, and with fast=True it uses self.dropout: are the two paths swapped? fast=False calls "
+                "grouped_attention(q, k, v, mask, self.dropout), fast=True the given _fused_attention.",
+                difference=difference(got, expected, sizes)))
+        raise CheckFailure(t(
+            "In training, with self.dropout replaced by a module that zeroes a fixed half of its input, two calls on "
+            "the same input give different outputs ({difference}): your module drops with a dropout of its own "
+            "(F.dropout?) instead of self.dropout. Keep nn.Dropout(dropout) as self.dropout and pass it to "
+            "grouped_attention.", difference=difference(got, expected, sizes)))
     heads_out = _grouped_reference(q, k, v, None)
     merged = rearrange(heads_out, "batch heads seq d_head -> batch seq (heads d_head)")
-    variants = {
-        "Your module does not use self.dropout: keep the nn.Dropout(dropout) as self.dropout and pass it to "
-        "grouped_attention, which applies it to the weights.": _module_oracle(state, s["heads"], kv, x, x, x, None),
-        "You applied self.dropout to the heads' outputs: it acts on the attention weights, before the weighted sum.":
-            _merge_project(state, drop(heads_out)),
-        "You applied self.dropout to the merged heads, before w_o: it acts on the attention weights, before the "
-        "weighted sum.": _linear(state, "w_o", drop(merged)),
-        "You applied self.dropout to the output: it acts on the attention weights, before the weighted sum.":
-            drop(_merge_project(state, heads_out)),
-    }
-    hint = next((h for h, v in variants.items() if close(got, v, dtype)),
-                "Pass self.dropout to grouped_attention, which applies it to the softmax's weights.")
-    raise CheckFailure(
-        f"In training, with self.dropout replaced by a module that zeroes a fixed half of its input and doubles the "
-        f"rest, your output differs from attention whose weights went through it "
-        f"({difference(got, expected, sizes)}). {hint}")
+    variants = [
+        (t("Your module does not use self.dropout: keep the nn.Dropout(dropout) as self.dropout and pass it to "
+           "grouped_attention, which applies it to the weights."),
+         _module_oracle(state, s["heads"], kv, x, x, x, None)),
+        (t("You applied self.dropout to the heads' outputs: it acts on the attention weights, before the weighted "
+           "sum."), _merge_project(state, drop(heads_out))),
+        (t("You applied self.dropout to the merged heads, before w_o: it acts on the attention weights, before the "
+           "weighted sum."), _linear(state, "w_o", drop(merged))),
+        (t("You applied self.dropout to the output: it acts on the attention weights, before the weighted sum."),
+         drop(_merge_project(state, heads_out))),
+    ]
+    hint = next((h for h, v in variants if close(got, v, dtype)), None)
+    hint = hint or t("Pass self.dropout to grouped_attention, which applies it to the softmax's weights.")
+    raise CheckFailure(t(
+        "In training, with self.dropout replaced by a module that zeroes a fixed half of its input and doubles the "
+        "rest, your output differs from attention whose weights went through it ({difference}). {hint}",
+        difference=difference(got, expected, sizes), hint=hint))
 
 
 ROPE_MISTAKES = {
-    "q": "You turned the queries only: RoPE turns the keys too, by their positions.",
-    "k": "You turned the keys only: RoPE turns the queries too, by their positions.",
-    "q k v": "You turned the values too: RoPE turns queries and keys only (values carry no position).",
+    "q": marked("You turned the queries only: RoPE turns the keys too, by their positions."),
+    "k": marked("You turned the keys only: RoPE turns the queries too, by their positions."),
+    "q k v": marked("You turned the values too: RoPE turns queries and keys only (values carry no position)."),
 }
 
 
@@ -823,30 +843,33 @@ def _check_rope(module: Any, state: dict[str, Tensor], s: dict[str, int], dtype:
         if not isinstance(failure, CodeRaised):
             raise
         hint = _raised_module(module, (x, x, x, mask), failure.raised, None, s, kv, state, dtype)
-        raise CheckFailure(f"For self-attention built with rope=True: {failure}{hint}") from failure
-    got = expect_tensor(got, "the output with rope=True", tuple(x.shape), "batch q_len d_model", dtype)
+        raise CheckFailure(t("For self-attention built with rope=True: {failure}{hint}", failure=failure,
+                             hint=hint)) from failure
+    got = expect_tensor(got, t("the output with rope=True"), tuple(x.shape), "batch q_len d_model", dtype)
     default = torch.arange(x.shape[1])
     expected = _module_oracle(state, heads, kv, x, x, x, mask, default)
     if not close(got, expected, dtype):
         if close(got, _module_oracle(state, heads, kv, x, x, x, mask), dtype):
             return False
-        hint = next((h for rotate, h in ROPE_MISTAKES.items()
-                     if close(got, _module_oracle(state, heads, kv, x, x, x, mask, default, rotate), dtype)),
-                    "Turn q and k (after split_heads, before the scores) with self.rope(q, positions) and "
-                    "self.rope(k, positions), positions 0 ... q_len - 1 without a cache.")
-        raise CheckFailure(f"For self-attention built with rope=True, with a causal mask, your output differs from "
-                           f"attention over queries and keys turned by RoPE ({difference(got, expected, sizes)}). "
-                           f"{hint}")
-    got = expect_tensor(call(module, x, x, x, mask, positions=positions), "the output with rope=True and positions",
+        hint = next((tr(h) for rotate, h in ROPE_MISTAKES.items()
+                     if close(got, _module_oracle(state, heads, kv, x, x, x, mask, default, rotate), dtype)), None)
+        hint = hint or t("Turn q and k (after split_heads, before the scores) with self.rope(q, positions) and "
+                         "self.rope(k, positions), positions 0 ... q_len - 1 without a cache.")
+        raise CheckFailure(t("For self-attention built with rope=True, with a causal mask, your output differs from "
+                             "attention over queries and keys turned by RoPE ({difference}). {hint}",
+                             difference=difference(got, expected, sizes), hint=hint))
+    got = expect_tensor(call(module, x, x, x, mask, positions=positions), t("the output with rope=True and positions"),
                         tuple(x.shape), "batch q_len d_model", dtype)
     expected = _module_oracle(state, heads, kv, x, x, x, mask, positions)
     if not close(got, expected, dtype):
-        hint = ("Your module ignores `positions`: when they are given, turn q and k by them instead of 0 ... q_len - 1."
+        hint = (t("Your module ignores `positions`: when they are given, turn q and k by them instead of 0 ... q_len "
+                  "- 1.")
                 if close(got, _module_oracle(state, heads, kv, x, x, x, mask, default), dtype) else
-                "Turn q and k by the given positions.")
-        raise CheckFailure(f"For self-attention built with rope=True and called with positions="
-                           f"{positions.tolist()}, your output differs from attention over queries and keys turned by "
-                           f"RoPE at those positions ({difference(got, expected, sizes)}). {hint}")
+                t("Turn q and k by the given positions."))
+        raise CheckFailure(t("For self-attention built with rope=True and called with positions={positions}, your "
+                             "output differs from attention over queries and keys turned by RoPE at those positions "
+                             "({difference}). {hint}", positions=positions.tolist(),
+                             difference=difference(got, expected, sizes), hint=hint))
     return True
 
 
@@ -885,19 +908,32 @@ def _given_rotary(cls: Any, d_head: int) -> nn.Module:
             return _rotate(x, positions, GIVEN_BASE)
 
         def __repr__(self) -> str:  # what a failure message shows of it
-            return f"<the check's RotaryEmbedding, d_head={d_head}, base={GIVEN_BASE:g}>"
+            return t("<the check's RotaryEmbedding, d_head={d_head}, base={base:g}>", d_head=d_head, base=GIVEN_BASE)
 
     return GivenRotaryEmbedding()
 
 
-def _rope_held(module: nn.Module, given: nn.Module) -> str:
-    """What the module keeps as ``self.rope``, in words ("the given module" when it is that very object)."""
+def _rope_held(module: nn.Module, given: nn.Module) -> tuple[str, str]:
+    """What the module keeps as ``self.rope``: ``("given", "")`` when it is that very object, ``("absent", "")``,
+    ``("none", "")`` or ``("other", its class's name)``; words for it: :func:`_held_words`."""
     if not hasattr(module, "rope"):
-        return "no attribute rope"
+        return "absent", ""
     rope = module.rope
     if rope is given:
-        return "the given module"
-    return "None" if rope is None else f"another {type(rope).__name__} (not the module given)"
+        return "given", ""
+    return ("none", "") if rope is None else ("other", type(rope).__name__)
+
+
+def _held_words(held: Any) -> str:
+    """What :func:`_rope_held` found, in words."""
+    found, name = tuple(held) if type(held) in (tuple, list) and len(held) == 2 else ("other", held)
+    if found == "given":
+        return t("the given module")
+    if found == "absent":
+        return t("no attribute rope")
+    if found == "none":
+        return "None"
+    return t("another {name} (not the module given)", name=name)
 
 
 def _calls_of(given: nn.Module) -> int:
@@ -914,47 +950,57 @@ def _check_given_rope(cls: Callable[..., Any], s: dict[str, int], dtype: torch.d
     """
     kv, heads, d_head = s["kv_heads"], s["heads"], s["d_head"]
     given = call(_given_rotary, cls, d_head)
-    what = f"rope=<a RotaryEmbedding(d_head={d_head}) whose forward turns by base {GIVEN_BASE:g}>"
+    what = t("rope=<a RotaryEmbedding(d_head={d_head}) whose forward turns by base {base:g}>", d_head=d_head,
+             base=GIVEN_BASE)
     try:
         module, state = _build(cls, s, kv, dtype, seed + 10, rope=given)
     except CheckFailure as failure:
         if not isinstance(failure, CodeRaised):
             raise
-        raise CheckFailure(f"Built with {what}: {failure}") from failure
+        raise CheckFailure(t("Built with {what}: {failure}", what=what, failure=failure)) from failure
     sizes = _module_sizes(s, kv, x, x)
-    got = expect_tensor(call(module, x, x, x, mask), f"the output with {what}", tuple(x.shape), "batch q_len d_model",
-                        dtype)
+    got = expect_tensor(call(module, x, x, x, mask), t("the output with {what}", what=what), tuple(x.shape),
+                        "batch q_len d_model", dtype)
     unturned = _module_oracle(state, heads, kv, x, x, x, mask)
     if not turns and close(got, unturned, dtype):
         return False
     default = torch.arange(x.shape[1])
     expected = _module_oracle(state, heads, kv, x, x, x, mask, default, base=GIVEN_BASE)
     held, calls = call(_rope_held, module, given), call(_calls_of, given)
-    observed = f"Your module's self.rope is {held}, and the given module's forward ran {calls} time(s)."
+    observed = t("Your module's self.rope is {held}, and the given module's forward ran {calls} time(s).",
+                 held=_held_words(held), calls=calls)
     if not close(got, expected, dtype):
         if close(got, _module_oracle(state, heads, kv, x, x, x, mask, default), dtype):
-            seen = "your output equals attention over q and k turned by chapter 06's RotaryEmbedding (base 10000)"
+            seen = t("your output equals attention over q and k turned by chapter 06's RotaryEmbedding (base 10000)")
         elif close(got, unturned, dtype):
-            seen = "your output equals attention with nothing turned, while built with rope=True it turns q and k"
+            seen = t("your output equals attention with nothing turned, while built with rope=True it turns q and k")
         else:
-            seen = "your output is neither attention with nothing turned nor with chapter 06's RotaryEmbedding"
-        raise CheckFailure(
-            f"For self-attention built with {what}, with a causal mask, {seen}; expected: q and k turned by the given "
-            f"module ({difference(got, expected, sizes)}). {observed} A RotaryEmbedding passed as rope is the layer's "
-            "part, kept as self.rope and used as given; only rope=True builds RotaryEmbedding(d_head).")
-    if held != "the given module" or calls == 0:
-        raise CheckFailure(
-            f"For self-attention built with {what}, your output is right, but self.rope must be the given module "
-            f"itself and its forward must turn q and k. {observed}")
+            seen = t("your output is neither attention with nothing turned nor with chapter 06's RotaryEmbedding")
+        raise CheckFailure(t(
+            "For self-attention built with {what}, with a causal mask, {seen}; expected: q and k turned by the given "
+            "module ({difference}). {observed} A RotaryEmbedding passed as rope is the layer's part, kept as "
+            "self.rope and used as given; only rope=True builds RotaryEmbedding(d_head).", what=what, seen=seen,
+            difference=difference(got, expected, sizes), observed=observed))
+    if not (type(held) in (tuple, list) and tuple(held)[:1] == ("given",)) or calls == 0:
+        raise CheckFailure(t(
+            "For self-attention built with {what}, your output is right, but self.rope must be the given module "
+            "itself and its forward must turn q and k. {observed}", what=what, observed=observed))
     mismatched = call(_given_rotary, cls, d_head + 2)
     error = call(_error_of, cls, s["d_model"], heads, kv, rope=mismatched)
+    if error is None:
+        raise CheckFailure(t(
+            "GroupedQueryAttention({d_model}, {heads}, {kv_heads}, rope=<a RotaryEmbedding(d_head={rope_d_head})>) "
+            "should raise a ValueError, since the given module turns {rope_d_head} features and the heads have "
+            "d_head={d_head}; it raised no error. Compare rope.d_head with d_model // heads when rope is a "
+            "RotaryEmbedding.", d_model=s["d_model"], heads=heads, kv_heads=kv, rope_d_head=d_head + 2,
+            d_head=d_head))
     if error != "ValueError":
-        got_error = "no error" if error is None else f"a {error}"
-        raise CheckFailure(
-            f"GroupedQueryAttention({s['d_model']}, {heads}, {kv}, rope=<a RotaryEmbedding(d_head={d_head + 2})>) "
-            f"should raise a ValueError, since the given module turns {d_head + 2} features and the heads have "
-            f"d_head={d_head}; it raised {got_error}. Compare rope.d_head with d_model // heads when rope is a "
-            "RotaryEmbedding.")
+        raise CheckFailure(t(
+            "GroupedQueryAttention({d_model}, {heads}, {kv_heads}, rope=<a RotaryEmbedding(d_head={rope_d_head})>) "
+            "should raise a ValueError, since the given module turns {rope_d_head} features and the heads have "
+            "d_head={d_head}; it raised a {error}. Compare rope.d_head with d_model // heads when rope is a "
+            "RotaryEmbedding.", d_model=s["d_model"], heads=heads, kv_heads=kv, rope_d_head=d_head + 2,
+            d_head=d_head, error=error))
     return True
 
 
@@ -965,24 +1011,25 @@ def _construct(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     except CheckFailure as failure:
         if not isinstance(failure, CodeRaised):
             raise
-        text = str(failure)
+        # What the code raised (its class and text), never the words of the message around it.
+        text = failure.raised
         hint = ""
         if "TypeError" in text and "float" in text:
-            hint = (" A size your __init__ passes to a layer is a float, not an int (the error says so): a size "
-                    "computed with `/` is a float even when it divides evenly: w_k and w_v have kv_heads * d_head "
-                    "output features, d_head = d_model // heads.")
+            hint = t(" A size your __init__ passes to a layer is a float, not an int (the error says so): a size "
+                     "computed with `/` is a float even when it divides evenly: w_k and w_v have kv_heads * d_head "
+                     "output features, d_head = d_model // heads.")
         elif not kwargs.get("rope") and ("RotaryEmbedding" in text or "rotated in pairs" in text):
             try:
                 call(cls, *args, **kwargs, rope=True)
             except CheckFailure:
                 pass
             else:
-                hint = (" The same sizes with rope=True build, and without rope (rope=False, the default) the "
-                        "RotaryEmbedding's error is raised: your __init__ makes a RotaryEmbedding when rope is False: "
-                        "its condition is inverted (self.rope = RotaryEmbedding(d_head) if rope else None).")
+                hint = t(" The same sizes with rope=True build, and without rope (rope=False, the default) the "
+                         "RotaryEmbedding's error is raised: your __init__ makes a RotaryEmbedding when rope is "
+                         "False: its condition is inverted (self.rope = RotaryEmbedding(d_head) if rope else None).")
         elif "rope" not in kwargs and "AttributeError" in text and "'bool' object" in text:
             hint = _raised_without_given_rope(cls, args, kwargs)
-        raise CheckFailure(f"{failure}{hint}") from failure
+        raise CheckFailure(str(failure) + hint) from failure
 
 
 def _raised_without_given_rope(cls: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> str:
@@ -994,9 +1041,9 @@ def _raised_without_given_rope(cls: Callable[..., Any], args: tuple, kwargs: dic
         call(cls, *args, **kwargs, rope=given)
     except CheckFailure:
         return ""
-    return (" The same sizes build with rope=<a RotaryEmbedding>, and raise this error of a bool with rope=False (the "
-            "default), so a step meant for a RotaryEmbedding given as rope runs when rope is a bool: check the "
-            "condition around it (isinstance(rope, RotaryEmbedding)).")
+    return t(" The same sizes build with rope=<a RotaryEmbedding>, and raise this error of a bool with rope=False "
+             "(the default), so a step meant for a RotaryEmbedding given as rope runs when rope is a bool: check the "
+             "condition around it (isinstance(rope, RotaryEmbedding)).")
 
 
 @check
@@ -1008,20 +1055,24 @@ def check_gqa_init(cls: Callable[..., Any], seed: int = 0) -> None:
         _expect_parameters(_construct(cls, d_model, heads, kv_heads), d_model, heads, kv_heads, bias=True)
     _expect_parameters(_construct(cls, d_model, heads, kv, bias=False), d_model, heads, kv, bias=False)
     _expect_parameters(_construct(cls, d_model, heads), d_model, heads, heads, bias=True)
-    for args, why in (((d_model, heads, heads - 1), f"{heads - 1} key/value heads cannot be shared equally by "
-                       f"{heads} query heads (check heads % kv_heads)"),
-                      ((d_model + 1, heads, kv), f"{heads} heads cannot share {d_model + 1} features equally "
-                       "(check d_model % heads)"),
-                      ((d_model, 0), "a layer needs at least one head (check heads >= 1 before d_model % heads, "
-                       "which would divide by zero)"),
-                      ((d_model, heads, 0), "queries need at least one key/value head to read (check kv_heads >= 1 "
-                       "before heads % kv_heads)")):
+    for args, why in (((d_model, heads, heads - 1), t("{kv_heads} key/value heads cannot be shared equally by "
+                                                       "{heads} query heads (check heads % kv_heads)",
+                                                       kv_heads=heads - 1, heads=heads)),
+                      ((d_model + 1, heads, kv), t("{heads} heads cannot share {d_model} features equally "
+                                                   "(check d_model % heads)", heads=heads, d_model=d_model + 1)),
+                      ((d_model, 0), t("a layer needs at least one head (check heads >= 1 before d_model % heads, "
+                                       "which would divide by zero)")),
+                      ((d_model, heads, 0), t("queries need at least one key/value head to read (check kv_heads >= 1 "
+                                              "before heads % kv_heads)"))):
         error = call(_error_of, cls, *args)
+        if error is None:
+            raise CheckFailure(t("GroupedQueryAttention{args} should raise a ValueError, since {why}; it raised no "
+                                 "error.", args=args, why=why))
         if error != "ValueError":
-            got = "no error" if error is None else f"a {error}"
-            raise CheckFailure(f"GroupedQueryAttention{args} should raise a ValueError, since {why}; it raised {got}.")
-    passed("w_q, w_o are (d_model, d_model), w_k, w_v are (kv_heads * d_head, d_model); kv_heads=None means heads; "
-           "ValueError for sizes that do not divide and for no heads")
+            raise CheckFailure(t("GroupedQueryAttention{args} should raise a ValueError, since {why}; it raised a "
+                                 "{error}.", args=args, why=why, error=error))
+    passed(t("w_q, w_o are (d_model, d_model), w_k, w_v are (kv_heads * d_head, d_model); kv_heads=None means heads; "
+             "ValueError for sizes that do not divide and for no heads"))
 
 
 @check
@@ -1034,11 +1085,11 @@ def check_gqa_self_attention(cls: Callable[..., Any], seed: int = 0, dtype: torc
     padding = _padding_mask(s, seq, seed)
     for kv_heads in (s["kv_heads"], 1):
         module, state = _build(cls, s, kv_heads, dtype, seed + kv_heads)
-        for what, mask in (("self-attention without a mask", None),
-                           ("self-attention with a padding mask (batch, 1, 1, k_len)", padding),
-                           ("self-attention with a causal mask (q_len, k_len)", causal)):
+        for what, mask in ((t("self-attention without a mask"), None),
+                           (t("self-attention with a padding mask (batch, 1, 1, k_len)"), padding),
+                           (t("self-attention with a causal mask (q_len, k_len)"), causal)):
             _compare(module, state, s, kv_heads, dtype, what, x, x, x, mask, cls=cls)
-    _compare(module, state, s, 1, dtype, "self-attention on one sentence (batch=1) with a padding mask",
+    _compare(module, state, s, 1, dtype, t("self-attention on one sentence (batch=1) with a padding mask"),
              x[:1], x[:1], x[:1], padding[:1], cls=cls)
     # kv_heads == heads is multi-head attention: PyTorch's own module, with the same weights.
     module, state = _build(cls, s, s["heads"], dtype, seed)
@@ -1050,21 +1101,20 @@ def check_gqa_self_attention(cls: Callable[..., Any], seed: int = 0, dtype: torc
         mha.out_proj.weight.copy_(state["w_o.weight"])
         mha.out_proj.bias.copy_(state["w_o.bias"])
         expected = mha(x, x, x, attn_mask=~causal, need_weights=False)[0]
-    got = expect_tensor(call(module, x, x, x, causal), "the output", tuple(x.shape), "batch q_len d_model", dtype)
+    got = expect_tensor(call(module, x, x, x, causal), t("the output"), tuple(x.shape), "batch q_len d_model", dtype)
     if not close(got, expected, dtype):
-        raise CheckFailure(
-            f"With kv_heads == heads == {s['heads']}, your module should be multi-head attention, equal to "
-            f"torch.nn.MultiheadAttention with the same weights; it is not "
-            f"({difference(got, expected, _module_sizes(s, s['heads'], x, x))}). "
-            f"{_diagnose_module(state, s['heads'], s['heads'], x, x, x, causal, got)}"
-        )
+        raise CheckFailure(t(
+            "With kv_heads == heads == {heads}, your module should be multi-head attention, equal to "
+            "torch.nn.MultiheadAttention with the same weights; it is not ({difference}). {diagnosis}",
+            heads=s["heads"], difference=difference(got, expected, _module_sizes(s, s["heads"], x, x)),
+            diagnosis=_diagnose_module(state, s["heads"], s["heads"], x, x, x, causal, got)))
     module, state = _build(cls, s, s["kv_heads"], dtype, seed + 3, bias=False)
-    _compare(module, state, s, s["kv_heads"], dtype, "self-attention built with bias=False, with a causal mask",
+    _compare(module, state, s, s["kv_heads"], dtype, t("self-attention built with bias=False, with a causal mask"),
              x, x, x, causal, cls=cls)
     # fast=True must give the same results, zeros for queries that may read nothing included.
     module, state = _build(cls, s, s["kv_heads"], dtype, seed + 5, fast=True)
-    for what, mask in (("self-attention with fast=True and a causal mask", causal),
-                       ("self-attention with fast=True and a padding mask whose last sentence is all padding",
+    for what, mask in ((t("self-attention with fast=True and a causal mask"), causal),
+                       (t("self-attention with fast=True and a padding mask whose last sentence is all padding"),
                         _padding_mask(s, seq, seed, empty=True))):
         _compare(module, state, s, s["kv_heads"], dtype, what, x, x, x, mask, cls=cls)
     for fast in (False, True):
@@ -1077,12 +1127,13 @@ def check_gqa_self_attention(cls: Callable[..., Any], seed: int = 0, dtype: torc
     positions = torch.randperm(3 * seq, generator=torch.Generator().manual_seed(seed + 9))[:seq].sort().values
     rope = _check_rope(module, state, r, dtype, xr, causal, positions)
     given = _check_given_rope(cls, r, dtype, seed, xr, causal, rope)
-    passed(f"self-attention equal to F.scaled_dot_product_attention(enable_gqa=True) for GQA and MQA, with padding "
-           f"and causal masks, batch=1, bias=False, fast=True; equal to torch.nn.MultiheadAttention when kv_heads == "
-           f"heads; dropout on the weights, only in training; "
-           f"{'rope=True turns q and k at their positions' if rope else 'rope=True is ignored (optional here)'}; "
-           f"{'a RotaryEmbedding given as rope is kept and turns them' if given else 'a given rope is ignored too'} "
-           f"({dtype_name(dtype)})")
+    rope_note = t("rope=True turns q and k at their positions") if rope else t("rope=True is ignored (optional here)")
+    given_note = (t("a RotaryEmbedding given as rope is kept and turns them") if given else
+                  t("a given rope is ignored too"))
+    passed(t("self-attention equal to F.scaled_dot_product_attention(enable_gqa=True) for GQA and MQA, with padding "
+             "and causal masks, batch=1, bias=False, fast=True; equal to torch.nn.MultiheadAttention when kv_heads == "
+             "heads; dropout on the weights, only in training; {rope_note}; {given_note} ({dtype})",
+             rope_note=rope_note, given_note=given_note, dtype=dtype_name(dtype)))
 
 
 @check
@@ -1093,19 +1144,19 @@ def check_gqa_cross_attention(cls: Callable[..., Any], seed: int = 0, dtype: tor
     padding = _padding_mask(s, s["k_len"], seed)
     for kv_heads in (s["kv_heads"], 1):
         module, state = _build(cls, s, kv_heads, dtype, seed + 2 * kv_heads)
-        for what, mask in (("cross-attention without a mask", None),
-                           ("cross-attention with a padding mask (batch, 1, 1, k_len)", padding)):
+        for what, mask in ((t("cross-attention without a mask"), None),
+                           (t("cross-attention with a padding mask (batch, 1, 1, k_len)"), padding)):
             _compare(module, state, s, kv_heads, dtype, what, query, key, value, mask, cls=cls)
-    _compare(module, state, s, 1, dtype, "cross-attention on one sentence (batch=1) with a padding mask",
+    _compare(module, state, s, 1, dtype, t("cross-attention on one sentence (batch=1) with a padding mask"),
              query[:1], key[:1], value[:1], padding[:1], cls=cls)
-    _compare(module, state, s, 1, dtype, "cross-attention over one key (k_len=1)", query, key[:, :1], value[:, :1],
-             None, cls=cls)
+    _compare(module, state, s, 1, dtype, t("cross-attention over one key (k_len=1)"), query, key[:, :1],
+             value[:, :1], None, cls=cls)
     module, state = _build(cls, s, s["kv_heads"], dtype, seed + 7, fast=True)
-    _compare(module, state, s, s["kv_heads"], dtype, "cross-attention with fast=True and a padding mask whose last "
-             "sentence is all padding", query, key, value, _padding_mask(s, s["k_len"], seed, empty=True), cls=cls)
-    passed(f"cross-attention (q_len={s['q_len']}, k_len={s['k_len']}) equal to "
-           f"F.scaled_dot_product_attention(enable_gqa=True) for GQA and MQA, batch=1, one key, fast=True "
-           f"({dtype_name(dtype)})")
+    _compare(module, state, s, s["kv_heads"], dtype, t("cross-attention with fast=True and a padding mask whose last "
+             "sentence is all padding"), query, key, value, _padding_mask(s, s["k_len"], seed, empty=True), cls=cls)
+    passed(t("cross-attention (q_len={q_len}, k_len={k_len}) equal to F.scaled_dot_product_attention(enable_gqa=True) "
+             "for GQA and MQA, batch=1, one key, fast=True ({dtype})", q_len=s["q_len"], k_len=s["k_len"],
+             dtype=dtype_name(dtype)))
 
 
 def _decode_with_cache(module: nn.Module, cache: Any, x: Tensor) -> Tensor:
@@ -1130,8 +1181,9 @@ def _cache_keys(cache: Any) -> tuple[Tensor, Tensor]:
 
 
 def _stepwise_failure(what: str, got: Tensor, expected: Tensor, sizes: dict[str, int], hint: str) -> CheckFailure:
-    return CheckFailure(f"{what} gives other outputs than one pass of F.scaled_dot_product_attention(enable_gqa=True) "
-                        f"under a causal mask with the same projections ({difference(got, expected, sizes)}). {hint}")
+    return CheckFailure(t("{what} gives other outputs than one pass of F.scaled_dot_product_attention(enable_gqa=True) "
+                          "under a causal mask with the same projections ({difference}). {hint}", what=what,
+                          difference=difference(got, expected, sizes), hint=hint))
 
 
 def _store(cache: Any, keys: Tensor, values: Tensor) -> None:
@@ -1156,17 +1208,17 @@ def _check_fixed_cache_taken(module: Any, state: dict[str, Tensor], s: dict[str,
     expected = _module_oracle(state, s["heads"], kv, query[:, 1:], memory, memory, padding)
     error = _what_raised(failure).splitlines()[0]
     if type(later) is Tensor and close(later, expected, dtype):
-        raise CheckFailure(
+        raise CheckFailure(t(
             "Your module reads a fixed KVCache that holds keys: with the memory's keys and values stored in it, its "
-            f"output is attention over the memory. But its first call, on an empty fixed cache (cache.keys is None), "
-            f"raised {error}: on the first call, while cache.keys is None, project key and value and "
-            "cache.update(k, v) stores them; on later calls read cache.keys and cache.values.")
+            "output is attention over the memory. But its first call, on an empty fixed cache (cache.keys is None), "
+            "raised {error}: on the first call, while cache.keys is None, project key and value and "
+            "cache.update(k, v) stores them; on later calls read cache.keys and cache.values.", error=error))
     if type(held) is Tensor and not torch.equal(held, keys):
-        raise CheckFailure(
+        raise CheckFailure(t(
             "Your module stores into a fixed KVCache: given one that already holds the memory's keys and values, it "
-            f"replaced them ({difference(held, keys)}). But its first call, on an empty fixed cache (cache.keys is "
-            f"None), raised {error}: store only on the first call, while cache.keys is None, and read cache.keys and "
-            "cache.values once it holds keys.")
+            "replaced them ({difference}). But its first call, on an empty fixed cache (cache.keys is None), raised "
+            "{error}: store only on the first call, while cache.keys is None, and read cache.keys and cache.values "
+            "once it holds keys.", difference=difference(held, keys), error=error))
 
 
 def _check_fixed_cache(module: Any, state: dict[str, Tensor], s: dict[str, int], cache_cls: Callable[..., Any],
@@ -1181,33 +1233,36 @@ def _check_fixed_cache(module: Any, state: dict[str, Tensor], s: dict[str, int],
         fixed = call(cache_cls, fixed=True)
         first = call(module, query[:, :1], memory, memory, padding, cache=fixed)
     except CheckFailure as failure:
-        if "Not your own work" in str(failure):
+        if isinstance(failure, NotOwnWork):
             raise
         _check_fixed_cache_taken(module, state, s, cache_cls, dtype, (query, memory, other, padding), failure)
         return False
     later = call(module, query[:, 1:], other, other, padding, cache=fixed)
     got = expect_tensor(torch.cat([first, later], dim=1) if type(first) is Tensor and type(later) is Tensor else first,
-                        "the cross-attention outputs with a fixed cache", tuple(query.shape), "batch q_len d_model",
+                        t("the cross-attention outputs with a fixed cache"), tuple(query.shape), "batch q_len d_model",
                         dtype)
     expected = _module_oracle(state, s["heads"], kv, query, memory, memory, padding)
     sizes = _module_sizes(s, kv, query, memory)
     if not close(got, expected, dtype):
         reread = torch.cat([expected[:, :1], _module_oracle(state, s["heads"], kv, query[:, 1:], other, other,
                                                              padding)], dim=1)
-        hint = ("Your later calls project the key and value they are given: with a fixed cache that already holds "
-                "keys, read cache.keys and cache.values instead (the memory does not change while decoding)."
+        hint = (t("Your later calls project the key and value they are given: with a fixed cache that already holds "
+                  "keys, read cache.keys and cache.values instead (the memory does not change while decoding).")
                 if close(got, reread, dtype) else
-                "On the first call project key and value and cache.update(k, v) stores them; on later calls use "
-                "cache.keys and cache.values.")
-        raise CheckFailure(f"Cross-attention with a fixed KVCache, called first with the memory and then with other "
-                           f"keys and values, differs from attention over the memory "
-                           f"({difference(got, expected, sizes)}). {hint}")
+                t("On the first call project key and value and cache.update(k, v) stores them; on later calls use "
+                  "cache.keys and cache.values."))
+        raise CheckFailure(t("Cross-attention with a fixed KVCache, called first with the memory and then with other "
+                             "keys and values, differs from attention over the memory ({difference}). {hint}",
+                             difference=difference(got, expected, sizes), hint=hint))
     keys, values = call(_cache_keys, fixed)
     _, expected_k, expected_v = _projected(state, s["heads"], kv, query, memory, memory)
-    for name, got, expected in (("keys", keys, expected_k), ("values", values, expected_v)):
-        if not close(got, expected, dtype):
-            raise CheckFailure(f"The fixed cache should hold the memory's {name}, (batch, kv_heads, k_len, d_head), "
-                               f"stored on the first call ({difference(got, expected, sizes)}).")
+    if not close(keys, expected_k, dtype):
+        raise CheckFailure(t("The fixed cache should hold the memory's keys, (batch, kv_heads, k_len, d_head), stored "
+                             "on the first call ({difference}).", difference=difference(keys, expected_k, sizes)))
+    if not close(values, expected_v, dtype):
+        raise CheckFailure(t("The fixed cache should hold the memory's values, (batch, kv_heads, k_len, d_head), "
+                             "stored on the first call ({difference}).",
+                             difference=difference(values, expected_v, sizes)))
     return True
 
 
@@ -1220,9 +1275,9 @@ def _first_position_only(state: dict[str, Tensor], s: dict[str, int], x: Tensor,
         return ""
     if not close(stepwise, _module_oracle(state, s["heads"], kv, x, x[:, :1], x[:, :1], None), dtype):
         return ""
-    return (" It holds the first position's keys and values, and every step attended to that one position only: after "
-            "the first step your module read the cache instead of appending to it, as only a fixed (cross-attention) "
-            "cache (cache.fixed) is read.")
+    return t(" It holds the first position's keys and values, and every step attended to that one position only: "
+             "after the first step your module read the cache instead of appending to it, as only a fixed "
+             "(cross-attention) cache (cache.fixed) is read.")
 
 
 @check
@@ -1241,58 +1296,67 @@ def check_gqa_cache(classes: tuple[Callable[..., Any], Callable[..., Any]], seed
     sizes = {**_module_sizes(s, kv, x, x), "d_head": d_head}
     module, state = _build(cls, s, kv, dtype, seed + 9)
     # The full pass against the oracle first: a mistake made alike with and without a cache shows here.
-    _compare(module, state, s, kv, dtype, "self-attention in one pass with a causal mask", x, x, x, causal, cls=cls)
+    _compare(module, state, s, kv, dtype, t("self-attention in one pass with a causal mask"), x, x, x, causal,
+             cls=cls)
     cache = call(cache_cls)
-    stepwise = expect_tensor(call(_decode_with_cache, module, cache, x), "the outputs decoded one at a time",
+    stepwise = expect_tensor(call(_decode_with_cache, module, cache, x), t("the outputs decoded one at a time"),
                              tuple(x.shape), "batch q_len d_model", dtype)
     keys, values = call(_cache_keys, cache)
     for name, got in (("keys", keys), ("values", values)):
         if type(got) is not Tensor or tuple(got.shape) != (b, kv, length, d_head):
             shape = tuple(got.shape) if type(got) is Tensor else kind(got)
-            hint = (f" It holds {s['heads']} heads: are your keys and values split into kv_heads heads (and w_k, w_v "
-                    "narrower than d_model)?" if type(got) is Tensor and got.shape[1] == s["heads"] else "")
+            hint = (t(" It holds {heads} heads: are your keys and values split into kv_heads heads (and w_k, w_v "
+                      "narrower than d_model)?", heads=s["heads"])
+                    if type(got) is Tensor and got.shape[1] == s["heads"] else "")
             if type(got) is Tensor and tuple(got.shape) == (b, kv, 1, d_head) and length > 1:
                 hint = _first_position_only(state, s, x, stepwise, keys, values, dtype)
-            raise CheckFailure(
-                f"After {length} steps the cache's {name} should have shape (batch={b}, kv_heads={kv}, "
-                f"length={length}, d_head={d_head}), got {shape}. Append the new positions' k and v (before "
-                f"repeat_kv) with k, v = cache.update(k, v), which returns every cached position.{hint}"
-            )
+            if name == "keys":
+                raise CheckFailure(t(
+                    "After {length} steps the cache's keys should have shape (batch={batch}, kv_heads={kv_heads}, "
+                    "length={length}, d_head={d_head}), got {shape}. Append the new positions' k and v (before "
+                    "repeat_kv) with k, v = cache.update(k, v), which returns every cached position.{hint}",
+                    length=length, batch=b, kv_heads=kv, d_head=d_head, shape=shape, hint=hint))
+            raise CheckFailure(t(
+                "After {length} steps the cache's values should have shape (batch={batch}, kv_heads={kv_heads}, "
+                "length={length}, d_head={d_head}), got {shape}. Append the new positions' k and v (before "
+                "repeat_kv) with k, v = cache.update(k, v), which returns every cached position.{hint}",
+                length=length, batch=b, kv_heads=kv, d_head=d_head, shape=shape, hint=hint))
     _, expected_k, expected_v = _projected(state, s["heads"], kv, x, x, x)
     if not (close(keys, expected_k, dtype) and close(values, expected_v, dtype)):
         wrong, expected = (keys, expected_k) if not close(keys, expected_k, dtype) else (values, expected_v)
-        raise CheckFailure(
-            f"The cache holds the right shape but not the keys and values of w_k(x) and w_v(x) split into kv_heads "
-            f"heads ({difference(wrong, expected, sizes)}): append them before repeating them for the query heads."
-        )
+        raise CheckFailure(t(
+            "The cache holds the right shape but not the keys and values of w_k(x) and w_v(x) split into kv_heads "
+            "heads ({difference}): append them before repeating them for the query heads.",
+            difference=difference(wrong, expected, sizes)))
     expected = _module_oracle(state, s["heads"], kv, x, x, x, causal)
     if not close(stepwise, expected, dtype):
         itself = _module_oracle(state, s["heads"], kv, x, x, x, torch.eye(length, dtype=torch.bool))
-        hint = ("Each step attends to its own position only: it must attend to every cached key and value (what "
-                "cache.update returns), not only the new one." if close(stepwise, itself, dtype) else
-                "Each step must attend to every cached key and value, what cache.update returns.")
-        raise _stepwise_failure("Decoding one position at a time with the cache", stepwise, expected, sizes, hint)
+        hint = (t("Each step attends to its own position only: it must attend to every cached key and value (what "
+                  "cache.update returns), not only the new one.") if close(stepwise, itself, dtype) else
+                t("Each step must attend to every cached key and value, what cache.update returns."))
+        raise _stepwise_failure(t("Decoding one position at a time with the cache"), stepwise, expected, sizes, hint)
     # A prefill and steps of several positions, each under a (new, total) mask; multi-query attention.
     module, state = _build(cls, s, 1, dtype, seed + 10)
     bounds = sorted({0, (length + 1) // 2, min(length, (length + 1) // 2 + 2), length})
     chunked = expect_tensor(call(_decode_in_chunks, module, call(cache_cls), x, bounds),
-                            "the outputs decoded in chunks", tuple(x.shape), "batch q_len d_model", dtype)
+                            t("the outputs decoded in chunks"), tuple(x.shape), "batch q_len d_model", dtype)
     expected = _module_oracle(state, s["heads"], 1, x, x, x, causal)
     if not close(chunked, expected, dtype):
         raise _stepwise_failure(
-            f"With kv_heads=1, decoding a prefill and then steps of several positions (chunks {bounds}) under "
-            f"(new, total) causal masks", chunked, expected, {**sizes, "kv_heads": 1},
-            "The mask of a step spans every key read, the cached ones and the new: (new, total), as cache.update "
-            "returns them all.")
+            t("With kv_heads=1, decoding a prefill and then steps of several positions (chunks {bounds}) under "
+              "(new, total) causal masks", bounds=bounds), chunked, expected, {**sizes, "kv_heads": 1},
+            t("The mask of a step spans every key read, the cached ones and the new: (new, total), as cache.update "
+              "returns them all."))
     # A fixed (cross-attention) cache and RoPE with a cache: optional in the notebook.
     module, state = _build(cls, s, kv, dtype, seed + 11)
     fixed = _check_fixed_cache(module, state, s, cache_cls, dtype, seed)
     rope = _check_rope_cache(cls, cache_cls, s, dtype, seed, causal)
-    notes = ["a fixed cache in cross-attention stores the memory once" if fixed else
-             "a fixed cache is not taken (optional here)",
-             "RoPE positions continue from len(cache)" if rope else "rope=True is ignored (optional here)"]
-    passed(f"decoding with a KVCache equals the causal full pass, one position at a time and in chunks (MQA too); "
-           f"the cache holds (batch, kv_heads={kv}, length, d_head); {'; '.join(notes)} ({dtype_name(dtype)})")
+    fixed_note = (t("a fixed cache in cross-attention stores the memory once") if fixed else
+                  t("a fixed cache is not taken (optional here)"))
+    rope_note = t("RoPE positions continue from len(cache)") if rope else t("rope=True is ignored (optional here)")
+    passed(t("decoding with a KVCache equals the causal full pass, one position at a time and in chunks (MQA too); "
+             "the cache holds (batch, kv_heads={kv_heads}, length, d_head); {fixed_note}; {rope_note} ({dtype})",
+             kv_heads=kv, fixed_note=fixed_note, rope_note=rope_note, dtype=dtype_name(dtype)))
 
 
 def _check_rope_cache(cls: Callable[..., Any], cache_cls: Callable[..., Any], s: dict[str, int], dtype: torch.dtype,
@@ -1302,25 +1366,25 @@ def _check_rope_cache(cls: Callable[..., Any], cache_cls: Callable[..., Any], s:
     r = _even(s)
     (x,) = _inputs(r, dtype, seed + 13, causal.shape[0])
     module, state = _build(cls, r, r["kv_heads"], dtype, seed + 14, rope=True)
-    full = expect_tensor(call(module, x, x, x, causal), "the output with rope=True", tuple(x.shape),
+    full = expect_tensor(call(module, x, x, x, causal), t("the output with rope=True"), tuple(x.shape),
                          "batch q_len d_model", dtype)
     positions = torch.arange(x.shape[1])
     rotated = _module_oracle(state, r["heads"], r["kv_heads"], x, x, x, causal, positions)
     applies = close(full, rotated, dtype)
     expected = rotated if applies else _module_oracle(state, r["heads"], r["kv_heads"], x, x, x, causal)
-    stepwise = expect_tensor(call(_decode_with_cache, module, call(cache_cls), x), "the outputs decoded one at a time "
-                             "with rope=True", tuple(x.shape), "batch q_len d_model", dtype)
+    stepwise = expect_tensor(call(_decode_with_cache, module, call(cache_cls), x), t("the outputs decoded one at a "
+                             "time with rope=True"), tuple(x.shape), "batch q_len d_model", dtype)
     if close(stepwise, expected, dtype):
         return applies
     sizes = {**_module_sizes(r, r["kv_heads"], x, x), "d_head": r["d_head"]}
     if applies and close(stepwise, _module_oracle(state, r["heads"], r["kv_heads"], x, x, x, causal), dtype):
-        hint = ("Every step turns its query and key as position 0: with a cache, the new positions start at "
-                "len(cache) (before appending), not at 0.")
+        hint = t("Every step turns its query and key as position 0: with a cache, the new positions start at "
+                 "len(cache) (before appending), not at 0.")
     else:
-        hint = ("With rope=True and a cache, turn the new q and k by positions len(cache) onwards before appending k "
-                "(the cached keys are turned already).")
-    raise _stepwise_failure("Decoding one position at a time with a cache and rope=True", stepwise, expected, sizes,
-                            hint)
+        hint = t("With rope=True and a cache, turn the new q and k by positions len(cache) onwards before appending "
+                 "k (the cached keys are turned already).")
+    raise _stepwise_failure(t("Decoding one position at a time with a cache and rope=True"), stepwise, expected,
+                            sizes, hint)
 
 
 # -- exercise 4: converting a multi-head checkpoint ----------------------------------------
@@ -1349,7 +1413,8 @@ class _Checkpoint(nn.Module):
 
     def __repr__(self) -> str:  # what a failure message shows of it
         kind = "GroupedQueryAttention" if hasattr(self, "kv_heads") else "MultiHeadAttention"
-        return f"<the check's {kind}, {tuple(self.w_q.weight.shape)[0]} features, heads={self.heads}>"
+        return t("<the check's {kind}, {features} features, heads={heads}>", kind=kind,
+                 features=tuple(self.w_q.weight.shape)[0], heads=self.heads)
 
 
 def _settings(module: nn.Module) -> dict[str, Any]:
@@ -1367,21 +1432,26 @@ def _raised_pooling(fn: Callable[..., Any], source: nn.Module, state: dict[str, 
                     kv_heads: int, failure: CheckFailure) -> str:
     """After ``from_multihead(source, kv_heads)`` raised: what the error and calls with other kv_heads tell."""
     source_kv = state["w_k.weight"].shape[0] // d_head
-    raised = _what_raised(failure)
+    # What the code raised (its class and text); a failure of another kind (a stub, the own-work rule) has none.
+    raised = failure.raised if isinstance(failure, CodeRaised) else ""
     if "Could not infer sizes" in raised:
-        return ("\neinops could not split the rows into (kv_heads group d_head) from the sizes it was given (the "
-                "error names those it could not infer): pass d_head=... to reduce as well as kv_heads.")
+        return "\n" + t("einops could not split the rows into (kv_heads group d_head) from the sizes it was given (the "
+                        "error names those it could not infer): pass d_head=... to reduce as well as kv_heads.")
     if raised.startswith("ValueError") and source_kv % kv_heads == 0:
         wrong = next(n for n in range(2, source_kv + 2) if source_kv % n)
-        other = _error_after(fn, source, wrong)
-        if other is None or not other.startswith("ValueError"):
-            return (f"\nkv_heads={kv_heads} divides the source's {source_kv} key/value heads, yet it raised a "
-                    f"ValueError, while kv_heads={wrong}, which does not divide them, raised no ValueError: the "
-                    f"condition that refuses groups of unequal size is inverted: raise when source_kv_heads % kv_heads "
-                    "is not 0.")
-        return (f"\nkv_heads={kv_heads} divides the source's {source_kv} key/value heads ({source_kv} % {kv_heads} "
-                f"== 0), yet it raised a ValueError: raise only when the remainder source_kv_heads % kv_heads is not "
-                "0.")
+        try:
+            call(fn, source, wrong)
+            other = ""
+        except CheckFailure as again:
+            other = again.raised if isinstance(again, CodeRaised) else ""
+        if not other.startswith("ValueError"):
+            return "\n" + t("kv_heads={kv_heads} divides the source's {source_kv} key/value heads, yet it raised a "
+                            "ValueError, while kv_heads={wrong}, which does not divide them, raised no ValueError: the "
+                            "condition that refuses groups of unequal size is inverted: raise when source_kv_heads % "
+                            "kv_heads is not 0.", kv_heads=kv_heads, source_kv=source_kv, wrong=wrong)
+        return "\n" + t("kv_heads={kv_heads} divides the source's {source_kv} key/value heads ({source_kv} % "
+                        "{kv_heads} == 0), yet it raised a ValueError: raise only when the remainder source_kv_heads % "
+                        "kv_heads is not 0.", kv_heads=kv_heads, source_kv=source_kv)
     if kv_heads == source_kv:
         return ""
     try:
@@ -1393,20 +1463,24 @@ def _raised_pooling(fn: Callable[..., Any], source: nn.Module, state: dict[str, 
         return ""
     pooled, source_w = got["w_k.weight"], state["w_k.weight"]
     if pooled.shape == source_w.T.shape and torch.equal(pooled, source_w.T) and not torch.equal(pooled, source_w):
-        return (f"\nWith kv_heads={source_kv} (nothing to pool) it runs, but its w_k.weight is the source's "
-                "transposed: the reduce pattern must keep d_model last, '(kv_heads group d_head) d_model -> "
-                "(kv_heads d_head) d_model', the order of the axes of nn.Linear's weight (out, in).")
+        return "\n" + t("With kv_heads={source_kv} (nothing to pool) it runs, but its w_k.weight is the source's "
+                        "transposed: the reduce pattern must keep d_model last, '(kv_heads group d_head) d_model -> "
+                        "(kv_heads d_head) d_model', the order of the axes of nn.Linear's weight (out, in).",
+                        source_kv=source_kv)
     if not torch.equal(got["w_k.weight"], state["w_k.weight"]):
         return ""
     sizes = re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\) at non-singleton "
                       r"dimension 0", raised)
     if sizes and int(sizes.group(1)) == source_kv * d_head and int(sizes.group(2)) == kv_heads * d_head:
-        return (f"\nWith kv_heads={source_kv} (nothing to pool) it runs and copies w_k right. With kv_heads="
-                f"{kv_heads} the error copies the pooled {kv_heads * d_head} rows (kv_heads * d_head) into a weight of "
-                f"{source_kv * d_head} rows, as many as the source has: the GroupedQueryAttention your code builds "
-                f"must get kv_heads={kv_heads}: GroupedQueryAttention(d_model, heads, kv_heads, ...).")
-    return (f"\nWith kv_heads={source_kv} (nothing to pool) it runs and copies w_k right: the error comes with "
-            "pooling: compare the shape of each pooled weight with the converted module's.")
+        return "\n" + t("With kv_heads={source_kv} (nothing to pool) it runs and copies w_k right. With "
+                        "kv_heads={kv_heads} the error copies the pooled {pooled_rows} rows (kv_heads * d_head) into a "
+                        "weight of {source_rows} rows, as many as the source has: the GroupedQueryAttention your code "
+                        "builds must get kv_heads={kv_heads}: GroupedQueryAttention(d_model, heads, kv_heads, ...).",
+                        source_kv=source_kv, kv_heads=kv_heads, pooled_rows=kv_heads * d_head,
+                        source_rows=source_kv * d_head)
+    return "\n" + t("With kv_heads={source_kv} (nothing to pool) it runs and copies w_k right: the error comes with "
+                    "pooling: compare the shape of each pooled weight with the converted module's.",
+                    source_kv=source_kv)
 
 
 def _check_pooling(fn: Callable[..., Any], source: nn.Module, state: dict[str, Tensor], heads: int, d_head: int,
@@ -1420,31 +1494,36 @@ def _check_pooling(fn: Callable[..., Any], source: nn.Module, state: dict[str, T
     except CheckFailure as failure:
         source_kv = state["w_k.weight"].shape[0] // d_head
         hint = _raised_pooling(fn, source, state, heads, d_head, kv_heads, failure)
-        hint = hint or (
-            "\nThe source has no biases: pass bias=False (mha.w_q.bias is None) and copy no bias." if not bias else
-            f"\nThis source has {source_kv} key/value heads, not heads={heads}: read its rows as (kv_heads group "
-            f"d_head) with the new kv_heads, so group = {source_kv} // kv_heads." if source_kv != heads else "")
-        raise CheckFailure(f"From {what}: {failure}{hint}") from failure
+        if not hint and not bias:
+            hint = "\n" + t("The source has no biases: pass bias=False (mha.w_q.bias is None) and copy no bias.")
+        elif not hint and source_kv != heads:
+            hint = "\n" + t("This source has {source_kv} key/value heads, not heads={heads}: read its rows as "
+                            "(kv_heads group d_head) with the new kv_heads, so group = {source_kv} // kv_heads.",
+                            source_kv=source_kv, heads=heads)
+        raise CheckFailure(t("From {what}: {failure}{hint}", what=what, failure=failure, hint=hint)) from failure
     got = call(_state_of, converted)
     if type(got) is not dict or any(type(v) is not Tensor for v in got.values()):
-        raise CheckFailure(f"from_multihead should return a GroupedQueryAttention module, got {kind(converted)}.")
+        raise CheckFailure(t("from_multihead should return a GroupedQueryAttention module, got {kind}.",
+                             kind=kind(converted)))
     expected_shapes = _expected_shapes(d_model, kv_heads, d_head, bias=bias)
     shapes = {name: list(v.shape) for name, v in got.items()}
     if shapes != expected_shapes:
-        hint = " The source has no biases: pass bias=False (mha.w_q.bias is None)." if not bias else ""
-        raise CheckFailure(
-            f"from_multihead({what}, kv_heads={kv_heads}) returned parameters of shapes {shapes}; a "
-            f"GroupedQueryAttention(d_model={d_model}, heads={heads}, kv_heads={kv_heads}, bias={bias}) has "
-            f"{expected_shapes}.{hint}"
-        )
+        hint = t(" The source has no biases: pass bias=False (mha.w_q.bias is None).") if not bias else ""
+        raise CheckFailure(t(
+            "from_multihead({what}, kv_heads={kv_heads}) returned parameters of shapes {shapes}; a "
+            "GroupedQueryAttention(d_model={d_model}, heads={heads}, kv_heads={kv_heads}, bias={bias}) has "
+            "{expected}.{hint}", what=what, kv_heads=kv_heads, shapes=shapes, d_model=d_model, heads=heads,
+            bias=bias, expected=expected_shapes, hint=hint))
     sizes = {"heads": heads, "kv_heads": kv_heads, "d_head": d_head, "d_model": d_model}
     for name in [f"{p}.{w}" for p in ("w_q", "w_o") for w in ("weight", "bias") if f"{p}.{w}" in state]:
         if not torch.equal(got[name], state[name]):
-            hint = (f" The converted module's {name} is {got[name].dtype}, the source's {state[name].dtype}: put the "
-                    "module on the source's dtype and device (gqa.to(dtype=..., device=...)) before copying."
+            hint = (t(" The converted module's {name} is {got}, the source's {source}: put the module on the "
+                      "source's dtype and device (gqa.to(dtype=..., device=...)) before copying.", name=name,
+                      got=got[name].dtype, source=state[name].dtype)
                     if got[name].dtype != state[name].dtype else "")
-            raise CheckFailure(f"From {what}, {name} should be copied unchanged; it is not "
-                               f"({difference(got[name], state[name], sizes)}).{hint}")
+            raise CheckFailure(t("From {what}, {name} should be copied unchanged; it is not ({difference}).{hint}",
+                                 what=what, name=name, difference=difference(got[name], state[name], sizes),
+                                 hint=hint))
     for name in [f"{p}.{w}" for p in ("w_k", "w_v") for w in ("weight", "bias") if f"{p}.{w}" in state]:
         pattern = "(kv_heads group d_head) ... -> (kv_heads d_head) ..."
         expected = reduce(state[name], pattern, "mean", kv_heads=kv_heads, d_head=d_head)
@@ -1455,28 +1534,31 @@ def _check_pooling(fn: Callable[..., Any], source: nn.Module, state: dict[str, T
         first = rearrange(state[name], "(kv_heads group d_head) ... -> kv_heads group d_head ...",
                           kv_heads=kv_heads, d_head=d_head)[:, 0]
         if close(got[name], across, dtype):
-            hint = ("You averaged across the groups, (group kv_heads d_head): key head g then mixes heads g, "
-                    "g + kv_heads, ... of different groups. A group is `group` consecutive heads, the "
-                    "(kv_heads group d_head) order of repeat_kv: average within it.")
+            hint = t("You averaged across the groups, (group kv_heads d_head): key head g then mixes heads g, "
+                     "g + kv_heads, ... of different groups. A group is `group` consecutive heads, the "
+                     "(kv_heads group d_head) order of repeat_kv: average within it.")
         elif close(got[name], rearrange(first, "kv_heads d_head ... -> (kv_heads d_head) ..."), dtype):
-            hint = "You kept the first head of each group; the GQA paper averages (mean-pools) all of its heads."
+            hint = t("You kept the first head of each group; the GQA paper averages (mean-pools) all of its heads.")
         else:
-            hint = ("Read the rows of the source's weight as (kv_heads group d_head) and average over group: "
-                    "reduce(w, '(kv_heads group d_head) d_model -> (kv_heads d_head) d_model', 'mean', ...).")
+            hint = t("Read the rows of the source's weight as (kv_heads group d_head) and average over group: "
+                     "reduce(w, '(kv_heads group d_head) d_model -> (kv_heads d_head) d_model', 'mean', ...).")
         group = state[name].shape[0] // d_head // kv_heads
-        raise CheckFailure(f"From {what} with kv_heads={kv_heads}, {name} is not the mean of each group's {group} "
-                           f"heads ({difference(got[name], expected, sizes)}). {hint}")
+        raise CheckFailure(t("From {what} with kv_heads={kv_heads}, {name} is not the mean of each group's {group} "
+                             "heads ({difference}). {hint}", what=what, kv_heads=kv_heads, name=name, group=group,
+                             difference=difference(got[name], expected, sizes), hint=hint))
     found = call(_settings, converted)
     for key, value in settings.items():
         if found.get(key) != value and key in ("fast", "rope") and not hasattr(source, key):
-            raise CheckFailure(f"From {what}, the converted module's {key} is {found.get(key)!r}; it should be "
-                               f"{value!r}. A multi-head source has no `{key}` attribute, so the converted module "
-                               f"must get {key}'s default, {value!r} (getattr(mha, \"{key}\", ...) with that default).")
+            raise CheckFailure(t("From {what}, the converted module's {key} is {found!r}; it should be {value!r}. A "
+                                 "multi-head source has no `{key}` attribute, so the converted module must get "
+                                 "{key}'s default, {value!r} (getattr(mha, \"{key}\", ...) with that default).",
+                                 what=what, key=key, found=found.get(key), value=value))
         if found.get(key) != value:
-            raise CheckFailure(f"From {what}, the converted module's {key} is {found.get(key)!r}; it should be "
-                               f"{value!r}: build GroupedQueryAttention(d_model, heads, kv_heads, bias=..., "
-                               f"dropout=mha.dropout.p, ...) with the source's settings (a GroupedQueryAttention "
-                               "source keeps its rope and fast).")
+            raise CheckFailure(t("From {what}, the converted module's {key} is {found!r}; it should be {value!r}: "
+                                 "build GroupedQueryAttention(d_model, heads, kv_heads, bias=..., "
+                                 "dropout=mha.dropout.p, ...) with the source's settings (a GroupedQueryAttention "
+                                 "source keeps its rope and fast).", what=what, key=key, found=found.get(key),
+                                 value=value))
 
 
 @check
@@ -1494,29 +1576,29 @@ def check_from_multihead(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
         grouped = _Checkpoint(grouped_state, 8, kv_heads=4, dropout=0.1, rope=True, fast=True)
     mha = {"heads": heads, "fast": False, "rope": False, "dropout": 0.25}
     for kv_heads in (s["kv_heads"], 1, heads):
-        _check_pooling(fn, source, state, heads, d_head, kv_heads, dtype, "a multi-head layer",
+        _check_pooling(fn, source, state, heads, d_head, kv_heads, dtype, t("a multi-head layer"),
                        mha | {"kv_heads": kv_heads})
-    _check_pooling(fn, bare, bare_state, heads, d_head, s["kv_heads"], dtype, "a multi-head layer with bias=False",
+    _check_pooling(fn, bare, bare_state, heads, d_head, s["kv_heads"], dtype, t("a multi-head layer with bias=False"),
                    {"kv_heads": s["kv_heads"]})
-    _check_pooling(fn, grouped, grouped_state, 8, 6, 2, dtype, "a GroupedQueryAttention with kv_heads=4, rope and "
-                   "fast", {"heads": 8, "kv_heads": 2, "fast": True, "rope": True, "dropout": 0.1})
+    _check_pooling(fn, grouped, grouped_state, 8, 6, 2, dtype, t("a GroupedQueryAttention with kv_heads=4, rope and "
+                   "fast"), {"heads": 8, "kv_heads": 2, "fast": True, "rope": True, "dropout": 0.1})
     if call(_error_of, fn, grouped, 3) is None:
-        raise CheckFailure("from_multihead(gqa, kv_heads=3) of a GroupedQueryAttention with 4 key/value heads should "
-                           "raise a ValueError: 4 heads cannot be pooled into 3 groups of equal size; it returned a "
-                           "module.")
+        raise CheckFailure(t("from_multihead(gqa, kv_heads=3) of a GroupedQueryAttention with 4 key/value heads "
+                             "should raise a ValueError: 4 heads cannot be pooled into 3 groups of equal size; it "
+                             "returned a module."))
     (x,) = _inputs(s, dtype, seed + 6, s["q_len"])
     exact = call(fn, source, heads)
     call(_set_training, exact, False)  # the source's dropout came along: off for the comparison
-    same = expect_tensor(call(exact, x, x, x), "the converted module's output", tuple(x.shape), "batch q_len d_model",
-                         dtype)
+    same = expect_tensor(call(exact, x, x, x), t("the converted module's output"), tuple(x.shape),
+                         "batch q_len d_model", dtype)
     expected = _module_oracle(state, heads, heads, x, x, x, None)
     if not close(same, expected, dtype):
-        raise CheckFailure("With kv_heads == heads nothing is pooled, so the converted module should give the "
-                           "multi-head module's outputs (up to rounding); it does not "
-                           f"({difference(same, expected, _module_sizes(s, heads, x, x))}).")
-    passed(f"from_multihead mean-pools each group of consecutive key/value heads (from multi-head and grouped "
-           f"sources, with and without biases), keeps w_q, w_o and the settings, refuses groups that do not divide, "
-           f"and gives the same outputs for kv_heads == heads ({dtype_name(dtype)})")
+        raise CheckFailure(t("With kv_heads == heads nothing is pooled, so the converted module should give the "
+                             "multi-head module's outputs (up to rounding); it does not ({difference}).",
+                             difference=difference(same, expected, _module_sizes(s, heads, x, x))))
+    passed(t("from_multihead mean-pools each group of consecutive key/value heads (from multi-head and grouped "
+             "sources, with and without biases), keeps w_q, w_o and the settings, refuses groups that do not divide, "
+             "and gives the same outputs for kv_heads == heads ({dtype})", dtype=dtype_name(dtype)))
 
 
 # -- exercise 5: predict, then measure -----------------------------------------------------
@@ -1530,16 +1612,17 @@ def check_cache_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
                                     (1, s["k_len"], 1)):
         got = call(fn, heads * d_head, heads, kv_heads, length, batch)
         if type(got) is not int:
-            raise CheckFailure(f"measure_cache_bytes should return a Python int (the cache's nbytes), got {kind(got)}.")
+            raise CheckFailure(t("measure_cache_bytes should return a Python int (the cache's nbytes), got {kind}.",
+                                 kind=kind(got)))
         expected = 2 * kv_heads * d_head * length * batch * 4
         if got == expected:
             continue
-        raise CheckFailure(
-            f"For d_model={heads * d_head}, heads={heads}, kv_heads={kv_heads}, length={length}, batch={batch} you "
-            f"measured {got:,} bytes; float32 keys and values of kv_heads heads take {expected:,}. "
-            f"{_measurement_hint(got, heads, kv_heads, d_head, length, batch)}"
-        )
-    passed("measured KV-cache bytes equal 2 · kv_heads · d_head · length · batch · 4 for MHA, GQA and MQA")
+        raise CheckFailure(t(
+            "For d_model={d_model}, heads={heads}, kv_heads={kv_heads}, length={length}, batch={batch} you measured "
+            "{got:,} bytes; float32 keys and values of kv_heads heads take {expected:,}. {hint}",
+            d_model=heads * d_head, heads=heads, kv_heads=kv_heads, length=length, batch=batch, got=got,
+            expected=expected, hint=_measurement_hint(got, heads, kv_heads, d_head, length, batch)))
+    passed(t("measured KV-cache bytes equal 2 · kv_heads · d_head · length · batch · 4 for MHA, GQA and MQA"))
 
 
 def _measurement_hint(got: int, heads: int, kv_heads: int, d_head: int, length: int, batch: int) -> str:
@@ -1547,20 +1630,47 @@ def _measurement_hint(got: int, heads: int, kv_heads: int, d_head: int, length: 
     per_position = 2 * kv_heads * d_head * batch * 4
     positions, rest = divmod(got, per_position)
     if got == 2 * heads * d_head * length * batch * 4 and heads != kv_heads:
-        return ("That is what multi-head attention keeps: your cache holds all the query heads' worth of keys and "
-                "values. Are w_k and w_v narrower (kv_heads * d_head) and k, v split into kv_heads heads?")
+        return t("That is what multi-head attention keeps: your cache holds all the query heads' worth of keys and "
+                 "values. Are w_k and w_v narrower (kv_heads * d_head) and k, v split into kv_heads heads?")
     if got * 2 == per_position * length:
-        return "That is half: count the values as well as the keys."
+        return t("That is half: count the values as well as the keys.")
     if batch > 1 and got * batch == per_position * length:
-        return (f"That is the cache of one sentence, not of batch={batch}: feed x of shape (batch, 1, d_model) at "
-                "every step.")
+        return t("That is the cache of one sentence, not of batch={batch}: feed x of shape (batch, 1, d_model) at "
+                 "every step.", batch=batch)
     if got == 0:
-        return (f"The cache is empty after {length} steps: no step appended a position. Each step must be one "
-                "position, x[:, t:t + 1], run through the layer with cache=cache.")
+        return t("The cache is empty after {length} steps: no step appended a position. Each step must be one "
+                 "position, x[:, t:t + 1], run through the layer with cache=cache.", length=length)
     if rest == 0 and positions != length:
-        how = ("one fewer than" if positions == length - 1 else "one more than" if positions == length + 1 else
-               "fewer than" if positions < length else "more than")
-        return (f"That is the cache of {positions} position{'s' if positions != 1 else ''}, {how} length={length}. "
-                "Each of the `length` steps must append exactly one position: x[:, t:t + 1] for t in range(length).")
-    return ("Build the GroupedQueryAttention(d_model, heads, kv_heads), run the positions through it one at a time in "
-            "self-attention with one KVCache, and return cache.nbytes.")
+        return _positions_hint(positions, length)
+    return t("Build the GroupedQueryAttention(d_model, heads, kv_heads), run the positions through it one at a time "
+             "in self-attention with one KVCache, and return cache.nbytes.")
+
+
+def _positions_hint(positions: int, length: int) -> str:
+    """A byte count that is a whole number of cached positions, but not ``length`` of them: how many, in words."""
+    if positions == 1:
+        if positions == length - 1:
+            return t("That is the cache of 1 position, one fewer than length={length}. Each of the `length` steps "
+                     "must append exactly one position: x[:, t:t + 1] for t in range(length).", length=length)
+        if positions == length + 1:
+            return t("That is the cache of 1 position, one more than length={length}. Each of the `length` steps "
+                     "must append exactly one position: x[:, t:t + 1] for t in range(length).", length=length)
+        if positions < length:
+            return t("That is the cache of 1 position, fewer than length={length}. Each of the `length` steps must "
+                     "append exactly one position: x[:, t:t + 1] for t in range(length).", length=length)
+        return t("That is the cache of 1 position, more than length={length}. Each of the `length` steps must append "
+                 "exactly one position: x[:, t:t + 1] for t in range(length).", length=length)
+    if positions == length - 1:
+        return t("That is the cache of {positions} positions, one fewer than length={length}. Each of the `length` "
+                 "steps must append exactly one position: x[:, t:t + 1] for t in range(length).", positions=positions,
+                 length=length)
+    if positions == length + 1:
+        return t("That is the cache of {positions} positions, one more than length={length}. Each of the `length` "
+                 "steps must append exactly one position: x[:, t:t + 1] for t in range(length).", positions=positions,
+                 length=length)
+    if positions < length:
+        return t("That is the cache of {positions} positions, fewer than length={length}. Each of the `length` steps "
+                 "must append exactly one position: x[:, t:t + 1] for t in range(length).", positions=positions,
+                 length=length)
+    return t("That is the cache of {positions} positions, more than length={length}. Each of the `length` steps must "
+             "append exactly one position: x[:, t:t + 1] for t in range(length).", positions=positions, length=length)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from stepformer.checks._core import (
     CheckFailure,
+    CodeRaised,
     call,
     check,
     close,
@@ -32,6 +33,7 @@ from stepformer.checks._core import (
     passed,
     raised_error,
 )
+from stepformer.checks._messages import marked, t, tr
 from stepformer.checks._modules import error_of as _error_of
 
 AXES = ("batch", "kv_heads", "d_head", "prefill", "steps")
@@ -78,32 +80,47 @@ def _store_error(cache: Any, keys: Tensor, values: Tensor) -> str | None:
     return _error_of(cache.store, keys, values)
 
 
-APPEND_AXIS = (
+APPEND_AXIS = marked(
     "A cache grows along the sequence axis, dim=-2 of (batch, kv_heads, cached, d_head): "
     "torch.cat([self.keys, keys], dim=-2), and the same for the values."
 )
 
 
+def _axis_names() -> dict[int, str]:
+    """The axes of (batch, kv_heads, cached, d_head) that are not the sequence's, by dim, as the hints name them."""
+    return {0: t("batch (dim=0)"), 1: t("heads (dim=1)"), -1: t("features (d_head, dim=-1)")}
+
+
+def _appended_along(axis: str) -> str:
+    return t("You appended along the {axis} axis, not along the sequence. {how}", axis=axis, how=tr(APPEND_AXIS))
+
+
 def _wrong_axis(got: Tensor, cached: Tensor, new: Tensor) -> str:
     """Name the axis along which ``got`` glued ``cached`` and ``new`` together, if it did."""
-    for dim, axis in ((1, "heads (dim=1)"), (-1, "features (d_head, dim=-1)"), (0, "batch (dim=0)")):
+    for dim in (1, -1, 0):
         try:
             glued = torch.cat([cached, new], dim=dim)
         except RuntimeError:  # the shapes do not fit along this axis
             continue
         if got.shape == glued.shape and torch.equal(got, glued):
-            return f"You appended along the {axis} axis, not along the sequence. {APPEND_AXIS}"
-    return APPEND_AXIS
+            return _appended_along(_axis_names()[dim])
+    return tr(APPEND_AXIS)
 
 
-def _axis_in_error(message: str) -> str:
-    """torch.cat names the axis it was asked to glue along when the other axes do not fit: name it too."""
-    found = re.search(r"except in dimension (-?\d+)", message)
-    axes = {"0": "batch (dim=0)", "1": "heads (dim=1)", "3": "features (d_head, dim=-1)",
-            "-1": "features (d_head, dim=-1)"}
-    if found and found.group(1) in axes:
-        return f"You appended along the {axes[found.group(1)]} axis, not along the sequence. {APPEND_AXIS}"
-    return APPEND_AXIS
+def _axis_in_error(raised: str) -> str:
+    """torch.cat names the axis it was asked to glue along when the other axes do not fit: name it too
+    (``raised``: what the student's code raised, see :func:`_raised`)."""
+    found = re.search(r"except in dimension (-?\d+)", raised)
+    dims = {"0": 0, "1": 1, "3": -1, "-1": -1}
+    if found and found.group(1) in dims:
+        return _appended_along(_axis_names()[dims[found.group(1)]])
+    return tr(APPEND_AXIS)
+
+
+def _raised(failure: CheckFailure) -> str:
+    """``"TypeError: ..."``: what the student's code raised, where ``failure`` reports it (else ""). Its text is
+    PyTorch's or the student's, the same in either language of the checks: the only text a hint may read."""
+    return failure.raised if isinstance(failure, CodeRaised) else ""
 
 
 def _is_empty(cache: Any) -> bool:
@@ -112,21 +129,27 @@ def _is_empty(cache: Any) -> bool:
         stored = call(_contents, cache)
     except CheckFailure:  # no keys or values attribute at all
         return False
-    return all(t is None for t in stored)
+    return all(tensor is None for tensor in stored)
 
 
-def _sentence(message: str, hint: str) -> str:
-    """``hint`` as a sentence of its own after ``message`` (an error's text often ends without a full stop)."""
+def _sentence(message: str, hint: str, raised: bool = False) -> str:
+    """``hint`` as a sentence of its own after ``message`` (an error's text often ends without a full stop).
+    ``raised``: the message ends with the text of what the student's code raised (a :class:`CodeRaised`)."""
     if not hint:
         return message
-    return f"{message}{'' if message.rstrip().endswith(('.', '!', '?')) else '.'} {hint.strip()}"
+    if message.rstrip().endswith((".", "!", "?")):
+        return t("{message} {hint}", message=message, hint=hint.strip())
+    if not raised and message.rstrip().endswith(("。", "！", "？")):  # a message of the checks' own, in Chinese
+        return message + hint.strip()
+    return t("{message}. {hint}", message=message, hint=hint.strip())
 
 
-def _empty_cache_hint(message: str, cache: Any, what: str) -> str:
+def _empty_cache_hint(raised: str, cache: Any, what: str) -> str:
     """Name a failure on an empty cache that comes from using its None keys or values as tensors, when the error
-    says so (an attribute of None, or None handed to torch.cat) and the cache does hold None."""
-    attribute = re.search(r"'NoneType' object has no attribute '(\w+)'", message)
-    concatenated = re.search(r"expected Tensor as element \d+ in argument \d+, but got NoneType", message)
+    (``raised``: what the student's code raised, see :func:`_raised`) says so (an attribute of None, or None handed
+    to torch.cat) and the cache does hold None."""
+    attribute = re.search(r"'NoneType' object has no attribute '(\w+)'", raised)
+    concatenated = re.search(r"expected Tensor as element \d+ in argument \d+, but got NoneType", raised)
     if not attribute and not concatenated:
         return ""
     try:
@@ -134,27 +157,27 @@ def _empty_cache_hint(message: str, cache: Any, what: str) -> str:
     except CheckFailure:  # no keys or values attribute: nothing to say about them
         return ""
     if type(stored[0]) is Tensor and stored[1] is None:
-        return (f" After the failed {what} self.keys holds a tensor and self.values is still None: the values were "
-                "used as a tensor while the cache was empty (store the new values as they are while self.values is "
-                "None, else concatenate).")
-    if not all(t is None for t in stored):
+        return t(" After the failed {what} self.keys holds a tensor and self.values is still None: the values were "
+                 "used as a tensor while the cache was empty (store the new values as they are while self.values is "
+                 "None, else concatenate).", what=what)
+    if not all(tensor is None for tensor in stored):
         return ""
     if attribute:
-        return (f" The cache is empty, so self.keys and self.values are None (as they should be), and your {what} "
-                f"reads .{attribute.group(1)} of one of them: when self.keys is None there is nothing to measure or "
-                "compare (an empty cache has length 0 and nbytes 0, and its first append stores the keys and values "
-                "as they are).")
-    return (f" The cache is empty, so self.keys and self.values are None (as they should be), and your {what} "
-            "handed None to torch.cat: while self.keys is None, store the new keys and values as they are; "
-            "concatenate only once the cache holds tensors.")
+        return t(" The cache is empty, so self.keys and self.values are None (as they should be), and your {what} "
+                 "reads .{attribute} of one of them: when self.keys is None there is nothing to measure or "
+                 "compare (an empty cache has length 0 and nbytes 0, and its first append stores the keys and values "
+                 "as they are).", what=what, attribute=attribute.group(1))
+    return t(" The cache is empty, so self.keys and self.values are None (as they should be), and your {what} "
+             "handed None to torch.cat: while self.keys is None, store the new keys and values as they are; "
+             "concatenate only once the cache holds tensors.", what=what)
 
 
 def _empty_length_hint(got: Any, cache: Any, what: str = "__len__") -> str:
     """A count of 1 for an empty cache whose keys and values are None, as they should be."""
     if got != 1 or type(got) is not int or not _is_empty(cache):
         return ""
-    return (f" Your {what} gives 1, one too many, for a cache whose keys and values are None (as they should be): "
-            "a cache with no keys holds 0 positions and 0 bytes.")
+    return t(" Your {what} gives 1, one too many, for a cache whose keys and values are None (as they should be): "
+             "a cache with no keys holds 0 positions and 0 bytes.", what=what)
 
 
 # -- exercise 1: the cache -----------------------------------------------------------------
@@ -169,10 +192,11 @@ def check_kv_cache_append(cls: Callable[..., Any], seed: int = 0, dtype: torch.d
     try:
         length = call(_length, cache)
     except CheckFailure as failure:
-        raise CheckFailure(_sentence(str(failure), _empty_cache_hint(str(failure), cache, "__len__"))) from None
+        raise CheckFailure(_sentence(str(failure), _empty_cache_hint(_raised(failure), cache, "__len__"),
+                                     raised=bool(_raised(failure)))) from None
     if length != 0:
-        raise CheckFailure(f"A new KVCache() should hold no position: len(cache) should be 0 (keys and values None), "
-                           f"got {length!r}.{_empty_length_hint(length, cache)}")
+        raise CheckFailure(t("A new KVCache() should hold no position: len(cache) should be 0 (keys and values None), "
+                             "got {length!r}.{hint}", length=length, hint=_empty_length_hint(length, cache)))
     all_keys = torch.randn(b, kv, s["prefill"] + s["steps"] + 2, d_head, generator=g, dtype=dtype)
     all_values = torch.randn(b, kv, s["prefill"] + s["steps"] + 2, d_head, generator=g, dtype=dtype)
     # The prefill's positions at once, then one per step, then two at once.
@@ -185,56 +209,71 @@ def check_kv_cache_append(cls: Callable[..., Any], seed: int = 0, dtype: torch.d
             returned = call(_append, cache, keys, values)
         except CheckFailure as failure:
             if total == 0:
-                raise CheckFailure(_sentence(str(failure), _empty_cache_hint(str(failure), cache, "append"))) from None
+                raise CheckFailure(_sentence(str(failure), _empty_cache_hint(_raised(failure), cache, "append"),
+                                             raised=bool(_raised(failure)))) from None
             if raised_error(failure) == "ValueError":
                 # These keys continue the cache by construction: the check that refused them is too eager.
-                raise CheckFailure(
-                    f"Appending {new} position(s) to a cache of {total} failed. {failure} These keys continue the "
-                    f"cache: batch, kv_heads and d_head are those of the cached keys, only the sequence axis is "
+                raise CheckFailure(t(
+                    "Appending {new} position(s) to a cache of {total} failed. {failure} These keys continue the "
+                    "cache: batch, kv_heads and d_head are those of the cached keys, only the sequence axis is "
                     "new. Your append refused them: raise the ValueError only when keys.shape[:2] or keys.shape[-1] "
-                    "is not that of self.keys.") from None
-            raise CheckFailure(f"Appending {new} position(s) to a cache of {total} failed. {failure} "
-                               f"{_axis_in_error(str(failure))}") from None
+                    "is not that of self.keys.", new=new, total=total, failure=failure)) from None
+            hint = _axis_in_error(_raised(failure))
+            raise CheckFailure(t("Appending {new} position(s) to a cache of {total} failed. {failure} {hint}",
+                                 new=new, total=total, failure=failure, hint=hint)) from None
         if type(returned) is not tuple or len(returned) != 2:
-            raise CheckFailure(f"append should return the tuple (keys, values) of every cached position, got "
-                               f"{kind(returned)}.")
+            raise CheckFailure(t("append should return the tuple (keys, values) of every cached position, got "
+                                 "{kind}.", kind=kind(returned)))
         total += new
-        for name, got, before, added, expected in (("keys", returned[0], previous[0], keys, all_keys[:, :, :total]),
-                                                   ("values", returned[1], previous[1], values,
+        for name, got, before, added, expected in ((t("keys"), returned[0], previous[0], keys,
+                                                    all_keys[:, :, :total]),
+                                                   (t("values"), returned[1], previous[1], values,
                                                     all_values[:, :, :total])):
             if type(got) is not Tensor:
-                raise CheckFailure(f"append should return tensors, got {kind(got)} for the {name}.")
+                raise CheckFailure(t("append should return tensors, got {kind} for the {name}.", kind=kind(got),
+                                     name=name))
             if tuple(got.shape) != tuple(expected.shape) or not torch.equal(got, expected):
-                hint = _wrong_axis(got, before, added) if total > new else (
+                hint = _wrong_axis(got, before, added) if total > new else t(
                     "The first append should return the keys and values it was given.")
-                raise CheckFailure(
-                    f"After appending {total - new} and then {new} position(s), append should return the {name} of "
-                    f"shape (batch={b}, kv_heads={kv}, cached={total}, d_head={d_head}) in order; it returned "
-                    f"{tuple(got.shape)}{'' if tuple(got.shape) != tuple(expected.shape) else ' with other values'}. "
-                    f"{hint}"
-                )
+                fields = dict(before=total - new, new=new, name=name, b=b, kv=kv, total=total, d_head=d_head,
+                              shape=tuple(got.shape), hint=hint)
+                if tuple(got.shape) != tuple(expected.shape):
+                    raise CheckFailure(t(
+                        "After appending {before} and then {new} position(s), append should return the {name} of "
+                        "shape (batch={b}, kv_heads={kv}, cached={total}, d_head={d_head}) in order; it returned "
+                        "{shape}. {hint}", **fields))
+                raise CheckFailure(t(
+                    "After appending {before} and then {new} position(s), append should return the {name} of "
+                    "shape (batch={b}, kv_heads={kv}, cached={total}, d_head={d_head}) in order; it returned "
+                    "{shape} with other values. {hint}", **fields))
         length = call(_length, cache)
         if length != total:
-            raise CheckFailure(f"After {total} appended positions len(cache) is {length}: __len__ should count the "
-                               "positions, the size of the sequence axis (dim=-2), not of another axis.")
+            raise CheckFailure(t("After {total} appended positions len(cache) is {length}: __len__ should count the "
+                                 "positions, the size of the sequence axis (dim=-2), not of another axis.",
+                                 total=total, length=length))
     stored = call(_contents, cache)
-    if not all(type(t) is Tensor for t in stored) or not (torch.equal(stored[0], all_keys[:, :, :total])
-                                                           and torch.equal(stored[1], all_values[:, :, :total])):
-        raise CheckFailure("After the appends, cache.keys and cache.values should hold every position so far (keep "
-                           "the concatenated tensors in self.keys and self.values).")
+    if not all(type(tensor) is Tensor for tensor in stored) or not (
+            torch.equal(stored[0], all_keys[:, :, :total]) and torch.equal(stored[1], all_values[:, :, :total])):
+        raise CheckFailure(t("After the appends, cache.keys and cache.values should hold every position so far (keep "
+                             "the concatenated tensors in self.keys and self.values)."))
     for what, keys in ((f"batch={b + 1}", torch.randn(b + 1, kv, 1, d_head, generator=g, dtype=dtype)),
                        (f"kv_heads={kv + 1}", torch.randn(b, kv + 1, 1, d_head, generator=g, dtype=dtype)),
                        (f"d_head={d_head + 1}", torch.randn(b, kv, 1, d_head + 1, generator=g, dtype=dtype))):
         error = call(_append_error, cache, keys, keys.clone())
+        fields = dict(what=what, b=b, kv=kv, total=total, d_head=d_head, error=error)
+        if error is None:
+            raise CheckFailure(t(
+                "Appending keys with {what} to a cache of (batch={b}, kv_heads={kv}, cached={total}, "
+                "d_head={d_head}) should raise a ValueError (they do not continue the cached positions); it raised "
+                "no error. Compare batch, kv_heads and d_head with the cached keys before concatenating.", **fields))
         if error != "ValueError":
-            got = "no error" if error is None else f"a {error}"
-            raise CheckFailure(
-                f"Appending keys with {what} to a cache of (batch={b}, kv_heads={kv}, cached={total}, "
-                f"d_head={d_head}) should raise a ValueError (they do not continue the cached positions); it raised "
-                f"{got}. Compare batch, kv_heads and d_head with the cached keys before concatenating."
-            )
-    passed(f"append grows the cache along the sequence axis (prefill of {s['prefill']}, then single positions, then "
-           f"two), returns every cached position, and refuses keys that do not continue it ({dtype_name(dtype)})")
+            raise CheckFailure(t(
+                "Appending keys with {what} to a cache of (batch={b}, kv_heads={kv}, cached={total}, "
+                "d_head={d_head}) should raise a ValueError (they do not continue the cached positions); it raised "
+                "a {error}. Compare batch, kv_heads and d_head with the cached keys before concatenating.", **fields))
+    passed(t("append grows the cache along the sequence axis (prefill of {prefill}, then single positions, then "
+             "two), returns every cached position, and refuses keys that do not continue it ({dtype})",
+             prefill=s["prefill"], dtype=dtype_name(dtype)))
 
 
 @check
@@ -248,33 +287,39 @@ def check_kv_cache_fixed(cls: Callable[..., Any], seed: int = 0) -> None:
     fixed = call(cls, fixed=True)
     call(_store, fixed, keys, values)
     stored = call(_contents, fixed)
-    if not all(type(t) is Tensor for t in stored) or not (torch.equal(stored[0], keys)
-                                                           and torch.equal(stored[1], values)):
-        raise CheckFailure("After store(keys, values) a fixed cache should hold exactly those keys and values in "
-                           "self.keys and self.values.")
+    if not all(type(tensor) is Tensor for tensor in stored) or not (torch.equal(stored[0], keys)
+                                                                     and torch.equal(stored[1], values)):
+        raise CheckFailure(t("After store(keys, values) a fixed cache should hold exactly those keys and values in "
+                             "self.keys and self.values."))
     if call(_length, fixed) != src_len:
-        raise CheckFailure(f"A fixed cache storing {src_len} positions should have len {src_len}.")
+        raise CheckFailure(t("A fixed cache storing {length} positions should have len {length}.", length=src_len))
     error = call(_append_error, fixed, keys[:, :, :1], values[:, :, :1])
-    if error != "ValueError":
-        got = "no error" if error is None else f"a {error}"
-        raise CheckFailure(
+    if error is None:
+        raise CheckFailure(t(
             "A fixed (cross-attention) cache holds the encoder's memory, which does not grow: append should raise a "
-            f"ValueError on it; it raised {got}. Check self.fixed at the start of append."
-        )
-    error = call(_store_error, call(cls), keys, values)
+            "ValueError on it; it raised no error. Check self.fixed at the start of append."))
     if error != "ValueError":
-        got = "no error" if error is None else f"a {error}"
-        raise CheckFailure(f"store on a growing (self-attention) cache should raise a ValueError; it raised {got}.")
+        raise CheckFailure(t(
+            "A fixed (cross-attention) cache holds the encoder's memory, which does not grow: append should raise a "
+            "ValueError on it; it raised a {error}. Check self.fixed at the start of append.", error=error))
+    error = call(_store_error, call(cls), keys, values)
+    if error is None:
+        raise CheckFailure(t("store on a growing (self-attention) cache should raise a ValueError; it raised no "
+                             "error."))
+    if error != "ValueError":
+        raise CheckFailure(t("store on a growing (self-attention) cache should raise a ValueError; it raised a "
+                             "{error}.", error=error))
     _check_update(cls, keys, values)
     # nbytes: 0 when empty; keys and values both counted, whatever the dtype.
     empty = call(cls)
     try:
         nbytes = call(_nbytes, empty)
     except CheckFailure as failure:
-        raise CheckFailure(_sentence(str(failure), _empty_cache_hint(str(failure), empty, "nbytes"))) from None
+        raise CheckFailure(_sentence(str(failure), _empty_cache_hint(_raised(failure), empty, "nbytes"),
+                                     raised=bool(_raised(failure)))) from None
     if nbytes != 0:
-        raise CheckFailure(f"An empty cache holds no tensor: its nbytes should be 0, got {nbytes!r}."
-                           f"{_empty_length_hint(nbytes, empty, 'nbytes')}")
+        raise CheckFailure(t("An empty cache holds no tensor: its nbytes should be 0, got {nbytes!r}.{hint}",
+                             nbytes=nbytes, hint=_empty_length_hint(nbytes, empty, "nbytes")))
     for dtype in (torch.float32, torch.float64):
         growing = call(cls)
         k = torch.randn(b, kv, s["prefill"], d_head, generator=g, dtype=dtype)
@@ -283,16 +328,17 @@ def check_kv_cache_fixed(cls: Callable[..., Any], seed: int = 0) -> None:
         expected = 2 * k.numel() * k.element_size()
         if type(got) is not int or got != expected:
             if got == expected // 2:
-                hint = "That is half: count the values as well as the keys."
+                hint = t("That is half: count the values as well as the keys.")
             elif got == 2 * k.numel():
-                hint = "That counts numbers, not bytes: multiply by element_size() (4 for float32, 8 for float64)."
+                hint = t("That counts numbers, not bytes: multiply by element_size() (4 for float32, 8 for float64).")
             else:
-                hint = "Add keys.numel() * keys.element_size() and the same for the values, as a Python int."
-            raise CheckFailure(f"A cache of {tuple(k.shape)} keys and values in {dtype_name(dtype)} holds "
-                               f"{expected:,} bytes; nbytes gave {got!r}. {hint}")
-    passed("a fixed cache stores its keys and values once and refuses append; a growing one refuses store; update "
-           "appends to a growing cache and stores once in a fixed one; nbytes counts the bytes of the keys and the "
-           "values")
+                hint = t("Add keys.numel() * keys.element_size() and the same for the values, as a Python int.")
+            raise CheckFailure(t("A cache of {shape} keys and values in {dtype} holds {expected:,} bytes; nbytes gave "
+                                 "{got!r}. {hint}", shape=tuple(k.shape), dtype=dtype_name(dtype), expected=expected,
+                                 got=got, hint=hint))
+    passed(t("a fixed cache stores its keys and values once and refuses append; a growing one refuses store; update "
+             "appends to a growing cache and stores once in a fixed one; nbytes counts the bytes of the keys and the "
+             "values"))
 
 
 def _same(got: Any, keys: Tensor, values: Tensor) -> bool:
@@ -331,21 +377,25 @@ def _check_update(cls: Callable[..., Any], keys: Tensor, values: Tensor) -> None
     if not (_agree(by_update, by_append) or _same(by_update["got"], keys, values)):
         got = by_update["error"] or kind(by_update["got"])
         if not by_update["error"] and _same(by_update["got"], *later):
-            got = "only the 2nd call's keys and values: return every cached position (self.keys, self.values)"
-        raise CheckFailure(f"update on a growing cache, called with 2 positions and then {keys.shape[2] - 2}, "
-                           f"should do what append does and return the keys and values of all {keys.shape[2]}, in "
-                           f"order; it gave {got}.")
+            got = t("only the 2nd call's keys and values: return every cached position (self.keys, self.values)")
+        raise CheckFailure(t("update on a growing cache, called with 2 positions and then {later}, should do what "
+                             "append does and return the keys and values of all {total}, in order; it gave {got}.",
+                             later=keys.shape[2] - 2, total=keys.shape[2], got=got))
     fixed = call(cls, fixed=True)
     got = call(_update, fixed, keys, values)
     if not _same(got, keys, values):
-        raise CheckFailure(f"update on an empty fixed cache should store the keys and values it is given (store) "
-                           f"and return them; it returned {kind(got)}.")
+        raise CheckFailure(t("update on an empty fixed cache should store the keys and values it is given (store) "
+                             "and return them; it returned {kind}.", kind=kind(got)))
     again = call(_update, fixed, *later)
     if not _same(again, keys, values):
         stored = call(_contents, fixed)
-        kept = "and the cache now holds them" if _same(tuple(stored), *later) else "though the cache kept the first"
-        raise CheckFailure("A fixed cache's second update should return the keys and values stored at the first "
-                           f"(the encoder's memory does not change), whatever it is given; it returned others, {kept}.")
+        if _same(tuple(stored), *later):
+            raise CheckFailure(t("A fixed cache's second update should return the keys and values stored at the first "
+                                 "(the encoder's memory does not change), whatever it is given; it returned others, "
+                                 "and the cache now holds them."))
+        raise CheckFailure(t("A fixed cache's second update should return the keys and values stored at the first "
+                             "(the encoder's memory does not change), whatever it is given; it returned others, "
+                             "though the cache kept the first."))
 
 
 # -- exercise 2: one cached attention step ---------------------------------------------------
@@ -452,26 +502,27 @@ def _step_variants(module: _Attention, x: Tensor, cached: int) -> dict[str, Tens
         }
 
 
-STEP_HINTS = {
-    "first rows": "Your mask hides the cached keys from the new queries: it is the *first* `new` rows of the causal "
-                  "mask (a triangle aligned to the first key, as torch.ones(new, total).tril() gives). The new "
-                  "queries are the last `new` positions: align the triangle to the last key, "
-                  ".tril(diagonal=total - new), so that new query i reads keys 0 ... cached + i.",
-    "no mask": "Your output ignores the causal mask: the new positions of one call must not read each other's "
-               "future (a (new, total) mask, True on and below the diagonal aligned to the last key).",
-    "new keys only": "Your new queries read only the new keys: attend over every key and value the cache returns "
-                     "(what cache.append gives back), not only the ones you just projected.",
-    "new keys only, no mask": "Your new queries read only the new keys, without a mask: attend over every key and "
-                              "value the cache returns, under the causal mask.",
-    "no w_o": "You return the concatenated heads without the output projection: apply attention.w_o.",
+STEP_HINTS = {  # mistake -> hint, shown with tr()
+    "first rows": marked("Your mask hides the cached keys from the new queries: it is the *first* `new` rows of the "
+                         "causal mask (a triangle aligned to the first key, as torch.ones(new, total).tril() gives). "
+                         "The new queries are the last `new` positions: align the triangle to the last key, "
+                         ".tril(diagonal=total - new), so that new query i reads keys 0 ... cached + i."),
+    "no mask": marked("Your output ignores the causal mask: the new positions of one call must not read each other's "
+                      "future (a (new, total) mask, True on and below the diagonal aligned to the last key)."),
+    "new keys only": marked("Your new queries read only the new keys: attend over every key and value the cache "
+                            "returns (what cache.append gives back), not only the ones you just projected."),
+    "new keys only, no mask": marked("Your new queries read only the new keys, without a mask: attend over every key "
+                                     "and value the cache returns, under the causal mask."),
+    "no w_o": marked("You return the concatenated heads without the output projection: apply attention.w_o."),
 }
 
 
-def _step_error_hint(message: str) -> str:
-    """What an error raised inside the step says for itself: tril refuses a tensor of fewer than two axes."""
-    if "tril: input tensor must have at least 2 dimensions" in message:
-        return ("The tensor your step passed to tril has fewer than two axes: the causal mask is (new, total), "
-                "torch.ones(new, total, dtype=torch.bool).tril(diagonal=total - new), both sizes passed.")
+def _step_error_hint(raised: str) -> str:
+    """What an error raised inside the step (``raised``: see :func:`_raised`) says for itself: tril refuses a tensor
+    of fewer than two axes."""
+    if "tril: input tensor must have at least 2 dimensions" in raised:
+        return t("The tensor your step passed to tril has fewer than two axes: the causal mask is (new, total), "
+                 "torch.ones(new, total, dtype=torch.bool).tril(diagonal=total - new), both sizes passed.")
     return ""
 
 
@@ -488,10 +539,10 @@ def _heads_for_positions(fn: Callable[..., Any], cache_cls: Callable[..., Any], 
         return ""
     if type(got) is not Tensor or not close(got, expected[:, :heads], dtype):
         return ""
-    return (f"With a prefill of {heads} positions, as many as heads, your step gives the right output, and with "
-            f"{s['prefill']} it does not: a size that your step uses for the positions (new or total, for the mask "
-            f"say) is read from the heads axis, dim=-3 of q or k (batch, heads, seq, d_head), not from the sequence "
-            "axis, dim=-2.")
+    return t("With a prefill of {heads} positions, as many as heads, your step gives the right output, and with "
+             "{prefill} it does not: a size that your step uses for the positions (new or total, for the mask "
+             "say) is read from the heads axis, dim=-3 of q or k (batch, heads, seq, d_head), not from the sequence "
+             "axis, dim=-2.", heads=heads, prefill=s["prefill"])
 
 
 @check
@@ -510,50 +561,53 @@ def check_cached_attention(functions: tuple[Callable[..., Any], Callable[..., An
     cached = 0
     for length in _schedule(s):
         new = length - cached
-        what = ("the prefill (empty cache, " if cached == 0 else f"a step with {cached} cached positions (") + \
-            f"{new} new)"
+        if cached == 0:
+            what = t("the prefill (empty cache, {new} new)", new=new)
+        else:
+            what = t("a step with {cached} cached positions ({new} new)", cached=cached, new=new)
         try:
             got = call(fn, module, x[:, :length], cache)
         except CheckFailure as failure:
-            hint = _step_error_hint(str(failure))
+            hint = _step_error_hint(_raised(failure))
             if not hint and cached == 0:
                 hint = _heads_for_positions(fn, cache_cls, s, dtype, seed)
-            raise CheckFailure(_sentence(f"{failure} (during {what}; if the error comes from cache.append, your "
-                                         "KVCache of exercise 1 needs fixing first)", hint)) from None
+            raise CheckFailure(_sentence(t("{failure} (during {what}; if the error comes from cache.append, your "
+                                           "KVCache of exercise 1 needs fixing first)", failure=failure, what=what),
+                                         hint)) from None
         if type(got) is Tensor and got.dim() == 3 and got.shape[::2] == (b, d_model) and got.shape[1] != new:
             held = call(_length, cache)
-            raise CheckFailure(
-                f"For {what} your step returned {got.shape[1]} positions, and len(cache) is {held} after it "
-                f"(it was {cached}). The new positions are the {new} of x after the {cached} cached ones: "
-                "x[:, len(cache):], taken before appending; return one output row for each of them.")
-        got = expect_tensor(got, f"the output for {what}", (b, new, d_model), "batch new d_model", dtype)
+            raise CheckFailure(t(
+                "For {what} your step returned {returned} positions, and len(cache) is {held} after it "
+                "(it was {cached}). The new positions are the {new} of x after the {cached} cached ones: "
+                "x[:, len(cache):], taken before appending; return one output row for each of them.", what=what,
+                returned=got.shape[1], held=held, cached=cached, new=new))
+        got = expect_tensor(got, t("the output for {what}", what=what), (b, new, d_model), "batch new d_model", dtype)
         want = expected[:, cached:length]
         if not close(got, want, dtype):
             variants = _step_variants(module, x[:, :length], cached)
-            hint = next((STEP_HINTS[name] for name, value in variants.items() if close(got, value, dtype)),
+            hint = next((tr(STEP_HINTS[name]) for name, value in variants.items() if close(got, value, dtype)),
                         (cached == 0 and _heads_for_positions(fn, cache_cls, s, dtype, seed)) or
-                        "Project x[:, len(cache):] with w_q, w_k and w_v, split the heads, append k and v to the "
-                        "cache, attend with the keys and values it returns under a (new, total) causal mask "
-                        "aligned to the last key, merge the heads and apply w_o.")
-            raise CheckFailure(
-                f"For {what}, your output differs from the same positions of one causal pass of "
-                f"torch.nn.MultiheadAttention over the whole sequence ("
-                f"{difference(got, want, dict(batch=b, heads=module.heads, d_model=d_model, cached=cached, new=new))}"
-                f"). {hint}"
-            )
+                        t("Project x[:, len(cache):] with w_q, w_k and w_v, split the heads, append k and v to the "
+                          "cache, attend with the keys and values it returns under a (new, total) causal mask "
+                          "aligned to the last key, merge the heads and apply w_o."))
+            sizes = dict(batch=b, heads=module.heads, d_model=d_model, cached=cached, new=new)
+            raise CheckFailure(t(
+                "For {what}, your output differs from the same positions of one causal pass of "
+                "torch.nn.MultiheadAttention over the whole sequence ({difference}). {hint}", what=what,
+                difference=difference(got, want, sizes), hint=hint))
         cached = length
     keys, values = call(_contents, cache)
     heads, d_head = module.heads, d_model // module.heads
-    for name, t in (("keys", keys), ("values", values)):
-        if type(t) is not Tensor or tuple(t.shape) != (b, heads, cached, d_head):
-            shape = tuple(t.shape) if type(t) is Tensor else kind(t)
-            raise CheckFailure(
-                f"After decoding {cached} positions the cache's {name} should have shape (batch={b}, heads={heads}, "
-                f"cached={cached}, d_head={d_head}), got {shape}: append each call's new keys and values (split into "
-                "heads) once."
-            )
-    passed(f"prefill of {s['prefill']}, {s['steps']} single steps and a step of two equal one causal pass of "
-           f"torch.nn.MultiheadAttention; the cache holds every position once ({dtype_name(dtype)})")
+    for name, tensor in ((t("keys"), keys), (t("values"), values)):
+        if type(tensor) is not Tensor or tuple(tensor.shape) != (b, heads, cached, d_head):
+            shape = tuple(tensor.shape) if type(tensor) is Tensor else kind(tensor)
+            raise CheckFailure(t(
+                "After decoding {cached} positions the cache's {name} should have shape (batch={b}, heads={heads}, "
+                "cached={cached}, d_head={d_head}), got {shape}: append each call's new keys and values (split into "
+                "heads) once.", cached=cached, name=name, b=b, heads=heads, d_head=d_head, shape=shape))
+    passed(t("prefill of {prefill}, {steps} single steps and a step of two equal one causal pass of "
+             "torch.nn.MultiheadAttention; the cache holds every position once ({dtype})", prefill=s["prefill"],
+             steps=s["steps"], dtype=dtype_name(dtype)))
 
 
 @check
@@ -573,19 +627,20 @@ def check_projects_new_only(functions: tuple[Callable[..., Any], Callable[..., A
             if rows.get(name) == b * new:
                 continue
             if rows.get(name) == b * length:
-                raise CheckFailure(
-                    f"With {cached} cached positions and {new} new, {name} projected all {length} positions of each "
-                    f"sequence ({rows[name]} rows for a batch of {b}): your step re-projects the whole prefix every "
-                    f"time, so its cost grows with the length, which is what the cache is there to avoid. The "
-                    f"values may be right, but project only the new positions, x[:, len(cache):], and take the "
-                    f"earlier keys and values from the cache."
-                )
-            raise CheckFailure(f"With {cached} cached positions and {new} new, {name} projected {rows.get(name)} rows "
-                               f"for a batch of {b}; it should project the {new} new position(s) of each sequence "
-                               f"once: {b * new} rows.")
+                raise CheckFailure(t(
+                    "With {cached} cached positions and {new} new, {name} projected all {length} positions of each "
+                    "sequence ({rows} rows for a batch of {batch}): your step re-projects the whole prefix every "
+                    "time, so its cost grows with the length, which is what the cache is there to avoid. The "
+                    "values may be right, but project only the new positions, x[:, len(cache):], and take the "
+                    "earlier keys and values from the cache.", cached=cached, new=new, name=name, length=length,
+                    rows=rows[name], batch=b))
+            raise CheckFailure(t("With {cached} cached positions and {new} new, {name} projected {rows} rows "
+                                 "for a batch of {batch}; it should project the {new} new position(s) of each sequence "
+                                 "once: {expected} rows.", cached=cached, new=new, name=name, rows=rows.get(name),
+                                 batch=b, expected=b * new))
         cached = length
-    passed(f"every call projects only its new positions ({s['prefill']} for the prefill, then 1 per step, then 2): "
-           "the prefix is never projected again")
+    passed(t("every call projects only its new positions ({prefill} for the prefill, then 1 per step, then 2): "
+             "the prefix is never projected again", prefill=s["prefill"]))
 
 
 # -- exercise 3: predict, then measure -------------------------------------------------------
@@ -624,14 +679,15 @@ def _measured_cache_bytes(layers: int, heads: int, kv_heads: int, d_head: int, l
     return sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
 
 
-FORMULA_MISTAKES = [  # (hint, what the mistaken formula gives, from the right one and the case)
-    ("That is half: the factor 2 counts the keys *and* the values.", lambda right, c: right // 2),
-    ("That is one sequence's cache: every sequence of the batch keeps its own, so multiply by batch.",
+FORMULA_MISTAKES = [  # (hint, shown with tr(); what the mistaken formula gives, from the right one and the case)
+    (marked("That is half: the factor 2 counts the keys *and* the values."), lambda right, c: right // 2),
+    (marked("That is one sequence's cache: every sequence of the batch keeps its own, so multiply by batch."),
      lambda right, c: right // c["batch"]),
-    ("That is one layer's cache: every decoder layer keeps its own, so multiply by layers.",
+    (marked("That is one layer's cache: every decoder layer keeps its own, so multiply by layers."),
      lambda right, c: right // c["layers"]),
-    ("Count bytes, not bits: bytes_per_element is already in bytes (4 for float32).", lambda right, c: right * 8),
-    ("That counts numbers, not bytes: multiply by bytes_per_element.",
+    (marked("Count bytes, not bits: bytes_per_element is already in bytes (4 for float32)."),
+     lambda right, c: right * 8),
+    (marked("That counts numbers, not bytes: multiply by bytes_per_element."),
      lambda right, c: right // c["bytes_per_element"]),
 ]
 
@@ -646,17 +702,21 @@ def _divided_by(results: list[tuple[Any, ...]]) -> list[str]:
                    for case, _, _, got, measured in results)]
 
 
-def _not_int_hint(results: list[tuple[Any, ...]]) -> str:
-    """Why a formula gave a float: a size it divides by (when one alone explains every case), or only the type."""
+def _not_int_message(results: list[tuple[Any, ...]], got: str) -> str:
+    """A formula gave ``got`` (a kind), not an int; why: a size it divides by (when one alone explains every case),
+    or only the type."""
     divided = _divided_by(results)
     if len(divided) == 1:
-        case, _, _, got, measured = results[0]
-        return (f" ({got:g} for {case}, where the caches hold {measured:,} bytes, which is {divided[0]}² = "
-                f"{case[divided[0]] ** 2} times more). Your formula divides by {divided[0]} where it should multiply: "
-                "every size is a factor, 2 * layers * kv_heads * d_head * length * batch * bytes_per_element.")
-    if all(type(got) is float and got == measured for _, _, _, got, measured in results):
-        return ": its values equal the bytes measured; return an int (multiply ints, or int(...) at the end)."
-    return "."
+        case, _, _, value, measured = results[0]
+        return t("cache_bytes should return a Python int (a number of bytes), got {got} ({value:g} for {case}, where "
+                 "the caches hold {measured:,} bytes, which is {size}² = {square} times more). Your formula divides "
+                 "by {size} where it should multiply: every size is a factor, 2 * layers * kv_heads * d_head * "
+                 "length * batch * bytes_per_element.", got=got, value=value, case=case, measured=measured,
+                 size=divided[0], square=case[divided[0]] ** 2)
+    if all(type(value) is float and value == measured for _, _, _, value, measured in results):
+        return t("cache_bytes should return a Python int (a number of bytes), got {got}: its values equal the bytes "
+                 "measured; return an int (multiply ints, or int(...) at the end).", got=got)
+    return t("cache_bytes should return a Python int (a number of bytes), got {got}.", got=got)
 
 
 @check
@@ -682,23 +742,23 @@ def check_cache_formula(fn: Callable[..., Any], seed: int = 0) -> None:
         results.append((case, heads, dtype, got, measured))
     not_int = next((r for r in results if type(r[3]) is not int), None)
     if not_int is not None:
-        raise CheckFailure(f"cache_bytes should return a Python int (a number of bytes), got {kind(not_int[3])}"
-                           f"{_not_int_hint(results)}")
+        raise CheckFailure(_not_int_message(results, kind(not_int[3])))
     wrong = [r for r in results if r[3] != r[4]]
     if not wrong:
-        passed("the formula 2 · layers · kv_heads · d_head · length · batch · bytes per element equals the measured "
-               "bytes of the caches (float32, float64, bfloat16; MHA, GQA, MQA)")
+        passed(t("the formula 2 · layers · kv_heads · d_head · length · batch · bytes per element equals the "
+                 "measured bytes of the caches (float32, float64, bfloat16; MHA, GQA, MQA)"))
         return
     # The mistake that explains every case, not only the first (a batch of 2 alone looks like a missing 2).
-    hint = next((h for h, mistaken in FORMULA_MISTAKES if all(got == mistaken(measured, case)
-                                                              for case, _, _, got, measured in results)),
-                "Each layer keeps keys and values of (batch, kv_heads, length, d_head): multiply it all out.")
+    hint = next((tr(h) for h, mistaken in FORMULA_MISTAKES if all(got == mistaken(measured, case)
+                                                                  for case, _, _, got, measured in results)),
+                t("Each layer keeps keys and values of (batch, kv_heads, length, d_head): multiply it all out."))
     case, heads, dtype, got, measured = wrong[0]
-    raise CheckFailure(
-        f"For {case} you predicted {got:,} bytes; a model with {case['layers']} decoder layer(s), {heads} heads and "
-        f"{case['kv_heads']} key/value heads that decoded {case['length']} tokens for a batch of {case['batch']} in "
-        f"{dtype_name(dtype)} holds {measured:,} bytes of self-attention keys and values. {hint}"
-    )
+    raise CheckFailure(t(
+        "For {case} you predicted {got:,} bytes; a model with {layers} decoder layer(s), {heads} heads and "
+        "{kv_heads} key/value heads that decoded {length} tokens for a batch of {batch} in {dtype} holds "
+        "{measured:,} bytes of self-attention keys and values. {hint}", case=case, got=got, layers=case["layers"],
+        heads=heads, kv_heads=case["kv_heads"], length=case["length"], batch=case["batch"], dtype=dtype_name(dtype),
+        measured=measured, hint=hint))
 
 
 # -- exercise 4: reading a paged cache -------------------------------------------------------
@@ -728,26 +788,32 @@ def check_gather_blocks(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtyp
              (1, s["prefill"])]  # one position per block
     for i, (block_size, length) in enumerate(cases):
         pool, table, expected = _paged_case(s, block_size, length, dtype, seed + 31 * i)
-        what = f"block_size={block_size}, length={length}, block table {table.tolist()}"
+        what = t("block_size={block_size}, length={length}, block table {table}", block_size=block_size,
+                 length=length, table=table.tolist())
         got = call(fn, pool, table, length)
         if type(got) is Tensor and got.dim() == 3 and got.shape[1] == table.numel() * block_size \
                 and got.shape[1] != length:
-            raise CheckFailure(
-                f"For {what} you returned {got.shape[1]} positions, every slot of the table's blocks; the sequence "
-                f"has {length}. The last block is only partly filled: keep the first `length` positions."
-            )
+            raise CheckFailure(t(
+                "For {what} you returned {returned} positions, every slot of the table's blocks; the sequence "
+                "has {length}. The last block is only partly filled: keep the first `length` positions.", what=what,
+                returned=got.shape[1], length=length))
         if type(got) is Tensor and got.dim() == 3 and got.shape[::2] == (kv, d_head) and got.shape[1] != length \
                 and torch.equal(got[:, :min(length, got.shape[1])], expected[:, :got.shape[1]]):
             extra = got.shape[1] - length
-            count = f"{abs(extra)} too many" if extra > 0 else f"{-extra} too few"
-            if abs(extra) == 1:
-                count = "one more than the sequence's length" if extra > 0 else "one fewer than the sequence's length"
-            raise CheckFailure(
-                f"For {what} you returned {got.shape[1]} positions, {count}; the ones you returned are the "
-                "sequence's first positions, in order. Keep exactly the first `length` positions: [:, :length]."
-            )
-        got = expect_tensor(got, f"the gathered keys for {what}", (kv, length, d_head), "kv_heads length d_head",
-                            dtype)
+            if extra == 1:
+                count = t("one more than the sequence's length")
+            elif extra == -1:
+                count = t("one fewer than the sequence's length")
+            elif extra > 0:
+                count = t("{extra} too many", extra=extra)
+            else:
+                count = t("{missing} too few", missing=-extra)
+            raise CheckFailure(t(
+                "For {what} you returned {returned} positions, {count}; the ones you returned are the "
+                "sequence's first positions, in order. Keep exactly the first `length` positions: [:, :length].",
+                what=what, returned=got.shape[1], count=count))
+        got = expect_tensor(got, t("the gathered keys for {what}", what=what), (kv, length, d_head),
+                            "kv_heads length d_head", dtype)
         if torch.equal(got, expected):
             continue
         used = pool[table]
@@ -755,17 +821,18 @@ def check_gather_blocks(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtyp
         in_pool_order = rearrange(pool[table.sort().values], "used kv_heads slot d_head -> kv_heads (used slot) d_head")
         first_blocks = rearrange(pool[: table.numel()], "used kv_heads slot d_head -> kv_heads (used slot) d_head")
         if torch.equal(got, interleaved):
-            hint = ("You laid the positions out as (slot used): slot 0 of every block, then slot 1, ... Position p "
-                    "is slot p % block_size of the table's block p // block_size, so the blocks go outermost: "
-                    "'used kv_heads slot d_head -> kv_heads (used slot) d_head'.")
+            hint = t("You laid the positions out as (slot used): slot 0 of every block, then slot 1, ... Position p "
+                     "is slot p % block_size of the table's block p // block_size, so the blocks go outermost: "
+                     "'used kv_heads slot d_head -> kv_heads (used slot) d_head'.")
         elif torch.equal(got, in_pool_order[:, :length]):
-            hint = ("You read the blocks in the pool's order; a sequence's blocks can be anywhere in the pool, in "
-                    "any order: read them in the block table's order, pool[table].")
+            hint = t("You read the blocks in the pool's order; a sequence's blocks can be anywhere in the pool, in "
+                     "any order: read them in the block table's order, pool[table].")
         elif torch.equal(got, first_blocks[:, :length]):
-            hint = "You read the pool's first blocks; read the ones the block table lists: pool[table]."
+            hint = t("You read the pool's first blocks; read the ones the block table lists: pool[table].")
         else:
-            hint = ("Take pool[table] (the sequence's blocks in order), put the slots of each block after each "
-                    "other along the sequence, and keep the first `length` positions.")
-        raise CheckFailure(f"For {what}, your gathered keys are not the sequence's positions in order. {hint}")
-    passed(f"gather_blocks reads the blocks in the table's order, slots within blocks, and stops at the sequence's "
-           f"length ({dtype_name(dtype)})")
+            hint = t("Take pool[table] (the sequence's blocks in order), put the slots of each block after each "
+                     "other along the sequence, and keep the first `length` positions.")
+        raise CheckFailure(t("For {what}, your gathered keys are not the sequence's positions in order. {hint}",
+                             what=what, hint=hint))
+    passed(t("gather_blocks reads the blocks in the table's order, slots within blocks, and stops at the sequence's "
+             "length ({dtype})", dtype=dtype_name(dtype)))

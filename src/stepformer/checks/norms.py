@@ -28,6 +28,7 @@ from stepformer.checks._core import (
     passed,
     show,
 )
+from stepformer.checks._messages import marked, t, tr
 from stepformer.checks._modules import parameters_of as _parameters
 from stepformer.checks._modules import set_training as _set_training
 from stepformer.checks._noise import binomial_bounds, dropped_count_problem
@@ -36,13 +37,13 @@ from stepformer.checks.attention import _first_line
 AXES = ("batch", "seq", "d_model")
 # What exercises 1-3 ask students to write themselves (and to use in their Residual).
 BUILT_IN_NORMS = {
-    "torch.nn.functional.layer_norm": "PyTorch's layer norm",
-    "torch.layer_norm": "PyTorch's layer norm",
-    "torch.native_layer_norm": "PyTorch's layer norm",
-    "torch.nn.LayerNorm": "PyTorch's LayerNorm module",
-    "torch.nn.functional.rms_norm": "PyTorch's RMS norm",
-    "torch.rms_norm": "PyTorch's RMS norm",
-    "torch.nn.RMSNorm": "PyTorch's RMSNorm module",
+    "torch.nn.functional.layer_norm": marked("PyTorch's layer norm"),
+    "torch.layer_norm": marked("PyTorch's layer norm"),
+    "torch.native_layer_norm": marked("PyTorch's layer norm"),
+    "torch.nn.LayerNorm": marked("PyTorch's LayerNorm module"),
+    "torch.nn.functional.rms_norm": marked("PyTorch's RMS norm"),
+    "torch.rms_norm": marked("PyTorch's RMS norm"),
+    "torch.nn.RMSNorm": marked("PyTorch's RMSNorm module"),
 }
 # The residual's checks forbid the functions only: the own-work scan matches names, and a
 # Residual that builds the student's own `LayerNorm` while `nn` is imported would read as
@@ -126,16 +127,17 @@ class _Identity(nn.Module):
 # -- inputs and oracles ------------------------------------------------------------------------
 
 CASES = (
-    # (label, scale, offset): the last three are where a formula that is "nearly right" breaks.
-    ("random inputs", 1.0, 0.0),
-    ("inputs of tiny variance (x · 1e-3, where eps matters)", 1e-3, 0.0),
-    ("inputs with a large mean (x + 100)", 1.0, 100.0),
-    ("inputs of large scale (x · 1e3)", 1e3, 0.0),
+    # (label, scale, offset): the last three are where a formula that is "nearly right" breaks. Labels are shown
+    # through tr().
+    (marked("random inputs"), 1.0, 0.0),
+    (marked("inputs of tiny variance (x · 1e-3, where eps matters)"), 1e-3, 0.0),
+    (marked("inputs with a large mean (x + 100)"), 1.0, 100.0),
+    (marked("inputs of large scale (x · 1e3)"), 1e3, 0.0),
 )
 
 
 # Only float64 can hold x + 1e6 finely enough; there E[x²] - E[x]² loses about 4 of its 16 digits.
-HUGE_MEAN = ("inputs with a huge mean (x + 1e6)", 1.0, 1e6)
+HUGE_MEAN = (marked("inputs with a huge mean (x + 1e6)"), 1.0, 1e6)
 # eps values far from the defaults, on inputs whose variance (1e-6) is far below them: the result is eps's.
 CUSTOM_EPS = {"LayerNorm": 1e-2, "RMSNorm": 1e-3}
 
@@ -153,8 +155,8 @@ def _leading_axes(seed: int, dtype: torch.dtype) -> list[tuple[str, Float[Tensor
     extra = next(n for n in (3, 4, 6, 7, 2) if n not in (s["batch"], s["seq"]))
     g = torch.Generator().manual_seed(seed + 4)
     four = torch.randn(extra, s["batch"], s["seq"], s["d_model"], generator=g, dtype=dtype)
-    return [("a 2-D input (seq, d_model)", x[0]), ("a 4-D input (heads, batch, seq, d_model)", four),
-            ("batch=1", x[:1])]
+    return [(t("a 2-D input (seq, d_model)"), x[0]), (t("a 4-D input (heads, batch, seq, d_model)"), four),
+            (t("batch=1"), x[:1])]
 
 
 def _axes(x: Tensor) -> tuple[str, ...]:
@@ -176,10 +178,26 @@ def _affine(seed: int, d_model: int, dtype: torch.dtype) -> tuple[Tensor, Tensor
 @jaxtyped(typechecker=beartype)
 def _over_axes(x: Float[Tensor, "*batch d_model"],
                normalise: Callable[[int], Tensor]) -> dict[str, Float[Tensor, "*batch d_model"]]:
-    """One variant per leading axis: the statistics taken over that axis instead of d_model."""
+    """One variant per leading axis, keyed by the axis's name: the statistics taken over that axis instead of
+    d_model."""
     names = _axes(x)[:-1]
-    return {f"You normalised over the {name} axis: {{norm}} normalises each position over d_model (the last axis).":
-            normalise(dim) for dim, name in enumerate(names) if x.shape[dim] > 1}
+    return {name: normalise(dim) for dim, name in enumerate(names) if x.shape[dim] > 1}
+
+
+def _over_axes_hints(x: Tensor, normalise: Callable[[int], Tensor], norm: str) -> dict[str, Tensor]:
+    return {t("You normalised over the {axis} axis: {norm} normalises each position over d_model (the last axis).",
+              axis=axis, norm=norm): value for axis, value in _over_axes(x, normalise).items()}
+
+
+def _ignored_eps(name: str, eps: float, default: float) -> str:
+    return t("You ignored the eps argument: {name}(d_model, eps={eps}) must use eps={eps}, not the default "
+             "{default}. Store it (self.eps = eps) and use it in forward.", name=name, eps=eps, default=default)
+
+
+# The LayerNorm slips of eps that inputs of tiny variance confirm (see _confirm_eps).
+EPS_OUTSIDE = marked("Your epsilon is outside the square root: divide by sqrt(variance + eps), not sqrt(variance) + "
+                     "eps.")
+EPS_LEFT_OUT = marked("You left out epsilon: divide by sqrt(variance + eps) (eps defaults to 1e-5).")
 
 
 def _layer_norm_variants(x: Tensor, weight: Tensor, bias: Tensor, eps: float = LAYER_NORM_EPS) -> dict[str, Tensor]:
@@ -194,46 +212,44 @@ def _layer_norm_variants(x: Tensor, weight: Tensor, bias: Tensor, eps: float = L
     var, mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
     centred = x - mean
     variants = {
-        "You used the unbiased variance (dividing by d_model - 1, torch.var's default): LayerNorm divides "
-        "by d_model (unbiased=False / correction=0).":
+        t("You used the unbiased variance (dividing by d_model - 1, torch.var's default): LayerNorm divides "
+          "by d_model (unbiased=False / correction=0)."):
             centred / torch.sqrt(x.var(-1, keepdim=True, correction=1) + eps) * weight + bias,
-        "Your epsilon is outside the square root: divide by sqrt(variance + eps), not sqrt(variance) + eps.":
-            centred / (torch.sqrt(var) + eps) * weight + bias,
-        "You left out epsilon: divide by sqrt(variance + eps) (eps defaults to 1e-5).":
-            centred / torch.sqrt(var) * weight + bias,
+        tr(EPS_OUTSIDE): centred / (torch.sqrt(var) + eps) * weight + bias,
+        tr(EPS_LEFT_OUT): centred / torch.sqrt(var) * weight + bias,
     }
     if eps != LAYER_NORM_EPS:
-        variants[f"You ignored the eps argument: LayerNorm(d_model, eps={eps}) must use eps={eps}, not the default "
-                 f"{LAYER_NORM_EPS}. Store it (self.eps = eps) and use it in forward."] = (
+        variants[_ignored_eps("LayerNorm", eps, LAYER_NORM_EPS)] = (
             centred / torch.sqrt(var + LAYER_NORM_EPS) * weight + bias)
-    variants |= {hint.format(norm="LayerNorm"): value for hint, value in _over_axes(x, over).items()}
+    variants |= _over_axes_hints(x, over, "LayerNorm")
     normalised = centred / torch.sqrt(var + eps)
     summed = x - x.sum(-1, keepdim=True)  # the "mean" taken as a sum
     added = x + mean
     return variants | {
-        "You did not subtract the mean: that is RMSNorm; LayerNorm centres first.":
+        t("You did not subtract the mean: that is RMSNorm; LayerNorm centres first."):
             x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps) * weight + bias,
-        "You added the bias before multiplying by the weight: it is normalised · weight + bias.":
+        t("You added the bias before multiplying by the weight: it is normalised · weight + bias."):
             (normalised + bias) * weight,
-        "You left out the learned weight and bias: multiply by self.weight, then add self.bias.": normalised,
-        "You left out the learned weight: multiply by self.weight before adding self.bias.": normalised + bias,
-        "You left out the learned bias: add self.bias after multiplying by self.weight.": normalised * weight,
-        "You subtracted the bias: add self.bias (normalised · weight + bias).": normalised * weight - bias,
-        "You divided by the weight: multiply by self.weight (normalised · weight + bias).": normalised / weight + bias,
-        "Your mean is a sum: reduce x with 'mean' (divide the sum by d_model), not 'sum'.":
+        t("You left out the learned weight and bias: multiply by self.weight, then add self.bias."): normalised,
+        t("You left out the learned weight: multiply by self.weight before adding self.bias."): normalised + bias,
+        t("You left out the learned bias: add self.bias after multiplying by self.weight."): normalised * weight,
+        t("You subtracted the bias: add self.bias (normalised · weight + bias)."): normalised * weight - bias,
+        t("You divided by the weight: multiply by self.weight (normalised · weight + bias)."):
+            normalised / weight + bias,
+        t("Your mean is a sum: reduce x with 'mean' (divide the sum by d_model), not 'sum'."):
             summed / torch.sqrt((summed**2).mean(-1, keepdim=True) + eps) * weight + bias,
-        "Your variance is a sum of squared deviations: average them (reduce with 'mean', not 'sum').":
+        t("Your variance is a sum of squared deviations: average them (reduce with 'mean', not 'sum')."):
             centred / torch.sqrt((centred**2).sum(-1, keepdim=True) + eps) * weight + bias,
-        "You added the mean instead of subtracting it: centre with x - mean.":
+        t("You added the mean instead of subtracting it: centre with x - mean."):
             added / torch.sqrt((added**2).mean(-1, keepdim=True) + eps) * weight + bias,
-        "You did not divide by the standard deviation: divide x - mean by sqrt(variance + eps).":
+        t("You did not divide by the standard deviation: divide x - mean by sqrt(variance + eps)."):
             centred * weight + bias,
-        "You multiplied by sqrt(variance + eps) instead of dividing by it.":
+        t("You multiplied by sqrt(variance + eps) instead of dividing by it."):
             centred * torch.sqrt(var + eps) * weight + bias,
-        "You divided by the variance, not by its square root: divide by sqrt(variance + eps).":
+        t("You divided by the variance, not by its square root: divide by sqrt(variance + eps)."):
             centred / (var + eps) * weight + bias,
-        "Your variance is the mean of the cubed deviations, negative at some positions (NaN there): square them, "
-        "reduce((x - mean)**2, '... d_model -> ... 1', 'mean').":
+        t("Your variance is the mean of the cubed deviations, negative at some positions (NaN there): square them, "
+          "reduce((x - mean)**2, '... d_model -> ... 1', 'mean')."):
             centred / torch.sqrt((centred**3).mean(-1, keepdim=True) + eps) * weight + bias,
     }
 
@@ -247,32 +263,30 @@ def _rms_norm_variants(x: Tensor, weight: Tensor, eps: float = RMS_NORM_EPS) -> 
 
     var, mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
     variants = {
-        "You subtracted the mean: RMSNorm divides x itself by its root mean square, without centring.":
+        t("You subtracted the mean: RMSNorm divides x itself by its root mean square, without centring."):
             (x - mean) / torch.sqrt(var + eps) * weight,
-        "Your epsilon is outside the square root: divide by sqrt(mean(x²) + eps), not sqrt(mean(x²)) + eps.":
+        t("Your epsilon is outside the square root: divide by sqrt(mean(x²) + eps), not sqrt(mean(x²)) + eps."):
             x / (torch.sqrt(mean_square) + eps) * weight,
-        "You left out epsilon: divide by sqrt(mean(x²) + eps) (eps defaults to 1e-6).":
+        t("You left out epsilon: divide by sqrt(mean(x²) + eps) (eps defaults to 1e-6)."):
             x / torch.sqrt(mean_square) * weight,
     }
     if eps == RMS_NORM_EPS:
-        variants["Your epsilon is 1e-5: RMSNorm's default here is 1e-6, as in the signature."] = (
+        variants[t("Your epsilon is 1e-5: RMSNorm's default here is 1e-6, as in the signature.")] = (
             x / torch.sqrt(mean_square + 1e-5) * weight)
     else:
-        variants[f"You ignored the eps argument: RMSNorm(d_model, eps={eps}) must use eps={eps}, not the default "
-                 f"{RMS_NORM_EPS}. Store it (self.eps = eps) and use it in forward."] = (
-            x / torch.sqrt(mean_square + RMS_NORM_EPS) * weight)
-    variants["You divided by the mean square, not by its square root."] = x / (mean_square + eps) * weight
-    variants |= {hint.format(norm="RMSNorm"): value for hint, value in _over_axes(x, over).items()}
-    variants["You left out the learned weight: multiply by self.weight."] = x / torch.sqrt(mean_square + eps)
+        variants[_ignored_eps("RMSNorm", eps, RMS_NORM_EPS)] = x / torch.sqrt(mean_square + RMS_NORM_EPS) * weight
+    variants[t("You divided by the mean square, not by its square root.")] = x / (mean_square + eps) * weight
+    variants |= _over_axes_hints(x, over, "RMSNorm")
+    variants[t("You left out the learned weight: multiply by self.weight.")] = x / torch.sqrt(mean_square + eps)
     variants |= {
-        "You divided by the weight: multiply by self.weight.": x / torch.sqrt(mean_square + eps) / weight,
-        "Your mean square is a sum: reduce x² with 'mean' (divide the sum by d_model), not 'sum'.":
+        t("You divided by the weight: multiply by self.weight."): x / torch.sqrt(mean_square + eps) / weight,
+        t("Your mean square is a sum: reduce x² with 'mean' (divide the sum by d_model), not 'sum'."):
             x / torch.sqrt((x**2).sum(-1, keepdim=True) + eps) * weight,
-        "You did not divide by the root mean square: divide x by sqrt(mean(x²) + eps).": x * weight,
-        "You multiplied by sqrt(mean(x²) + eps) instead of dividing by it.":
+        t("You did not divide by the root mean square: divide x by sqrt(mean(x²) + eps)."): x * weight,
+        t("You multiplied by sqrt(mean(x²) + eps) instead of dividing by it."):
             x * torch.sqrt(mean_square + eps) * weight,
-        "Your mean square is the mean of x cubed, negative at some positions (NaN there): square x, "
-        "reduce(x**2, '... d_model -> ... 1', 'mean').":
+        t("Your mean square is the mean of x cubed, negative at some positions (NaN there): square x, "
+          "reduce(x**2, '... d_model -> ... 1', 'mean')."):
             x / torch.sqrt((x**3).mean(-1, keepdim=True) + eps) * weight,
     }
     return variants
@@ -289,7 +303,7 @@ def _diagnose(got: Tensor, variants: dict[str, Tensor], tolerance: float, fallba
         if _same_nans(got, expected, max(tolerance, 1e-6)):
             return hint
     if torch.isnan(got).any() or torch.isinf(got).any():
-        return "Your output contains NaN or inf: is eps added inside the square root?"
+        return t("Your output contains NaN or inf: is eps added inside the square root?")
     return fallback
 
 
@@ -301,17 +315,21 @@ def _check_parameters(cls: Any, d_model: int, expected: dict[str, float], name: 
     params = call(_parameters, module)
     if type(params) is not dict or sorted(params) != sorted(expected):
         found = sorted(params) if type(params) is dict else kind(params)
-        raise CheckFailure(
-            f"{name}({d_model}) should have the parameters {sorted(expected)} (nn.Parameter, named as in "
-            f"torch.nn.{name}), got {found}. Store them as self.weight{' and self.bias' if 'bias' in expected else ''}."
-        )
+        if "bias" in expected:
+            raise CheckFailure(t("{name}({d_model}) should have the parameters {expected} (nn.Parameter, named as in "
+                                 "torch.nn.{name}), got {found}. Store them as self.weight and self.bias.",
+                                 name=name, d_model=d_model, expected=sorted(expected), found=found))
+        raise CheckFailure(t("{name}({d_model}) should have the parameters {expected} (nn.Parameter, named as in "
+                             "torch.nn.{name}), got {found}. Store them as self.weight.",
+                             name=name, d_model=d_model, expected=sorted(expected), found=found))
     for param, fill in expected.items():
         value = expect_tensor(params[param], f"{name}.{param}", (d_model,), "d_model", torch.float32)
         if not torch.equal(value, torch.full_like(value, fill)):
-            raise CheckFailure(
-                f"{name}.{param} should start as {'ones' if fill else 'zeros'} (torch.{'ones' if fill else 'zeros'}"
-                f"(d_model)), so that a fresh layer only normalises; got {show(value)}."
-            )
+            if fill:
+                raise CheckFailure(t("{name}.{param} should start as ones (torch.ones(d_model)), so that a fresh layer "
+                                     "only normalises; got {got}.", name=name, param=param, got=show(value)))
+            raise CheckFailure(t("{name}.{param} should start as zeros (torch.zeros(d_model)), so that a fresh layer "
+                                 "only normalises; got {got}.", name=name, param=param, got=show(value)))
     call(_load, module, {k: v.detach().clone() for k, v in oracle.state_dict().items()})
     return module
 
@@ -321,7 +339,7 @@ def check_layer_norm_parameters(cls: Any, seed: int = 0) -> None:
     """LayerNorm(d_model) has `weight` (ones) and `bias` (zeros), and loads torch.nn.LayerNorm's state dict."""
     d_model = _sizes(seed)["d_model"]
     _check_parameters(cls, d_model, {"weight": 1.0, "bias": 0.0}, "LayerNorm", nn.LayerNorm(d_model))
-    passed("parameters `weight` and `bias` of shape (d_model,), initialised like torch.nn.LayerNorm")
+    passed(t("parameters `weight` and `bias` of shape (d_model,), initialised like torch.nn.LayerNorm"))
 
 
 def _load_random(cls: Any, seed: int, dtype: torch.dtype, with_bias: bool) -> tuple[Any, Tensor, Tensor]:
@@ -365,6 +383,31 @@ def _misplaced_rms_norm(x: Tensor, weight: Tensor, eps: float) -> dict[str, Tens
     return {"mean square": x / torch.sqrt(_statistic(x**2, True) + eps) * weight}
 
 
+# What a norm with a misplaced statistic (the keys of _misplaced_layer_norm and _misplaced_rms_norm) is told.
+MISPLACED = {
+    "mean": marked(
+        "On an input of shape {shape}, where every axis is d_model long, your {name} runs and equals the {name} whose "
+        "mean has its axis of size 1 in front, (1, batch, seq), instead of last, (batch, seq, 1): so placed, it "
+        "broadcasts against the wrong axes of x. Keep the reduced axis last: the pattern '... d_model -> ... 1' (or "
+        "dim=-1 with keepdim=True)."),
+    "variance": marked(
+        "On an input of shape {shape}, where every axis is d_model long, your {name} runs and equals the {name} whose "
+        "variance has its axis of size 1 in front, (1, batch, seq), instead of last, (batch, seq, 1): so placed, it "
+        "broadcasts against the wrong axes of x. Keep the reduced axis last: the pattern '... d_model -> ... 1' (or "
+        "dim=-1 with keepdim=True)."),
+    "mean and variance": marked(
+        "On an input of shape {shape}, where every axis is d_model long, your {name} runs and equals the {name} whose "
+        "mean and variance have their axis of size 1 in front, (1, batch, seq), instead of last, (batch, seq, 1): so "
+        "placed, it broadcasts against the wrong axes of x. Keep the reduced axis last: the pattern '... d_model -> "
+        "... 1' (or dim=-1 with keepdim=True)."),
+    "mean square": marked(
+        "On an input of shape {shape}, where every axis is d_model long, your {name} runs and equals the {name} whose "
+        "mean square has its axis of size 1 in front, (1, batch, seq), instead of last, (batch, seq, 1): so placed, "
+        "it broadcasts against the wrong axes of x. Keep the reduced axis last: the pattern '... d_model -> ... 1' "
+        "(or dim=-1 with keepdim=True)."),
+}
+
+
 def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CodeRaised,
                      misplaced: Callable[[Tensor], dict[str, Tensor]] | None) -> str | None:
     """After the norm raised on a (batch, seq, d_model) input: a cause confirmed by running it again, or None.
@@ -386,11 +429,13 @@ def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CodeRaised,
         same = [p for p, value in params.items() if type(value) is Tensor and value.shape == returned.shape
                 and torch.equal(returned, value)]
         if len(same) == 1:
-            return (f"Your forward returns self.{same[0]} itself, shape {tuple(returned.shape)}: the normalised x "
-                    f"is missing from what it returns (x's shape {tuple(x.shape)} must be kept).")
+            return t("Your forward returns self.{param} itself, shape {shape}: the normalised x is missing from what "
+                     "it returns (x's shape {x_shape} must be kept).", param=same[0], shape=tuple(returned.shape),
+                     x_shape=tuple(x.shape))
         if returned.shape == other.shape and torch.equal(returned, other):
-            return (f"Your forward returns the same tensor of shape {tuple(returned.shape)} whatever x is: x is "
-                    f"missing from what it returns (an output of x's shape, {tuple(x.shape)}, normalised).")
+            return t("Your forward returns the same tensor of shape {shape} whatever x is: x is missing from what it "
+                     "returns (an output of x's shape, {x_shape}, normalised).", shape=tuple(returned.shape),
+                     x_shape=tuple(x.shape))
         return None
     if misplaced is None or failure.error != "RuntimeError":
         return None
@@ -405,11 +450,7 @@ def _crash_diagnosis(module: Any, x: Tensor, name: str, failure: CodeRaised,
     matches = [what for what, value in misplaced(cube).items() if _near(got, value, max(_tolerance(x.dtype), 1e-6))]
     if len(matches) != 1:
         return None
-    has = "have their" if " and " in matches[0] else "has its"
-    return (f"On an input of shape {tuple(cube.shape)}, where every axis is d_model long, your {name} runs and "
-            f"equals the {name} whose {matches[0]} {has} axis of size 1 in front, (1, batch, seq), instead of "
-            "last, (batch, seq, 1): so placed, it broadcasts against the wrong axes of x. Keep the reduced axis "
-            "last: the pattern '... d_model -> ... 1' (or dim=-1 with keepdim=True).")
+    return tr(MISPLACED[matches[0]], shape=tuple(cube.shape), name=name)
 
 
 def _norm_output(module: Any, x: Tensor, name: str, label: str,
@@ -425,25 +466,28 @@ def _norm_output(module: Any, x: Tensor, name: str, label: str,
             hint = _crash_diagnosis(module, x, name, failure, misplaced)
             if hint is None:
                 raise
-            raise CheckFailure(f"{_first_line(failure)} {hint}") from None
-        raise CheckFailure(
-            f"On {label} your {name} raised: {_first_line(failure)} A norm acts on the last axis whatever "
+            raise CheckFailure(t("{failure} {hint}", failure=_first_line(failure), hint=hint)) from None
+        raise CheckFailure(t(
+            "On {label} your {name} raised: {failure} A norm acts on the last axis whatever "
             "the leading axes are (*batch: none, one, or several): take the statistics over dim=-1 (or with "
-            "einops' '... d_model -> ... 1'), never over a fixed axis number or a pattern with named leading axes."
-        ) from None
-    return expect_tensor(got, f"{name}'s output on {label}", tuple(x.shape), " ".join(_axes(x)), x.dtype)
+            "einops' '... d_model -> ... 1'), never over a fixed axis number or a pattern with named leading axes.",
+            label=label, name=name, failure=_first_line(failure))) from None
+    return expect_tensor(got, t("{name}'s output on {label}", name=name, label=label), tuple(x.shape),
+                         " ".join(_axes(x)), x.dtype)
 
 
 def _confirm_eps(module: Any, seed: int, dtype: torch.dtype, hint: str,
-                 variants: Callable[[Tensor], dict[str, Tensor]], name: str, statistic: str) -> str:
-    """An eps slip named on inputs where eps hardly matters, confirmed on inputs of tiny variance, where it does:
-    the same variant must match there too (a subtracted eps, say, is near "no eps" only where eps is negligible)."""
+                 variants: Callable[[Tensor], dict[str, Tensor]], name: str) -> str:
+    """An eps slip of a LayerNorm named on inputs where eps hardly matters, confirmed on inputs of tiny variance,
+    where it does: the same variant must match there too (a subtracted eps, say, is near "no eps" only where eps is
+    negligible)."""
     label, scale, offset = CASES[1]
+    label = tr(label)
     tiny = _input(seed, dtype, scale, offset)
     if _diagnose(_norm_output(module, tiny, name, label), variants(tiny), _tolerance(dtype), "") == hint:
         return hint
-    return (f"Here your output is within rounding of a {name} whose eps is left out or misplaced, but on {label} it "
-            f"is not: look at how eps enters the square root, sqrt({statistic} + eps).")
+    return t("Here your output is within rounding of a {name} whose eps is left out or misplaced, but on {label} it "
+             "is not: look at how eps enters the square root, sqrt(variance + eps).", name=name, label=label)
 
 
 def _compare_norm(name: str, label: str, got: Tensor, expected: Tensor, variants: dict[str, Tensor],
@@ -451,8 +495,12 @@ def _compare_norm(name: str, label: str, got: Tensor, expected: Tensor, variants
     if _near(got, expected, tolerance):
         return
     hint = _diagnose(got, variants, tolerance, fallback)
-    raise CheckFailure(f"With {label}, your {name} differs from torch.nn.functional.{FUNCTIONAL[name]} "
-                       f"({difference(got, expected, _sizes_of(x))}). {hint}")
+    raise CheckFailure(_differs(label, name, difference(got, expected, _sizes_of(x)), hint))
+
+
+def _differs(label: str, name: str, found: str, hint: str) -> str:
+    return t("With {label}, your {name} differs from torch.nn.functional.{function} ({found}). {hint}",
+             label=label, name=name, function=FUNCTIONAL[name], found=found, hint=hint)
 
 
 @check(forbid=BUILT_IN_NORMS)
@@ -461,36 +509,37 @@ def check_layer_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.
     with any leading axes and with another eps."""
     module, weight, bias = _load_random(cls, seed, dtype, with_bias=True)
     d_model = _sizes(seed)["d_model"]
-    fallback = "Compare with (x - mean) / sqrt(variance + eps) · weight + bias, over d_model."
+    fallback = t("Compare with (x - mean) / sqrt(variance + eps) · weight + bias, over d_model.")
     cases = [*CASES, HUGE_MEAN] if dtype == torch.float64 else CASES
-    samples = [(label, _input(seed, dtype, scale, offset), offset) for label, scale, offset in cases]
-    samples += [(label, x, 0.0) for label, x in _leading_axes(seed, dtype)]
-    for label, x, offset in samples:
+    # (label, input, offset, whether eps matters there: the inputs of tiny variance)
+    samples = [(tr(label), _input(seed, dtype, scale, offset), offset, label == CASES[1][0])
+               for label, scale, offset in cases]
+    samples += [(label, x, 0.0, False) for label, x in _leading_axes(seed, dtype)]
+    for label, x, offset, tiny in samples:
         got = _norm_output(module, x, "LayerNorm", label,
                            lambda cube: _misplaced_layer_norm(cube, weight, bias, LAYER_NORM_EPS))
         expected = F.layer_norm(x, (d_model,), weight, bias, eps=LAYER_NORM_EPS)
         tolerance = _tolerance(dtype, offset)
         if not _near(got, expected, tolerance):
             hint = _diagnose(got, _layer_norm_variants(x, weight, bias), tolerance, fallback)
-            if "psilon" in hint and label != CASES[1][0]:
-                hint = _confirm_eps(module, seed, dtype, hint, lambda t: _layer_norm_variants(t, weight, bias),
-                                    "LayerNorm", "variance")
+            if hint in (tr(EPS_OUTSIDE), tr(EPS_LEFT_OUT)) and not tiny:
+                hint = _confirm_eps(module, seed, dtype, hint,
+                                    lambda tiny_x: _layer_norm_variants(tiny_x, weight, bias), "LayerNorm")
             if offset and hint == fallback:
-                hint = ("Only inputs with a large mean go wrong: compute the variance from the centred values, "
-                        "mean((x - mean)²), not as mean(x²) - mean²: the subtraction of two large numbers "
-                        "loses the digits that matter.")
-            raise CheckFailure(f"With {label}, your LayerNorm differs from torch.nn.functional.layer_norm "
-                               f"({difference(got, expected, _sizes_of(x))}). {hint}")
+                hint = t("Only inputs with a large mean go wrong: compute the variance from the centred values, "
+                         "mean((x - mean)²), not as mean(x²) - mean²: the subtraction of two large numbers "
+                         "loses the digits that matter.")
+            raise CheckFailure(_differs(label, "LayerNorm", difference(got, expected, _sizes_of(x)), hint))
     eps = CUSTOM_EPS["LayerNorm"]
     custom = call(cls, d_model, eps=eps)
     call(_load, custom, {"weight": weight, "bias": bias})
-    label = f"eps={eps} on inputs of tiny variance (x · 1e-3)"
+    label = t("eps={eps} on inputs of tiny variance (x · 1e-3)", eps=eps)
     x = _input(seed, dtype, 1e-3)
     _compare_norm("LayerNorm", label, _norm_output(custom, x, "LayerNorm", label),
                   F.layer_norm(x, (d_model,), weight, bias, eps=eps), _layer_norm_variants(x, weight, bias, eps),
                   _tolerance(dtype), fallback, x)
-    passed(f"equal to torch.nn.functional.layer_norm, offset and large inputs, any leading axes and another eps "
-           f"included ({dtype_name(dtype)})")
+    passed(t("equal to torch.nn.functional.layer_norm, offset and large inputs, any leading axes and another eps "
+             "included ({dtype})", dtype=dtype_name(dtype)))
 
 
 @check(forbid=BUILT_IN_NORMS)
@@ -502,7 +551,7 @@ def check_layer_norm_gradients(cls: Any, seed: int = 0) -> None:
     oracle = nn.LayerNorm(d_model, eps=LAYER_NORM_EPS, dtype=dtype)
     oracle.load_state_dict({"weight": weight, "bias": bias})
     _compare_gradients(module, oracle, seed, "LayerNorm", ("x", "weight", "bias"))
-    passed("gradients with respect to x, weight and bias equal torch.nn.LayerNorm's")
+    passed(t("gradients with respect to x, weight and bias equal torch.nn.LayerNorm's"))
 
 
 def _compare_gradients(module: Any, oracle: nn.Module, seed: int, name: str, wanted: tuple[str, ...]) -> None:
@@ -510,7 +559,8 @@ def _compare_gradients(module: Any, oracle: nn.Module, seed: int, name: str, wan
     upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64)
     result = call(_forward_backward, module, x, upstream)
     if not isinstance(result, tuple) or len(result) != 2 or type(result[1]) is not dict:
-        raise CheckFailure(f"Could not run a backward pass through your {name}: got {kind(result)}.")
+        raise CheckFailure(t("Could not run a backward pass through your {name}: got {got}.", name=name,
+                             got=kind(result)))
     output, grads = result
     x_ref = x.clone().requires_grad_()
     reference_output = oracle(x_ref)
@@ -519,23 +569,22 @@ def _compare_gradients(module: Any, oracle: nn.Module, seed: int, name: str, wan
     if not isinstance(output, Tensor) or not _near(output, reference_output.detach(), 1e-8):
         # A gradient is only worth comparing once the output is right; never call a wrong output right.
         found = difference(output, reference_output.detach(), sizes) if isinstance(output, Tensor) else kind(output)
-        raise CheckFailure(
-            f"Your {name}'s output differs from torch.nn.{name}'s in float64 ({found}), so its gradients cannot be "
-            "right either: make the values check pass first; it names the likely mistake."
-        )
+        raise CheckFailure(t(
+            "Your {name}'s output differs from torch.nn.{name}'s in float64 ({found}), so its gradients cannot be "
+            "right either: make the values check pass first; it names the likely mistake.", name=name, found=found))
     for what, reference in zip(wanted, expected, strict=True):
         if what not in grads:
-            raise CheckFailure(
-                f"{name}'s output does not depend on {what}: is self.{what} used in forward, and is it an nn.Parameter?"
-            )
-        got = expect_tensor(grads[what], f"the gradient with respect to {what}", tuple(reference.shape),
+            raise CheckFailure(t(
+                "{name}'s output does not depend on {what}: is self.{what} used in forward, and is it an "
+                "nn.Parameter?", name=name, what=what))
+        got = expect_tensor(grads[what], t("the gradient with respect to {what}", what=what), tuple(reference.shape),
                             "batch seq d_model" if what == "x" else "d_model", torch.float64)
         if not _near(got, reference, 1e-8):
-            raise CheckFailure(
-                f"Your {name}'s output is right, but its gradient with respect to {what} is not "
-                f"({difference(got, reference, sizes)}). Does forward detach something (.detach(), .item(), "
-                ".data, torch.no_grad()) or compute a statistic outside autograd?"
-            )
+            raise CheckFailure(t(
+                "Your {name}'s output is right, but its gradient with respect to {what} is not "
+                "({found}). Does forward detach something (.detach(), .item(), "
+                ".data, torch.no_grad()) or compute a statistic outside autograd?", name=name, what=what,
+                found=difference(got, reference, sizes)))
 
 
 # -- exercise 2: RMSNorm -----------------------------------------------------------------------
@@ -547,8 +596,8 @@ def check_rms_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.fl
     d_model = _sizes(seed)["d_model"]
     _check_parameters(cls, d_model, {"weight": 1.0}, "RMSNorm", nn.RMSNorm(d_model, eps=RMS_NORM_EPS))
     module, weight, _ = _load_random(cls, seed, dtype, with_bias=False)
-    fallback = "Compare with x / sqrt(mean(x²) + eps) · weight, the mean taken over d_model."
-    samples = [(label, _input(seed, dtype, scale, offset)) for label, scale, offset in CASES]
+    fallback = t("Compare with x / sqrt(mean(x²) + eps) · weight, the mean taken over d_model.")
+    samples = [(tr(label), _input(seed, dtype, scale, offset)) for label, scale, offset in CASES]
     for label, x in [*samples, *_leading_axes(seed, dtype)]:
         got = _norm_output(module, x, "RMSNorm", label, lambda cube: _misplaced_rms_norm(cube, weight, RMS_NORM_EPS))
         _compare_norm("RMSNorm", label, got, F.rms_norm(x, (d_model,), weight, eps=RMS_NORM_EPS),
@@ -556,13 +605,13 @@ def check_rms_norm_values(cls: Any, seed: int = 0, dtype: torch.dtype = torch.fl
     eps = CUSTOM_EPS["RMSNorm"]
     custom = call(cls, d_model, eps=eps)
     call(_load, custom, {"weight": weight})
-    label = f"eps={eps} on inputs of tiny variance (x · 1e-3)"
+    label = t("eps={eps} on inputs of tiny variance (x · 1e-3)", eps=eps)
     x = _input(seed, dtype, 1e-3)
     _compare_norm("RMSNorm", label, _norm_output(custom, x, "RMSNorm", label),
                   F.rms_norm(x, (d_model,), weight, eps=eps), _rms_norm_variants(x, weight, eps), _tolerance(dtype),
                   fallback, x)
-    passed(f"equal to torch.nn.functional.rms_norm with a `weight` only, any leading axes and another eps included "
-           f"({dtype_name(dtype)})")
+    passed(t("equal to torch.nn.functional.rms_norm with a `weight` only, any leading axes and another eps included "
+             "({dtype})", dtype=dtype_name(dtype)))
 
 
 @check(forbid=BUILT_IN_NORMS)
@@ -573,7 +622,7 @@ def check_rms_norm_gradients(cls: Any, seed: int = 0) -> None:
     oracle = nn.RMSNorm(d_model, eps=RMS_NORM_EPS, dtype=torch.float64)
     oracle.load_state_dict({"weight": weight})
     _compare_gradients(module, oracle, seed, "RMSNorm", ("x", "weight"))
-    passed("gradients with respect to x and weight equal torch.nn.RMSNorm's")
+    passed(t("gradients with respect to x and weight equal torch.nn.RMSNorm's"))
 
 
 # -- exercise 3: the residual sublayer ---------------------------------------------------------
@@ -596,10 +645,9 @@ def _residual(cls: Any, seed: int, norm_first: bool, **kwargs: Any) -> tuple[Any
 
 def _put_norm(module: Any, norm: nn.Module) -> None:
     if call(_set_norm, module, norm) != "ok":
-        raise CheckFailure(
+        raise CheckFailure(t(
             "Residual should keep its LayerNorm in the attribute `norm` (self.norm = LayerNorm(d_model)), "
-            "as its docstring says; the check could not find it."
-        )
+            "as its docstring says; the check could not find it."))
 
 
 @check(forbid=NORM_FUNCTIONS)
@@ -610,52 +658,54 @@ def check_residual(cls: Any, norm_first: bool = False, seed: int = 0) -> None:
     weight, bias = _affine(seed, d_model, torch.float64)
     _put_norm(module, _ReferenceNorm(weight, bias))
     x = _input(seed, torch.float64)
-    got = expect_tensor(call(module, x), "Residual's output", tuple(x.shape), "batch seq d_model", torch.float64)
+    got = expect_tensor(call(module, x), t("Residual's output"), tuple(x.shape), "batch seq d_model", torch.float64)
 
-    def norm(t: Tensor) -> Tensor:
-        return F.layer_norm(t, (d_model,), weight, bias, eps=LAYER_NORM_EPS)
+    def norm(values: Tensor) -> Tensor:
+        return F.layer_norm(values, (d_model,), weight, bias, eps=LAYER_NORM_EPS)
 
     with torch.no_grad():
         post, pre = norm(x + sublayer(x)), x + sublayer(norm(x))
         expected = pre if norm_first else post
-        name = "pre-norm (norm_first=True)" if norm_first else "post-norm (norm_first=False)"
+        name = _branch_name(norm_first)
         if not _near(got, expected, 1e-10):
-            swapped = (
-                "You computed post-norm, norm(x + sublayer(x)): with norm_first=True it is x + sublayer(norm(x))."
-                if norm_first else
-                "You computed pre-norm, x + sublayer(norm(x)): with norm_first=False it is norm(x + sublayer(x))."
-            )
+            if norm_first:
+                swapped = t("You computed post-norm, norm(x + sublayer(x)): with norm_first=True it is "
+                            "x + sublayer(norm(x)). Are the two branches of `if self.norm_first` swapped?")
+            else:
+                swapped = t("You computed pre-norm, x + sublayer(norm(x)): with norm_first=False it is "
+                            "norm(x + sublayer(x)). Are the two branches of `if self.norm_first` swapped?")
             variants = {
-                swapped + " Are the two branches of `if self.norm_first` swapped?": post if norm_first else pre,
-                "You left out the residual: add x (the input itself) to the sublayer's output.":
+                swapped: post if norm_first else pre,
+                t("You left out the residual: add x (the input itself) to the sublayer's output."):
                     sublayer(norm(x)) if norm_first else norm(sublayer(x)),
-                "You added the normalised x: the residual path carries x itself, x + sublayer(norm(x)).":
+                t("You added the normalised x: the residual path carries x itself, x + sublayer(norm(x))."):
                     norm(x) + sublayer(norm(x)),
-                "You normalised the sublayer's output instead of its input: pre-norm is x + sublayer(norm(x)).":
-                    x + norm(sublayer(x)),
-                "You left out the norm: use self.norm.": x + sublayer(x),
-                "You subtracted the sublayer's output: the residual connection adds it to x.":
+            }
+            if norm_first:
+                variants[t("You normalised the sublayer's output instead of its input: pre-norm is "
+                           "x + sublayer(norm(x)).")] = x + norm(sublayer(x))
+            variants |= {
+                t("You left out the norm: use self.norm."): x + sublayer(x),
+                t("You subtracted the sublayer's output: the residual connection adds it to x."):
                     x - sublayer(norm(x)) if norm_first else norm(x - sublayer(x)),
             }
             if norm_first:
-                variants["Your pre-norm output is x itself: the sublayer's branch, dropout(sublayer(norm(x))), is "
-                         "missing from the sum."] = x
+                variants[t("Your pre-norm output is x itself: the sublayer's branch, dropout(sublayer(norm(x))), is "
+                           "missing from the sum.")] = x
             else:
-                variants["Your post-norm output is norm(x): the sublayer's output is missing from the sum inside "
-                         "the norm, norm(x + dropout(sublayer(x)))."] = norm(x)
-            if not norm_first:
-                variants["You normalised the sublayer's output instead of the sum: post-norm is "
-                         "norm(x + sublayer(x))."] = x + norm(sublayer(x))
-                del variants["You normalised the sublayer's output instead of its input: pre-norm is "
-                             "x + sublayer(norm(x))."]
+                variants[t("Your post-norm output is norm(x): the sublayer's output is missing from the sum inside "
+                           "the norm, norm(x + dropout(sublayer(x))).")] = norm(x)
+                variants[t("You normalised the sublayer's output instead of the sum: post-norm is "
+                           "norm(x + sublayer(x)).")] = x + norm(sublayer(x))
             hints = [h for h, v in variants.items() if _near(got, v, 1e-8)]
-            raise CheckFailure(
-                f"Your Residual's {name} output differs from the expected one "
-                f"({difference(got, expected, _sizes(seed))}). "
-                + (hints[0] if hints else "Compare with the formula in the docstring, step by step.")
-            )
-    passed(f"{'pre' if norm_first else 'post'}-norm: "
-           f"{'x + sublayer(norm(x))' if norm_first else 'norm(x + sublayer(x))'}")
+            hint = hints[0] if hints else t("Compare with the formula in the docstring, step by step.")
+            raise CheckFailure(t("Your Residual's {name} output differs from the expected one ({found}). {hint}",
+                                 name=name, found=difference(got, expected, _sizes(seed)), hint=hint))
+    passed(t("pre-norm: x + sublayer(norm(x))") if norm_first else t("post-norm: norm(x + sublayer(x))"))
+
+
+def _branch_name(norm_first: bool) -> str:
+    return t("pre-norm (norm_first=True)") if norm_first else t("post-norm (norm_first=False)")
 
 
 # Not 0.5: there nn.Dropout(1 - dropout) drops as often, and scales what it keeps as much, as nn.Dropout(dropout).
@@ -691,11 +741,12 @@ def _scale_hint(delta: Tensor, clean: Tensor, dropped: Tensor, p: float) -> str 
         count, n = int(dropped.sum()), dropped.numel()
         low, high = binomial_bounds(n, 1 - p)
         if low <= count <= high:  # the rate of 1 - p as well as its scale: nn.Dropout(1 - dropout), tested
-            return (f"the kept outputs are scaled by 1/{p} and {count} of {n} ({count / n:.0%}) were dropped: you "
-                    "dropped with probability 1 - p (nn.Dropout(1 - dropout)); nn.Dropout's p is the probability of "
-                    "dropping, so pass dropout itself.")
-    return (f"the kept outputs are scaled by {factor:.4g}, not by 1/(1 - p) = {1 / (1 - p):.4g}: look at the p "
-            "your nn.Dropout gets (the module's dropout, the probability of dropping).")
+            return t("the kept outputs are scaled by 1/{p} and {count} of {n} ({share:.0%}) were dropped: you "
+                     "dropped with probability 1 - p (nn.Dropout(1 - dropout)); nn.Dropout's p is the probability of "
+                     "dropping, so pass dropout itself.", p=p, count=count, n=n, share=count / n)
+    return t("the kept outputs are scaled by {factor:.4g}, not by 1/(1 - p) = {scale:.4g}: look at the p "
+             "your nn.Dropout gets (the module's dropout, the probability of dropping).", factor=factor,
+             scale=1 / (1 - p))
 
 
 @check(forbid=NORM_FUNCTIONS)
@@ -706,7 +757,7 @@ def check_residual_dropout(cls: Any, seed: int = 0) -> None:
     p = DROPOUT_P
     shares = []
     for norm_first in (False, True):
-        name = "pre-norm (norm_first=True)" if norm_first else "post-norm (norm_first=False)"
+        name = _branch_name(norm_first)
         module, sublayer = _residual(cls, seed, norm_first=norm_first, dropout=p)
         # With the norm made the identity, pre- and post-norm both read x + dropout(sublayer(x)):
         # what is measured here is where the dropout goes, whatever the order.
@@ -715,13 +766,13 @@ def check_residual_dropout(cls: Any, seed: int = 0) -> None:
         with torch.no_grad():
             clean = sublayer(x)
         call(_set_training, module, False)
-        got = expect_tensor(call(module, x), "Residual's output", tuple(x.shape), "batch seq d_model", torch.float64)
+        got = expect_tensor(call(module, x), t("Residual's output"), tuple(x.shape), "batch seq d_model",
+                            torch.float64)
         if not _near(got, x + clean, 1e-10):
-            raise CheckFailure(
-                f"In eval mode (module.eval()) dropout must do nothing, but your {name} output is not x + sublayer(x) "
-                f"with the norm taken out ({difference(got, x + clean, sizes)}). Use nn.Dropout (it switches off in "
-                "eval mode) rather than a hand-made mask."
-            )
+            raise CheckFailure(t(
+                "In eval mode (module.eval()) dropout must do nothing, but your {name} output is not x + sublayer(x) "
+                "with the norm taken out ({found}). Use nn.Dropout (it switches off in "
+                "eval mode) rather than a hand-made mask.", name=name, found=difference(got, x + clean, sizes)))
         # In training, on a batch of 16 sentences: the share dropped is then a count over 16 · seq · d_model entries,
         # narrow enough that a rate far from p shows (see DROPOUT_P).
         x = torch.randn(16, *x.shape[1:], generator=torch.Generator().manual_seed(seed + 9), dtype=torch.float64)
@@ -729,37 +780,39 @@ def check_residual_dropout(cls: Any, seed: int = 0) -> None:
             clean = sublayer(x)
         sizes = {**sizes, "batch": 16}
         call(_set_training, module, True)
-        got = expect_tensor(call(_seeded, module, x, seed + 6000 + norm_first), "Residual's output",
+        got = expect_tensor(call(_seeded, module, x, seed + 6000 + norm_first), t("Residual's output"),
                             tuple(x.shape), "batch seq d_model", torch.float64)
         delta = got - x
         dropped = delta.abs() <= 1e-12
         kept = (delta - clean / (1 - p)).abs() <= 1e-10  # nn.Dropout scales what it keeps by 1 / (1 - p)
         if _near(got, x + clean, 1e-10):
-            raise CheckFailure(
-                f"With dropout={p} in training mode your {name} output has no dropout at all (the norm taken out, "
-                f"it is x + sublayer(x); {difference(got, x + clean, sizes)}): store nn.Dropout(dropout) as "
-                "self.dropout and apply it to the sublayer's output, in both branches of `if self.norm_first`."
-            )
+            raise CheckFailure(t(
+                "With dropout={p} in training mode your {name} output has no dropout at all (the norm taken out, "
+                "it is x + sublayer(x); {found}): store nn.Dropout(dropout) as "
+                "self.dropout and apply it to the sublayer's output, in both branches of `if self.norm_first`.",
+                p=p, name=name, found=difference(got, x + clean, sizes)))
         if not (dropped | kept).all():
             hint = _scale_hint(delta, clean, dropped, p)
             if hint is not None:
-                raise CheckFailure(f"With dropout={p} in training mode, in {name}: {hint}")
+                raise CheckFailure(t("With dropout={p} in training mode, in {name}: {hint}", p=p, name=name,
+                                     hint=hint))
             worst = torch.minimum(delta.abs(), (delta - clean / (1 - p)).abs())
-            raise CheckFailure(
-                f"Dropout seems to hit more than the sublayer's output in {name}: each entry of output - x should be "
-                f"either 0 (dropped) or sublayer(x) / (1 - p) (kept, scaled by 1/(1-p) = {1 / (1 - p):.4g}); "
-                f"{difference(worst, torch.zeros_like(worst), sizes)} from the nearer of the two. Apply self.dropout "
-                "to the sublayer's output only, never to x or to the residual sum."
-            )
+            raise CheckFailure(t(
+                "Dropout seems to hit more than the sublayer's output in {name}: each entry of output - x should be "
+                "either 0 (dropped) or sublayer(x) / (1 - p) (kept, scaled by 1/(1-p) = {scale:.4g}); "
+                "{found} from the nearer of the two. Apply self.dropout "
+                "to the sublayer's output only, never to x or to the residual sum.", name=name, scale=1 / (1 - p),
+                found=difference(worst, torch.zeros_like(worst), sizes)))
         count, n = int(dropped.sum()), dropped.numel()
         shares.append(count / n)
         problem = dropped_count_problem(count, n, p)  # two comparisons per call
         if problem is not None:
-            raise CheckFailure(f"With dropout={p}, {count} of the sublayer's {n} outputs ({count / n:.0%}) were "
-                               f"dropped in {name} (sizes {', '.join(f'{a}={v}' for a, v in sizes.items())}); "
-                               f"{problem}")
-    passed(f"dropout hits the sublayer's output only ({shares[0]:.0%} and {shares[1]:.0%} dropped at p={p}, post- "
-           "and pre-norm), and only in training mode")
+            raise CheckFailure(t("With dropout={p}, {count} of the sublayer's {n} outputs ({share:.0%}) were "
+                                 "dropped in {name} (sizes {sizes}); {problem}", p=p, count=count, n=n,
+                                 share=count / n, name=name, sizes=", ".join(f"{a}={v}" for a, v in sizes.items()),
+                                 problem=problem))
+    passed(t("dropout hits the sublayer's output only ({post:.0%} and {pre:.0%} dropped at p={p}, post- "
+             "and pre-norm), and only in training mode", post=shares[0], pre=shares[1], p=p))
 
 
 # -- exercise 4: measure gradient norms per layer ----------------------------------------------
@@ -817,20 +870,20 @@ def _slicing_variants(per_block: list[list[Tensor]]) -> dict[str, Tensor]:
         return torch.stack(found)
 
     return {
-        "Each block's slice of the gradient list is shifted by one parameter: the running start index should "
-        "begin at 0.": norms(lambda i, start, n: (start + 1, start + 1 + n)),
-        "Each block's slice leaves out its first parameter: take grads[start:start + len(ps)].":
+        t("Each block's slice of the gradient list is shifted by one parameter: the running start index should "
+          "begin at 0."): norms(lambda i, start, n: (start + 1, start + 1 + n)),
+        t("Each block's slice leaves out its first parameter: take grads[start:start + len(ps)]."):
             norms(lambda i, start, n: (start + 1, start + n)),
-        "Each block's slice leaves out its last parameter: take grads[start:start + len(ps)].":
+        t("Each block's slice leaves out its last parameter: take grads[start:start + len(ps)]."):
             norms(lambda i, start, n: (start, start + n - 1)),
-        "Each block's slice takes one parameter of the next block too: take grads[start:start + len(ps)].":
+        t("Each block's slice takes one parameter of the next block too: take grads[start:start + len(ps)]."):
             norms(lambda i, start, n: (start, start + n + 1)),
-        "Each block's slice ends at len(ps) instead of start + len(ps).":
+        t("Each block's slice ends at len(ps) instead of start + len(ps)."):
             norms(lambda i, start, n: (start, n)),
-        "Each block's slice ends at start - len(ps) instead of start + len(ps).":
+        t("Each block's slice ends at start - len(ps) instead of start + len(ps)."):
             norms(lambda i, start, n: (start, start - n)),
-        "Your running start index goes down by each block's parameter count: after each block it should grow "
-        "(start += len(ps)).": norms(lambda i, start, n: (-start, -start + n)),
+        t("Your running start index goes down by each block's parameter count: after each block it should grow "
+          "(start += len(ps))."): norms(lambda i, start, n: (-start, -start + n)),
     }
 
 
@@ -843,25 +896,27 @@ def check_gradient_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
         blocks, x, upstream = _stack(seed, norm_first, depth)
         expected, per_block = _reference_gradient_norms(blocks, x, upstream)
         for attempt in ("first", "second"):
-            got = expect_tensor(call(fn, blocks, x, upstream), "the gradient norms", (depth,), "layer", torch.float64)
+            got = expect_tensor(call(fn, blocks, x, upstream), t("the gradient norms"), (depth,), "layer",
+                                torch.float64)
             if _near(got, expected, 1e-8):
                 continue
+            twice = t("Your second call gives twice the gradients: .grad accumulates across backward passes. Zero "
+                      "the gradients first (blocks.zero_grad()) or use torch.autograd.grad.")
             variants = {
-                "Your second call gives twice the gradients: .grad accumulates across backward passes. Zero "
-                "the gradients first (blocks.zero_grad()) or use torch.autograd.grad.": 2 * expected,
-                "You returned squared norms. The square root is missing: take the square root of the sum of "
-                "squares.": expected**2,
+                twice: 2 * expected,
+                t("You returned squared norms. The square root is missing: take the square root of the sum of "
+                  "squares."): expected**2,
                 **_slicing_variants(per_block),
-                "Entry i should belong to blocks[i]: the first block first.": expected.flip(0),
-                "Combine all parameters of a block into one norm, sqrt(Σ g²) over every entry, not the sum of "
-                "each parameter's norm.": torch.stack([sum(g.norm() for g in gs) for gs in per_block]),
-                "Use every parameter of the block (both Linear layers, weights and biases, and the norm).":
+                t("Entry i should belong to blocks[i]: the first block first."): expected.flip(0),
+                t("Combine all parameters of a block into one norm, sqrt(Σ g²) over every entry, not the sum of "
+                  "each parameter's norm."): torch.stack([sum(g.norm() for g in gs) for gs in per_block]),
+                t("Use every parameter of the block (both Linear layers, weights and biases, and the norm)."):
                     torch.stack([gs[0].norm() for gs in per_block]),
-                "You took the mean of each parameter's squared gradients instead of their sum: sqrt(Σ g²) adds "
-                "up every entry.": torch.stack([sum((g**2).mean() for g in gs).sqrt() for gs in per_block]),
-                "You took the mean of the block's per-parameter sums of squares instead of their sum: sqrt(Σ g²) "
-                "adds up every parameter's.": torch.stack([torch.stack([(g**2).sum() for g in gs]).mean().sqrt()
-                                                      for gs in per_block]),
+                t("You took the mean of each parameter's squared gradients instead of their sum: sqrt(Σ g²) adds "
+                  "up every entry."): torch.stack([sum((g**2).mean() for g in gs).sqrt() for gs in per_block]),
+                t("You took the mean of the block's per-parameter sums of squares instead of their sum: sqrt(Σ g²) "
+                  "adds up every parameter's."): torch.stack([torch.stack([(g**2).sum() for g in gs]).mean().sqrt()
+                                                             for gs in per_block]),
             }
             # A hint is given only when the output equals that one variant; every block's gradient is nonzero, so
             # none of them equals the right answer.
@@ -869,21 +924,35 @@ def check_gradient_measurement(fn: Callable[..., Any], seed: int = 0) -> None:
             if len(named) == 1:
                 hint = named[0]
             elif torch.equal(got, torch.zeros_like(got)):
-                hint = ("Every norm is 0, although every block's parameters get a nonzero gradient here: no gradient "
-                        "reached the sums of squares. Look at which gradients each block's sum keeps: its slice of "
-                        "the gradient list, and any test on the gradients.")
+                hint = t("Every norm is 0, although every block's parameters get a nonzero gradient here: no gradient "
+                         "reached the sums of squares. Look at which gradients each block's sum keeps: its slice of "
+                         "the gradient list, and any test on the gradients.")
             elif torch.isnan(got).any():
-                hint = ("Some norms are NaN, although a sum of squared gradients is never negative: look at what each "
-                        "block's square root is taken of.")
+                hint = t("Some norms are NaN, although a sum of squared gradients is never negative: look at what "
+                         "each block's square root is taken of.")
             else:
-                hint = ("Run x through the blocks in order, then take the gradient of (output · upstream).sum() "
-                        "with respect to each block's parameters.")
-            if attempt == "second" and "twice" not in hint:
-                hint = "Your first call was right but the second differs: does it depend on old .grad values? " + hint
+                hint = t("Run x through the blocks in order, then take the gradient of (output · upstream).sum() "
+                         "with respect to each block's parameters.")
+            # The doubled gradients are the one hint about the second call already.
+            if attempt == "second" and hint != twice:
+                hint = t("Your first call was right but the second differs: does it depend on old .grad values? "
+                         "{hint}", hint=hint)
             found = difference(got, expected, {"layer": depth, **_sizes(seed)})
-            raise CheckFailure(
-                f"On a {depth}-block {'pre' if norm_first else 'post'}-norm stack ({attempt} call), your gradient "
-                f"norms {show(got)} differ from {show(expected)} ({found}). {hint}"
-            )
+            raise CheckFailure(tr(GRADIENT_STACK[norm_first, attempt], depth=depth, got=show(got),
+                                  expected=show(expected), found=found, hint=hint))
         ratios[norm_first] = (got[0] / got[-1]).item()
-    passed(f"first/last gradient norm over {depth} blocks: post-norm {ratios[False]:.2f}, pre-norm {ratios[True]:.2f}")
+    passed(t("first/last gradient norm over {depth} blocks: post-norm {post:.2f}, pre-norm {pre:.2f}", depth=depth,
+             post=ratios[False], pre=ratios[True]))
+
+
+# What check_gradient_measurement says, by (norm_first, which call).
+GRADIENT_STACK = {
+    (False, "first"): marked("On a {depth}-block post-norm stack (first call), your gradient norms {got} differ from "
+                             "{expected} ({found}). {hint}"),
+    (False, "second"): marked("On a {depth}-block post-norm stack (second call), your gradient norms {got} differ "
+                              "from {expected} ({found}). {hint}"),
+    (True, "first"): marked("On a {depth}-block pre-norm stack (first call), your gradient norms {got} differ from "
+                            "{expected} ({found}). {hint}"),
+    (True, "second"): marked("On a {depth}-block pre-norm stack (second call), your gradient norms {got} differ "
+                             "from {expected} ({found}). {hint}"),
+}

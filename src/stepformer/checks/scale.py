@@ -25,6 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from stepformer.checks._core import (
     CheckFailure,
+    CodeRaised,
     call,
     check,
     close,
@@ -37,40 +38,58 @@ from stepformer.checks._core import (
     passed,
     raised_error,
 )
+from stepformer.checks._messages import marked, t, tr
 from stepformer.checks._modules import error_of as _error_of
 
 # Exercise 1 rebuilds the softmax, so PyTorch's own is off limits in it (comparing with it in a scratch cell is fine).
 BUILT_IN_SOFTMAX = {
-    "torch.softmax": "PyTorch's softmax",
-    "torch.nn.functional.softmax": "PyTorch's softmax",
-    "torch.special.softmax": "PyTorch's softmax",
-    "torch.log_softmax": "PyTorch's log-softmax",
-    "torch.nn.functional.log_softmax": "PyTorch's log-softmax",
-    "torch.special.log_softmax": "PyTorch's log-softmax",
+    "torch.softmax": marked("PyTorch's softmax"),
+    "torch.nn.functional.softmax": marked("PyTorch's softmax"),
+    "torch.special.softmax": marked("PyTorch's softmax"),
+    "torch.log_softmax": marked("PyTorch's log-softmax"),
+    "torch.nn.functional.log_softmax": marked("PyTorch's log-softmax"),
+    "torch.special.log_softmax": marked("PyTorch's log-softmax"),
 }
 # Exercise 2 is attention computed a tile at a time: PyTorch's fused attention would skip the point of it.
 BUILT_IN_TILE = {
-    "torch.nn.functional.scaled_dot_product_attention": "PyTorch's fused attention",
+    "torch.nn.functional.scaled_dot_product_attention": marked("PyTorch's fused attention"),
 }
 
 
 def _then(failure: CheckFailure, hint: str) -> str:
     """A failure's message and what a probe after it found (a hint that starts with a space), as sentences."""
     text = str(failure).rstrip()
-    return text + ("" if not hint or text.endswith((".", "!", "?")) else ".") + hint
+    if not hint or text.endswith(("。", "！", "？")):
+        return text + hint
+    if text.endswith((".", "!", "?")):  # a Chinese hint starts without the English one's space
+        return text + ("" if hint[:1].isspace() else " ") + hint
+    return t("{message}.{hint}", message=text, hint=hint)
 
 
-def _call_on_copies(fn: Callable[..., Any], args: tuple, names: tuple[str, ...], what: str) -> Any:
+def _raised_text(failure: CheckFailure) -> str:
+    """What the student's code raised, where ``failure`` reports that (the text is PyTorch's or the student's, in
+    either language of the checks); else the failure's own message."""
+    return failure.text if isinstance(failure, CodeRaised) else str(failure)
+
+
+def _call_on_copies(fn: Callable[..., Any], args: tuple, names: tuple[str, ...], what: str,
+                    probe: Callable[[CheckFailure], str] | None = None) -> Any:
     """``fn(*args)`` on copies of the tensors; fail if it wrote into any of them (``+=``, ``mul_``, an assignment into
-    ``x[...]``): the caller's tensors must stay as they were, and a call is recorded by what it was given."""
+    ``x[...]``): the caller's tensors must stay as they were, and a call is recorded by what it was given. Where the
+    call itself fails, ``probe(failure)`` (if given) adds what it finds to the failure's message."""
     copies = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
-    got = call(fn, *copies)
+    try:
+        got = call(fn, *copies)
+    except CheckFailure as failure:
+        if probe is None:
+            raise
+        raise CheckFailure(_then(failure, probe(failure))) from failure
     changed = [name for name, a, c in zip(names, args, copies, strict=True)
                if isinstance(a, Tensor) and not torch.equal(a, c)]
     if changed:
-        raise CheckFailure(f"{what} changed the tensors it was given ({', '.join(changed)}): an in-place operation "
-                           "(+=, mul_, masked_fill_, an assignment into x[...]) writes into the caller's tensors. "
-                           "Compute new tensors and return them.")
+        raise CheckFailure(t("{function} changed the tensors it was given ({changed}): an in-place operation "
+                             "(+=, mul_, masked_fill_, an assignment into x[...]) writes into the caller's tensors. "
+                             "Compute new tensors and return them.", function=what, changed=", ".join(changed)))
     return got
 
 
@@ -131,46 +150,50 @@ def _softmax_probe(fn: Callable[..., Any], failure: CheckFailure, n: int, dtype:
     blocks = sorted({1, 2, 3, n - 1, n, n + 3})
     ok = {block: works(row, block) for block in blocks}
     fine, broken = [b for b in blocks if ok[b]], [b for b in blocks if not ok[b]]
-    said = f" On one row of n = {n} scores, blocks of {broken} fail" + (f" and blocks of {fine} are right." if fine
-                                                                        else ".")
-    empty = "non-zero size" in str(failure) or "zero-size" in str(failure)
+    if fine:
+        said = t(" On one row of n = {n} scores, blocks of {broken} fail and blocks of {fine} are right.", n=n,
+                 broken=broken, fine=fine)
+    else:
+        said = t(" On one row of n = {n} scores, blocks of {broken} fail.", n=n, broken=broken)
+    error = _raised_text(failure)
+    empty = "non-zero size" in error or "zero-size" in error
     if broken and all(ok[b] == bool(n % b) for b in blocks):
-        return (said + " It fails exactly when block divides n: then your loop takes one block more, starting at n "
-                "itself, an empty block past the last score. The starts are range(0, n, block), which stops before "
-                "n.")
+        return said + t(" It fails exactly when block divides n: then your loop takes one block more, starting at n "
+                        "itself, an empty block past the last score. The starts are range(0, n, block), which stops "
+                        "before n.")
     if empty and fine and all(ok[b] == (b >= n) for b in blocks):
-        return (said + " With one block it is right, with several a later block of scores is empty (the maximum over "
-                "it raises): look at the slice of each block, scores[..., start : start + block].")
+        return said + t(" With one block it is right, with several a later block of scores is empty (the maximum "
+                        "over it raises): look at the slice of each block, scores[..., start : start + block].")
     if empty and not fine:
-        return (said + " With every block size a block of scores your loop takes is empty (the maximum over it "
-                "raises): look at the slice of each block, scores[..., start : start + block], and at the starts, "
-                "range(0, n, block).")
+        return said + t(" With every block size a block of scores your loop takes is empty (the maximum over it "
+                        "raises): look at the slice of each block, scores[..., start : start + block], and at the "
+                        "starts, range(0, n, block).")
     if fine == blocks:
         lead = [works(3 * torch.randn(*shape, n, generator=g, dtype=dtype), 2) for shape in ((4,), (4, 5))]
         if lead[0] and not lead[1]:
-            return (" One row (n,) and rows of shape (4, n) are right, rows of shape (4, 5, n) fail: your running "
-                    "state does not have one entry per row. The running maximum and sum have the shape of every "
-                    "axis but the last, scores.shape[:-1].")
+            return t(" One row (n,) and rows of shape (4, n) are right, rows of shape (4, 5, n) fail: your running "
+                     "state does not have one entry per row. The running maximum and sum have the shape of every "
+                     "axis but the last, scores.shape[:-1].")
     return ""
 
 
-NO_RESCALE = (
+NO_RESCALE = marked(
     "You added each block's Σ exp(score − new max) to the running sum without rescaling the old sum: its terms were "
     "taken relative to the old maximum, so when a block raises the maximum they are too large. Multiply the old sum "
     "by exp(old max − new max) first: l' = l · exp(m − m') + Σ exp(block − m')."
 )
-WRONG_SIGN = (
+WRONG_SIGN = marked(
     "You rescaled the running sum by exp(new max − old max) instead of exp(old max − new max): when a block raises "
     "the maximum, the old terms must shrink (the factor is at most 1), not grow."
 )
-WRONG_SIGN_NAN = (
+WRONG_SIGN_NAN = marked(
     "Your weights are {what} in rows that read some score, so the running sum went wrong before the end. The "
     "usual cause is the factor of the old sum with its sign swapped: you probably rescaled the running sum by "
     "exp(new max − old max) instead of exp(old max − new max). Before the first block the old maximum is -inf and "
     "the sum 0, so the right factor is exp(-inf) = 0, while the swapped one is exp(+inf) = inf, and 0 · inf is NaN "
     "(which a final torch.where(row_sum > 0, ...) turns into zeros)."
 )
-RESTART = (
+RESTART = marked(
     "Your running sum keeps only the last block's terms: carry the sum from block to block, l' = l · exp(m − m') + "
     "Σ exp(block − m'), starting from l = 0 before the first block."
 )
@@ -179,28 +202,28 @@ RESTART = (
 def _softmax_hint(got: Tensor, scores: Tensor, block: int, one_block_passed: bool) -> str:
     readable = (scores > -math.inf).any(dim=-1)
     if torch.isnan(got)[readable].any():
-        return WRONG_SIGN_NAN.format(what="NaN")
+        return tr(WRONG_SIGN_NAN, what="NaN")
     if (got == 0).all(dim=-1)[readable].any():
-        return WRONG_SIGN_NAN.format(what="all 0")
+        return tr(WRONG_SIGN_NAN, what=t("all 0"))
     for mistake, hint in (("no rescale", NO_RESCALE), ("wrong sign", WRONG_SIGN), ("restart", RESTART)):
         if close(got, _online_variant(scores, block, mistake).to(got.dtype), got.dtype):
-            return hint
+            return tr(hint)
     columns = scores.shape[-2] if scores.dim() > 1 else scores.shape[-1]
     if columns < scores.shape[-1] and close(got, _first_columns_softmax(scores, columns).to(got.dtype), got.dtype):
-        return (f"Your running maximum and sum cover only the first {columns} of the n = {scores.shape[-1]} columns, "
-                f"{columns} being the size of the second-to-last axis: the blocks run over the last axis, "
-                "range(0, scores.shape[-1], block).")
+        return t("Your running maximum and sum cover only the first {columns} of the n = {n} columns, "
+                 "{columns} being the size of the second-to-last axis: the blocks run over the last axis, "
+                 "range(0, scores.shape[-1], block).", columns=columns, n=scores.shape[-1])
     if scores.dim() > 1 and close(got, torch.softmax(scores.double(), dim=-2).to(got.dtype), got.dtype):
-        return "Your weights sum to 1 over the second-to-last axis: the softmax runs over the last axis, n."
+        return t("Your weights sum to 1 over the second-to-last axis: the softmax runs over the last axis, n.")
     sums = got.double().sum(dim=-1)
     if not torch.allclose(sums, torch.ones_like(sums), atol=1e-4):
-        return ("Your rows do not sum to 1: after the last block, divide exp(score − final max) by the final running "
-                "sum.")
+        return t("Your rows do not sum to 1: after the last block, divide exp(score − final max) by the final running "
+                 "sum.")
     if one_block_passed:
-        return ("With one block (block ≥ n) your weights are right, with several they are not: look at how the "
-                "running maximum and sum go from one block to the next, l' = l · exp(m − m') + Σ exp(block − m').")
-    return ("Keep a running maximum m (from -inf) and sum l (from 0); for each block m' = max(m, the block's "
-            "largest score), l' = l · exp(m − m') + Σ exp(block − m'); at the end, exp(score − m) / l.")
+        return t("With one block (block ≥ n) your weights are right, with several they are not: look at how the "
+                 "running maximum and sum go from one block to the next, l' = l · exp(m − m') + Σ exp(block − m').")
+    return t("Keep a running maximum m (from -inf) and sum l (from 0); for each block m' = max(m, the block's "
+             "largest score), l' = l · exp(m − m') + Σ exp(block − m'); at the end, exp(score − m) / l.")
 
 
 def _softmax_sizes(seed: int) -> tuple[int, list[int], int]:
@@ -217,16 +240,12 @@ def _softmax_sizes(seed: int) -> tuple[int, list[int], int]:
 def _expect_weights(got: Any, what: str, scores: Tensor) -> Tensor:
     shape = tuple(scores.shape)
     axes = " ".join([f"rows{i}" for i in range(len(shape) - 1)] + ["n"])
-    return expect_tensor(got, f"online_softmax's result for {what}", shape, axes, scores.dtype)
+    return expect_tensor(got, t("online_softmax's result for {what}", what=what), shape, axes, scores.dtype)
 
 
 def _weights(fn: Callable[..., Any], scores: Tensor, block: int, what: str) -> Tensor:
-    try:
-        got = _call_on_copies(fn, (scores, block), ("scores", "block"), "online_softmax")
-    except CheckFailure as failure:
-        if "changed the tensors" in str(failure):
-            raise
-        raise CheckFailure(_then(failure, _softmax_probe(fn, failure, scores.shape[-1], scores.dtype))) from failure
+    got = _call_on_copies(fn, (scores, block), ("scores", "block"), "online_softmax",
+                          lambda failure: _softmax_probe(fn, failure, scores.shape[-1], scores.dtype))
     return _expect_weights(got, what, scores)
 
 
@@ -241,30 +260,36 @@ def check_online_softmax_values(fn: Callable[..., Any], seed: int = 0, dtype: to
         return 3 * torch.randn(*shape, n, generator=g, dtype=dtype)  # spread 3: the maximum moves between blocks
 
     # One block first: a failure with several blocks then says that the single block was right.
-    cases = [(f"one block longer than the row (block = {n + 3}, n = {n})", draw(r1), n + 3),
-             (f"one block exactly the row (block = n = {n})", draw(r1, r2), n),
-             (f"blocks of 1, one score at a time (n = {n})", draw(r2), 1),
-             (f"blocks of {b}, which does not divide n = {n} (the last block is shorter)", draw(r1, r2, r3), b),
-             (f"a single row with no leading axis, blocks of 2 (n = {n})", draw(), 2)]
+    cases = [(t("one block longer than the row (block = {block}, n = {n})", block=n + 3, n=n), draw(r1), n + 3),
+             (t("one block exactly the row (block = n = {n})", n=n), draw(r1, r2), n),
+             (t("blocks of 1, one score at a time (n = {n})", n=n), draw(r2), 1),
+             (t("blocks of {block}, which does not divide n = {n} (the last block is shorter)", block=b, n=n),
+              draw(r1, r2, r3), b),
+             (t("a single row with no leading axis, blocks of 2 (n = {n})", n=n), draw(), 2)]
     one_block_passed = False
     for index, (what, scores, block) in enumerate(cases):
         got = _weights(fn, scores, block, what)
         expected = _softmax_oracle(scores).to(dtype)
         if not close(got, expected, dtype):
-            raise CheckFailure(
-                f"For {what}, scores of shape {tuple(scores.shape)} ({dtype_name(dtype)}), your weights differ from "
-                f"torch.softmax(scores, dim=-1) ({difference(got, expected)}). "
-                f"{_softmax_hint(got, scores, block, one_block_passed)}"
-            )
+            raise CheckFailure(t(
+                "For {what}, scores of shape {shape} ({dtype}), your weights differ from "
+                "torch.softmax(scores, dim=-1) ({difference}). {hint}", what=what, shape=tuple(scores.shape),
+                dtype=dtype_name(dtype), difference=difference(got, expected),
+                hint=_softmax_hint(got, scores, block, one_block_passed)))
         one_block_passed = one_block_passed or index < 2
     for block in (0, -2):
         error = call(_error_of, fn, cases[0][1], block)
+        if error is None:
+            raise CheckFailure(t("online_softmax(scores, block={block}) should raise a ValueError (a block holds at "
+                                 "least one column); it raised no error. Check block < 1 before the loop.",
+                                 block=block))
         if error != "ValueError":
-            got = "no error" if error is None else f"a {error}"
-            raise CheckFailure(f"online_softmax(scores, block={block}) should raise a ValueError (a block holds at "
-                               f"least one column); it raised {got}. Check block < 1 before the loop.")
-    passed(f"online_softmax equals torch.softmax for blocks of 1, of {b} (not dividing n = {n}), of n and beyond, "
-           f"with 0 to 3 leading axes; block < 1 raises ValueError ({dtype_name(dtype)})")
+            raise CheckFailure(t("online_softmax(scores, block={block}) should raise a ValueError (a block holds at "
+                                 "least one column); it raised a {error}. Check block < 1 before the loop.",
+                                 block=block, error=error))
+    passed(t("online_softmax equals torch.softmax for blocks of 1, of {block} (not dividing n = {n}), of n and beyond, "
+             "with 0 to 3 leading axes; block < 1 raises ValueError ({dtype})", block=b, n=n,
+             dtype=dtype_name(dtype)))
 
 
 def _masked_scores(seed: int, dtype: torch.dtype) -> tuple[Tensor, int, dict[str, tuple[int, ...]]]:
@@ -287,10 +312,10 @@ def check_online_softmax_masked(fn: Callable[..., Any], seed: int = 0, dtype: to
     its softmax."""
     scores, block, rows = _masked_scores(seed, dtype)
     blind = scores[rows["blind"]][None]
-    cases = ((f"scores of shape {tuple(scores.shape)} with -inf entries (masked keys), blocks of {block}, row "
-              f"{list(rows['blind'])} all -inf and row {list(rows['late'])} -inf in its whole first block", scores,
-              block),
-             ("one row of nothing but -inf, blocks of 1", blind, 1))
+    cases = ((t("scores of shape {shape} with -inf entries (masked keys), blocks of {block}, row {blind} all -inf "
+                "and row {late} -inf in its whole first block", shape=tuple(scores.shape), block=block,
+                blind=list(rows["blind"]), late=list(rows["late"])), scores, block),
+             (t("one row of nothing but -inf, blocks of 1"), blind, 1))
     for what, x, b in cases:
         got = _weights(fn, x, b, what)
         expected = _softmax_oracle(x).to(dtype)
@@ -303,22 +328,23 @@ def check_online_softmax_masked(fn: Callable[..., Any], seed: int = 0, dtype: to
         nan_rows = torch.isnan(got).any(dim=-1)
         bad_rows = nan_rows | (readable & (got == 0).all(dim=-1))  # a final torch.where may hide a NaN sum as zeros
         if (nan_rows & ~readable).any():
-            hint = ("A fully masked row (all scores -inf) must give zeros, as chapter 01's attention does; yours gives "
-                    "NaN. Its maximum stays -inf and its sum 0: exp(-inf − (-inf)) and 0 / 0 are both NaN. Subtract "
-                    "_shift(m) (0 where m is -inf) instead of m, and return zeros where the final sum is 0 "
-                    "(torch.where(row_sum > 0, ...)).")
+            hint = t("A fully masked row (all scores -inf) must give zeros, as chapter 01's attention does; yours "
+                     "gives NaN. Its maximum stays -inf and its sum 0: exp(-inf − (-inf)) and 0 / 0 are both NaN. "
+                     "Subtract _shift(m) (0 where m is -inf) instead of m, and return zeros where the final sum is 0 "
+                     "(torch.where(row_sum > 0, ...)).")
         elif (bad_rows & late).any() and not (bad_rows & readable & ~late).any():
-            hint = ("A row whose first block holds only -inf gives NaN (or zeros, where a final torch.where hides a "
-                    "NaN sum): after that block its maximum is still -inf, and exp(score − max) = exp(-inf − (-inf)) "
-                    "is NaN. Subtract _shift(m), which is 0 where m is -inf, instead of m.")
+            hint = t("A row whose first block holds only -inf gives NaN (or zeros, where a final torch.where hides a "
+                     "NaN sum): after that block its maximum is still -inf, and exp(score − max) = exp(-inf − "
+                     "(-inf)) is NaN. Subtract _shift(m), which is 0 where m is -inf, instead of m.")
         elif not bad_rows.any() and (got[x == -math.inf] != 0).any():
-            hint = "A masked score (-inf) must get weight exactly 0: exp(-inf − m) = 0."
+            hint = t("A masked score (-inf) must get weight exactly 0: exp(-inf − m) = 0.")
         else:
             hint = _softmax_hint(got, x, b, False)
-        raise CheckFailure(f"For {what} ({dtype_name(dtype)}), your weights differ from torch.softmax(scores, "
-                           f"dim=-1) with zeros for a fully masked row ({difference(got, expected)}). {hint}")
-    passed(f"online_softmax gives -inf scores weight 0, a fully masked row zeros (no NaN), and a row whose first "
-           f"block is all -inf its softmax ({dtype_name(dtype)})")
+        raise CheckFailure(t("For {what} ({dtype}), your weights differ from torch.softmax(scores, "
+                             "dim=-1) with zeros for a fully masked row ({difference}). {hint}", what=what,
+                             dtype=dtype_name(dtype), difference=difference(got, expected), hint=hint))
+    passed(t("online_softmax gives -inf scores weight 0, a fully masked row zeros (no NaN), and a row whose first "
+             "block is all -inf its softmax ({dtype})", dtype=dtype_name(dtype)))
 
 
 @check(forbid=BUILT_IN_SOFTMAX)
@@ -332,29 +358,33 @@ def check_online_softmax_overflow(fn: Callable[..., Any], seed: int = 0, dtype: 
     rising = 1000 + 5 * torch.randn(r1, r2, n, generator=g, dtype=dtype)
     rising[..., -1] = rising.amax(dim=-1) + 10
     rising[..., 0] = -math.inf
-    for what, scores in ((f"scores near +1000, blocks of {b}", high), (f"scores near -1000, blocks of {b}", low),
-                         (f"scores near +1000 with the largest in the last block and the first -inf, blocks of {b}",
-                          rising)):
+    for what, scores in ((t("scores near +1000, blocks of {block}", block=b), high),
+                         (t("scores near -1000, blocks of {block}", block=b), low),
+                         (t("scores near +1000 with the largest in the last block and the first -inf, blocks of "
+                            "{block}", block=b), rising)):
         got = _weights(fn, scores, b, what)
         expected = _softmax_oracle(scores).to(dtype)
         if close(got, expected, dtype):
             continue
         # softmax(s) = softmax(s - c): the same scores moved near 0 tell the size of the numbers from the method.
         near_zero = scores - scores.amax(dim=-1, keepdim=True).nan_to_num(neginf=0.0)
-        moved = _weights(fn, near_zero, b, what + ", moved near 0")
+        moved = _weights(fn, near_zero, b, t("{what}, moved near 0", what=what))
         if close(moved, _softmax_oracle(near_zero).to(dtype), dtype):
             largest = 88 if dtype == torch.float32 else 709
-            hint = (f"The same scores moved near 0 (softmax does not change when a constant is subtracted from a row) "
-                    f"give the right weights, so the size of the numbers is the problem: exp(1000) overflows "
-                    f"{dtype_name(dtype)} (its largest number is about e^{largest}) and exp(-1000) rounds to 0, so "
-                    "inf / inf and 0 / 0 are NaN. Subtract the running maximum before exponentiating, "
-                    "exp(score − m) ≤ 1, and rescale the running sum whenever the maximum rises.")
+            hint = t("The same scores moved near 0 (softmax does not change when a constant is subtracted from a row) "
+                     "give the right weights, so the size of the numbers is the problem: exp(1000) overflows "
+                     "{dtype} (its largest number is about e^{largest}) and exp(-1000) rounds to 0, so "
+                     "inf / inf and 0 / 0 are NaN. Subtract the running maximum before exponentiating, "
+                     "exp(score − m) ≤ 1, and rescale the running sum whenever the maximum rises.",
+                     dtype=dtype_name(dtype), largest=largest)
         else:
             hint = _softmax_hint(moved, near_zero, b, False)
-        raise CheckFailure(f"For {what}, shape {tuple(scores.shape)} ({dtype_name(dtype)}), your weights differ "
-                           f"from torch.softmax(scores, dim=-1) ({difference(got, expected)}). {hint}")
-    passed(f"online_softmax is exact for scores near ±1000, where exp alone overflows or underflows, and when the "
-           f"maximum comes last ({dtype_name(dtype)})")
+        raise CheckFailure(t("For {what}, shape {shape} ({dtype}), your weights differ "
+                             "from torch.softmax(scores, dim=-1) ({difference}). {hint}", what=what,
+                             shape=tuple(scores.shape), dtype=dtype_name(dtype),
+                             difference=difference(got, expected), hint=hint))
+    passed(t("online_softmax is exact for scores near ±1000, where exp alone overflows or underflows, and when the "
+             "maximum comes last ({dtype})", dtype=dtype_name(dtype)))
 
 
 # -- exercise 2: one tile -----------------------------------------------------------------------------------
@@ -413,26 +443,28 @@ def _tile_oracle(
 
 
 TILE_MISTAKES = {
-    "no scale": "You did not scale the scores: divide q kᵀ by sqrt(d_k), the keys' width.",
-    "d_k": "You divided the scores by d_k: divide them by sqrt(d_k).",
-    "sqrt d_v": "You divided the scores by sqrt(d_v), the values' width: the scale is sqrt(d_k), the width of the "
-                "vectors in the dot product.",
-    "mask ignored": "Your step ignores allowed: where it is False, set the score to -inf before the maximum and the "
-                    "exponentials (scores.masked_fill(~allowed, -math.inf)).",
-    "mask inverted": "Your step masks the keys that allowed marks True: True means may attend, so fill ~allowed.",
-    "sum not rescaled": "You added the block's terms to row_sum without rescaling the old sum by exp(old max − new "
-                        "max): it was taken relative to the old maximum.",
-    "out not rescaled": "You rescaled row_sum but not the accumulated output: out was taken relative to the old "
-                        "maximum too, so multiply it by the same rescale factor, exp(old max − new max), before "
-                        "adding the block's Σ exp(score − new max) · v.",
-    "neither rescaled": "You added the block's terms to row_sum and out without rescaling the old ones: both were "
-                        "taken relative to the old maximum, so multiply both by exp(old max − new max) first.",
-    "wrong sign": "You rescaled by exp(new max − old max) instead of exp(old max − new max): when a block raises "
-                  "the maximum, the old sum and output must shrink (the factor is at most 1), not grow.",
-    "block max": "The row_max you return is the block's own maximum: it must be the largest score so far, "
-                 "max(row_max, the block's largest score).",
-    "normalised": "You divided the output by the sum: return the unnormalised out, Σ exp(score − max) · v; the caller "
-                  "divides once, after the last block.",
+    "no scale": marked("You did not scale the scores: divide q kᵀ by sqrt(d_k), the keys' width."),
+    "d_k": marked("You divided the scores by d_k: divide them by sqrt(d_k)."),
+    "sqrt d_v": marked("You divided the scores by sqrt(d_v), the values' width: the scale is sqrt(d_k), the width of "
+                       "the vectors in the dot product."),
+    "mask ignored": marked("Your step ignores allowed: where it is False, set the score to -inf before the maximum "
+                           "and the exponentials (scores.masked_fill(~allowed, -math.inf))."),
+    "mask inverted": marked("Your step masks the keys that allowed marks True: True means may attend, so fill "
+                            "~allowed."),
+    "sum not rescaled": marked("You added the block's terms to row_sum without rescaling the old sum by exp(old max − "
+                               "new max): it was taken relative to the old maximum."),
+    "out not rescaled": marked("You rescaled row_sum but not the accumulated output: out was taken relative to the "
+                               "old maximum too, so multiply it by the same rescale factor, exp(old max − new max), "
+                               "before adding the block's Σ exp(score − new max) · v."),
+    "neither rescaled": marked("You added the block's terms to row_sum and out without rescaling the old ones: both "
+                               "were taken relative to the old maximum, so multiply both by exp(old max − new max) "
+                               "first."),
+    "wrong sign": marked("You rescaled by exp(new max − old max) instead of exp(old max − new max): when a block "
+                         "raises the maximum, the old sum and output must shrink (the factor is at most 1), not grow."),
+    "block max": marked("The row_max you return is the block's own maximum: it must be the largest score so far, "
+                        "max(row_max, the block's largest score)."),
+    "normalised": marked("You divided the output by the sum: return the unnormalised out, Σ exp(score − max) · v; the "
+                         "caller divides once, after the last block."),
 }
 
 
@@ -453,13 +485,14 @@ def _initial(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def _expect_state(got: Any, what: str, q: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if type(got) not in (tuple, list) or len(got) != 3:
-        raise CheckFailure(f"tile_step should return the new (row_max, row_sum, out), three tensors; for {what} it "
-                           f"returned {kind(got)}.")
+        raise CheckFailure(t("tile_step should return the new (row_max, row_sum, out), three tensors; for {what} it "
+                             "returned {kind}.", what=what, kind=kind(got)))
     lead = tuple(q.shape[:-1])
     axes = " ".join([f"lead{i}" for i in range(len(lead) - 1)] + ["q_block"])
-    return (expect_tensor(got[0], f"the returned row_max for {what}", lead, axes, q.dtype),
-            expect_tensor(got[1], f"the returned row_sum for {what}", lead, axes, q.dtype),
-            expect_tensor(got[2], f"the returned out for {what}", (*lead, v.shape[-1]), axes + " d_v", q.dtype))
+    return (expect_tensor(got[0], t("the returned row_max for {what}", what=what), lead, axes, q.dtype),
+            expect_tensor(got[1], t("the returned row_sum for {what}", what=what), lead, axes, q.dtype),
+            expect_tensor(got[2], t("the returned out for {what}", what=what), (*lead, v.shape[-1]), axes + " d_v",
+                          q.dtype))
 
 
 def _tile_sizes_text(q: Tensor, k: Tensor, v: Tensor) -> dict[str, int]:
@@ -478,28 +511,28 @@ def _tile_hint(got: tuple[Tensor, Tensor, Tensor], args: tuple, tolerance: float
     expected = _tile_oracle(*args)
     read = torch.isfinite(expected[0])  # the rows that have read some key, once this block is folded in
     if _rows_close(got, expected, read, tolerance):
-        if any(torch.isnan(t[~read]).any() for t in got):
-            return ("Your state is NaN in a row that has read no key yet (all its scores so far are -inf): its "
-                    "maximum is still -inf, and exp(-inf − (-inf)) is NaN. Subtract _shift(new max), which is 0 "
-                    "there, so that such a row keeps row_max -inf, row_sum 0 and out 0.")
-        return ("A row that has read no key yet (allowed False for all its keys so far) must keep row_max -inf, "
-                "row_sum 0 and out 0: nothing of this block may enter it.")
+        if any(torch.isnan(part[~read]).any() for part in got):
+            return t("Your state is NaN in a row that has read no key yet (all its scores so far are -inf): its "
+                     "maximum is still -inf, and exp(-inf − (-inf)) is NaN. Subtract _shift(new max), which is 0 "
+                     "there, so that such a row keeps row_max -inf, row_sum 0 and out 0.")
+        return t("A row that has read no key yet (allowed False for all its keys so far) must keep row_max -inf, "
+                 "row_sum 0 and out 0: nothing of this block may enter it.")
     for mistake in [m for m in TILE_MISTAKES if allowed is not None or not m.startswith("mask")]:
         if _rows_close(got, _tile_oracle(*args, mistake=mistake), read, tolerance):
-            return TILE_MISTAKES[mistake]
-    if any(torch.isnan(t[read]).any() for t in got):
+            return tr(TILE_MISTAKES[mistake])
+    if any(torch.isnan(part[read]).any() for part in got):
         if bool((~torch.isfinite(row_max)).any()):
-            return ("Your state is NaN in rows that do read keys. The usual cause is the factor of the old state with "
-                    "its sign swapped: you probably rescaled by exp(new max − old max) instead of exp(old max − new "
-                    "max). From the initial state the old maximum is -inf and the sum 0, so the right factor is "
-                    "exp(-inf) = 0, while the swapped one is exp(+inf) = inf, and 0 · inf is NaN.")
-        return "Your state holds NaN: subtract the new maximum before exponentiating, exp(score − new max) ≤ 1."
-    if any(torch.isinf(t).any() for t in got[1:]):
-        return ("Your row_sum or out is inf: exp of a large score overflows. Subtract the new maximum before "
-                "exponentiating, exp(score − new max) ≤ 1.")
-    return ("The scores are q kᵀ / sqrt(d_k) (-inf where allowed is False); m' = max(row_max, the block's largest "
-            "score); row_sum and out are multiplied by exp(row_max − m') and then get the block's Σ exp(score − m') "
-            "and Σ exp(score − m') · v.")
+            return t("Your state is NaN in rows that do read keys. The usual cause is the factor of the old state "
+                     "with its sign swapped: you probably rescaled by exp(new max − old max) instead of exp(old max − "
+                     "new max). From the initial state the old maximum is -inf and the sum 0, so the right factor is "
+                     "exp(-inf) = 0, while the swapped one is exp(+inf) = inf, and 0 · inf is NaN.")
+        return t("Your state holds NaN: subtract the new maximum before exponentiating, exp(score − new max) ≤ 1.")
+    if any(torch.isinf(part).any() for part in got[1:]):
+        return t("Your row_sum or out is inf: exp of a large score overflows. Subtract the new maximum before "
+                 "exponentiating, exp(score − new max) ≤ 1.")
+    return t("The scores are q kᵀ / sqrt(d_k) (-inf where allowed is False); m' = max(row_max, the block's largest "
+             "score); row_sum and out are multiplied by exp(row_max − m') and then get the block's Σ exp(score − m') "
+             "and Σ exp(score − m') · v.")
 
 
 def _compare_state(got: tuple[Tensor, Tensor, Tensor], args: tuple, what: str,
@@ -510,26 +543,24 @@ def _compare_state(got: tuple[Tensor, Tensor, Tensor], args: tuple, what: str,
     for name, mine, theirs in zip(("row_max", "row_sum", "out"), got, expected, strict=True):
         if close(mine, theirs.to(q.dtype), q.dtype, tolerance):
             continue
+        hint = _tile_hint(got, args, tolerance)
         if name == "row_max" and (torch.isneginf(theirs) & ~torch.isneginf(mine)).any():
-            found = "is finite in a row that has read no key yet, where it must stay -inf"
-        elif name == "row_max" and (torch.isneginf(mine) & ~torch.isneginf(theirs)).any():
-            found = "is -inf in a row that has read keys"
-        else:
-            found = f"is not the tile's ({difference(mine, theirs, _tile_sizes_text(q, k, v))})"
-        raise CheckFailure(f"For {what} ({dtype_name(q.dtype)}), the returned {name} {found}. "
-                           f"{_tile_hint(got, args, tolerance)}")
+            raise CheckFailure(t("For {what} ({dtype}), the returned row_max is finite in a row that has read no key "
+                                 "yet, where it must stay -inf. {hint}", what=what, dtype=dtype_name(q.dtype),
+                                 hint=hint))
+        if name == "row_max" and (torch.isneginf(mine) & ~torch.isneginf(theirs)).any():
+            raise CheckFailure(t("For {what} ({dtype}), the returned row_max is -inf in a row that has read keys. "
+                                 "{hint}", what=what, dtype=dtype_name(q.dtype), hint=hint))
+        raise CheckFailure(t("For {what} ({dtype}), the returned {name} is not the tile's ({difference}). {hint}",
+                             what=what, dtype=dtype_name(q.dtype), name=name,
+                             difference=difference(mine, theirs, _tile_sizes_text(q, k, v)), hint=hint))
 
 
 STEP_NAMES = ("q", "k", "v", "allowed", "row_max", "row_sum", "out")
 
 
 def _step(fn: Callable[..., Any], args: tuple, what: str) -> tuple[Tensor, Tensor, Tensor]:
-    try:
-        got = _call_on_copies(fn, args, STEP_NAMES, "tile_step")
-    except CheckFailure as failure:
-        if "changed the tensors" in str(failure):
-            raise
-        raise CheckFailure(_then(failure, _step_probe(fn, failure, args))) from failure
+    got = _call_on_copies(fn, args, STEP_NAMES, "tile_step", lambda failure: _step_probe(fn, failure, args))
     return _expect_state(got, what, args[0], args[2])
 
 
@@ -554,7 +585,7 @@ def _step_probe(fn: Callable[..., Any], failure: CheckFailure, args: tuple) -> s
     q, k, v, allowed = args[:4]
     dtype = q.dtype
     g = torch.Generator().manual_seed(q.shape[-2] * 100 + k.shape[-2])
-    if allowed is None and "NoneType" in str(failure):
+    if allowed is None and "NoneType" in _raised_text(failure):
         # allowed=None made it raise: with a mask given, does it apply it?
         mask = torch.rand(q.shape[-2], k.shape[-2], generator=g) < 0.5
         mask[:, 0] = True
@@ -563,8 +594,8 @@ def _step_probe(fn: Callable[..., Any], failure: CheckFailure, args: tuple) -> s
         if got is not None and _rows_close(got, _tile_oracle(*masked, mistake="mask ignored"),
                                            torch.ones(q.shape[:-1], dtype=torch.bool), None) \
                 and not _rows_close(got, _tile_oracle(*masked), torch.ones(q.shape[:-1], dtype=torch.bool), None):
-            return (" With allowed=None your step applies the mask anyway (~ of None), and with a mask given it "
-                    "ignores it: your test of allowed is inverted. Mask only if allowed is not None.")
+            return t(" With allowed=None your step applies the mask anyway (~ of None), and with a mask given it "
+                     "ignores it: your test of allowed is inverted. Mask only if allowed is not None.")
         return ""
     every = torch.ones(q.shape[-2], dtype=torch.bool)
     if q.dim() > 2:
@@ -572,11 +603,12 @@ def _step_probe(fn: Callable[..., Any], failure: CheckFailure, args: tuple) -> s
                 *(t[(0,) * (q.dim() - 2)] for t in args[4:]))
         got = _probe_state(fn, flat)
         if got is not None and _rows_close(got, _tile_oracle(*flat), every, None):
-            return (f" The same step on q of shape {tuple(flat[0].shape)}, with no leading axes, runs and is right: "
-                    "with leading axes (batch, heads) it fails, so some operation of your step puts the leading axes "
-                    "elsewhere than the other tensors have them: an einops pattern with its '...' not first, or a "
-                    "transpose or index of fixed axes (0, 1). Keep '...' first in every pattern ('... q_block "
-                    "k_block', '... q_block', '... q_block d_v') and count other axes from the end (-2, -1).")
+            return t(" The same step on q of shape {shape}, with no leading axes, runs and is right: "
+                     "with leading axes (batch, heads) it fails, so some operation of your step puts the leading axes "
+                     "elsewhere than the other tensors have them: an einops pattern with its '...' not first, or a "
+                     "transpose or index of fixed axes (0, 1). Keep '...' first in every pattern ('... q_block "
+                     "k_block', '... q_block', '... q_block d_v') and count other axes from the end (-2, -1).",
+                     shape=tuple(flat[0].shape))
     c = 4
     square = (torch.randn(c, c, generator=g, dtype=dtype), torch.randn(c, c, generator=g, dtype=dtype),
               torch.randn(c, c, generator=g, dtype=dtype), None)
@@ -590,12 +622,12 @@ def _step_probe(fn: Callable[..., Any], failure: CheckFailure, args: tuple) -> s
     if _rows_close(got, _tile_oracle(*square), torch.ones(c, dtype=torch.bool), None) or len(found) != 1:
         return ""
     if found[0] == "scores transposed":
-        return (f" On a square tile (q_block = k_block = d_k = d_v = {c}, no leading axes) your step runs, and equals "
-                "the step with the scores transposed, k qᵀ instead of q kᵀ: the scores have one row per query, "
-                "einsum(q, k, '... q_block d_k, ... k_block d_k -> ... q_block k_block').")
-    return (f" On a square tile (q_block = k_block = d_k = d_v = {c}, no leading axes) your step runs, and equals the "
-            "step with out transposed, (d_v, q_block) instead of (q_block, d_v): the weighted sum of the values "
-            "ends in '... q_block d_v'.")
+        return t(" On a square tile (q_block = k_block = d_k = d_v = {size}, no leading axes) your step runs, and "
+                 "equals the step with the scores transposed, k qᵀ instead of q kᵀ: the scores have one row per "
+                 "query, einsum(q, k, '... q_block d_k, ... k_block d_k -> ... q_block k_block').", size=c)
+    return t(" On a square tile (q_block = k_block = d_k = d_v = {size}, no leading axes) your step runs, and equals "
+             "the step with out transposed, (d_v, q_block) instead of (q_block, d_v): the weighted sum of the values "
+             "ends in '... q_block d_v'.", size=c)
 
 
 def _large_scores(q: Tensor, k: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -615,20 +647,21 @@ def check_tile_step_first(fn: Callable[..., Any], seed: int = 0, dtype: torch.dt
     s = _tile_sizes(seed)
     g = torch.Generator().manual_seed(seed + 59)
     cases = []
-    for lead, what in (((s["batch"], s["heads"]), "q (batch, heads, q_block, d_k)"),
-                       ((), "q (q_block, d_k), no leading axis"), ((s["batch"],), "q (batch, q_block, d_k)")):
+    for lead, what in (((s["batch"], s["heads"]), t("q (batch, heads, q_block, d_k)")),
+                       ((), t("q (q_block, d_k), no leading axis")), ((s["batch"],), t("q (batch, q_block, d_k)"))):
         q, k, v = _tile_inputs(s, dtype, g, lead)
-        cases.append((f"the first block of keys, {what}, allowed=None", (q, k, v, None, *_initial(q, v)), None))
+        cases.append((t("the first block of keys, {what}, allowed=None", what=what), (q, k, v, None, *_initial(q, v)),
+                      None))
     q, k, v = _tile_inputs(s, dtype, g, (s["heads"],))
     q, k = _large_scores(q, k, dtype)
     # Scores near 150 in float32 carry rounding errors of about 1e-5 each, which exp turns into relative errors.
-    cases.append(("the first block with scores near " + ("150" if dtype == torch.float32 else "800"),
+    cases.append((t("the first block with scores near {size}", size="150" if dtype == torch.float32 else "800"),
                   (q, k, v, None, *_initial(q, v)), 1e-4 if dtype == torch.float32 else None))
     for what, args, tolerance in cases:
         _compare_state(_step(fn, args, what), args, what, tolerance)
-    passed(f"tile_step from the initial state: the block's maximum of q kᵀ / sqrt(d_k), Σ exp(score − max) and "
-           f"Σ exp(score − max) · v, for d_k={s['d_k']}, d_v={s['d_v']}, 0 to 2 leading axes and scores that "
-           f"overflow exp ({dtype_name(dtype)})")
+    passed(t("tile_step from the initial state: the block's maximum of q kᵀ / sqrt(d_k), Σ exp(score − max) and "
+             "Σ exp(score − max) · v, for d_k={d_k}, d_v={d_v}, 0 to 2 leading axes and scores that "
+             "overflow exp ({dtype})", d_k=s["d_k"], d_v=s["d_v"], dtype=dtype_name(dtype)))
 
 
 @check(forbid=BUILT_IN_TILE)
@@ -647,27 +680,29 @@ def check_tile_step_mask(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
     padding[..., 0] = True
     padding[-1] = False  # the last sequence's keys are all padding
     full = torch.rand(b, h, q_block, k_block, generator=g) < 0.5
-    cases = [(f"allowed of shape (q_block, k_block) = {tuple(pairs.shape)}, query 0 reading no key", pairs),
-             (f"a padding mask of shape (batch, 1, 1, k_block) = {tuple(padding.shape)}, the last sequence all "
-              "padding", padding),
-             (f"allowed of the scores' full shape {tuple(full.shape)}", full)]
+    cases = [(t("allowed of shape (q_block, k_block) = {shape}, query 0 reading no key", shape=tuple(pairs.shape)),
+              pairs),
+             (t("a padding mask of shape (batch, 1, 1, k_block) = {shape}, the last sequence all padding",
+                shape=tuple(padding.shape)), padding),
+             (t("allowed of the scores' full shape {shape}", shape=tuple(full.shape)), full)]
     for what, allowed in cases:
         args = (q, k, v, allowed, *start)
-        _compare_state(_step(fn, args, f"the first block, {what}"), args, f"the first block, {what}")
+        _compare_state(_step(fn, args, t("the first block, {what}", what=what)), args,
+                       t("the first block, {what}", what=what))
     # Two steps: nothing readable in the first block; in the second, every query but the last reads something.
-    what = "a first block that no query may read, then a second block where the last query still reads nothing"
+    what = t("a first block that no query may read, then a second block where the last query still reads nothing")
     first = (q, k, v, torch.zeros(1, 1, dtype=torch.bool), *start)
     state = _step(fn, first, what)
-    _compare_state(state, first, what + " (after the first block)")
+    _compare_state(state, first, t("{what} (after the first block)", what=what))
     _, k2, v2 = _tile_inputs(s, dtype, g, (b, h), k_block + 1)
     second = torch.rand(q_block, k_block + 1, generator=g) < 0.5
     second[:-1, -1] = True
     second[-1] = False
     args = (q, k2, v2, second, *state)
     _compare_state(_step(fn, args, what), args, what)
-    passed(f"tile_step with allowed of shapes (q_block, k_block), (batch, 1, 1, k_block) and in full: masked keys "
-           f"are skipped, a row that has read no key keeps row_max -inf, row_sum 0 and out 0 (no NaN) and reads "
-           f"a later block ({dtype_name(dtype)})")
+    passed(t("tile_step with allowed of shapes (q_block, k_block), (batch, 1, 1, k_block) and in full: masked keys "
+             "are skipped, a row that has read no key keeps row_max -inf, row_sum 0 and out 0 (no NaN) and reads "
+             "a later block ({dtype})", dtype=dtype_name(dtype)))
 
 
 def _state_before(s: dict[str, int], dtype: torch.dtype, g: torch.Generator,
@@ -694,32 +729,32 @@ def check_tile_step_fold(fn: Callable[..., Any], seed: int = 0, dtype: torch.dty
         rises = _tile_oracle(q, k2, v2, None, *state)[0] > state[0]
         if rises.any() and not rises.all():
             break
-    what = "a second block folded into the state after a first one (the maximum rises in some rows)"
+    what = t("a second block folded into the state after a first one (the maximum rises in some rows)")
     args = (q, k2, v2, None, *state)
     _compare_state(_step(fn, args, what), args, what)
     allowed = torch.rand(q_block, k_block, generator=g) < 0.6
     allowed[0] = False  # query 0 reads nothing of this block: its state must come back as it was
-    what = "a second block with allowed (q_block, k_block), query 0 reading none of it"
+    what = t("a second block with allowed (q_block, k_block), query 0 reading none of it")
     args = (q, k2, v2, allowed, *state)
     _compare_state(_step(fn, args, what), args, what)
     # The defining property, on your own function alone: two steps equal one step over both blocks.
     start = _initial(q, v1)
-    what = "two blocks one after the other"
+    what = t("two blocks one after the other")
     first = _step(fn, (q, k1, v1, None, *start), what)
     two = _step(fn, (q, k2, v2, None, *first), what)
     both = (q, torch.cat([k1, k2], dim=-2), torch.cat([v1, v2], dim=-2), None, *start)
-    one = _step(fn, both, "both blocks at once")
+    one = _step(fn, both, t("both blocks at once"))
     for name, a, c in zip(("row_max", "row_sum", "out"), two, one, strict=True):
         if not close(a, c, dtype):
-            raise CheckFailure(
-                f"Two steps of your tile_step (a block of {k_block} keys, then another) do not give the state of one "
-                f"step over all {2 * k_block} keys: {name} differs ({difference(a, c, _tile_sizes_text(q, k1, v1))})."
-                f" {_tile_hint(two, (q, k2, v2, None, *first), None)}"
-            )
+            raise CheckFailure(t(
+                "Two steps of your tile_step (a block of {k_block} keys, then another) do not give the state of one "
+                "step over all {keys} keys: {name} differs ({difference}). {hint}", k_block=k_block,
+                keys=2 * k_block, name=name, difference=difference(a, c, _tile_sizes_text(q, k1, v1)),
+                hint=_tile_hint(two, (q, k2, v2, None, *first), None)))
     _check_tiled_forward(fn, s, dtype, g)
-    passed(f"tile_step folds a block into a running state (rescaling row_sum and out by exp(old max − new max)); two "
-           f"steps equal one over both blocks; a causal attention folded from your steps equals "
-           f"F.scaled_dot_product_attention, with partial last blocks ({dtype_name(dtype)})")
+    passed(t("tile_step folds a block into a running state (rescaling row_sum and out by exp(old max − new max)); two "
+             "steps equal one over both blocks; a causal attention folded from your steps equals "
+             "F.scaled_dot_product_attention, with partial last blocks ({dtype})", dtype=dtype_name(dtype)))
 
 
 def _check_tiled_forward(fn: Callable[..., Any], s: dict[str, int], dtype: torch.dtype, g: torch.Generator) -> None:
@@ -739,21 +774,22 @@ def _check_tiled_forward(fn: Callable[..., Any], s: dict[str, int], dtype: torch
         state = _initial(q[..., rows, :], v)
         for k_start in range(0, k_len, block_k):
             cols = slice(k_start, k_start + block_k)
-            what = (f"the tile of queries {rows.start}.. and keys {cols.start}.. of a causal attention "
-                    f"(q_len={q_len}, k_len={k_len})")
+            what = t("the tile of queries {first_query}.. and keys {first_key}.. of a causal attention "
+                     "(q_len={q_len}, k_len={k_len})", first_query=rows.start, first_key=cols.start, q_len=q_len,
+                     k_len=k_len)
             args = (q[..., rows, :], k[..., cols, :], v[..., cols, :], causal[rows, cols], *state)
             state = _step(fn, args, what)
         outputs.append(state[2] / rearrange(state[1], "... q_block -> ... q_block 1"))
     got = torch.cat(outputs, dim=-2)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
     if not close(got, expected, dtype):
-        raise CheckFailure(
-            f"A causal attention (q_len={q_len}, k_len={k_len}, the queries the last q_len positions) folded tile by "
-            f"tile with your tile_step, blocks of {block_q} queries and {block_k} keys, each tile's part of the causal "
-            f"mask as allowed, and out / row_sum at the end, differs from F.scaled_dot_product_attention(q, k, v, "
-            f"attn_mask=causal) ({difference(got, expected)}). Each tile on its own passed the checks above, so look "
-            "at what carries over between tiles: the state you return is the next step's input."
-        )
+        raise CheckFailure(t(
+            "A causal attention (q_len={q_len}, k_len={k_len}, the queries the last q_len positions) folded tile by "
+            "tile with your tile_step, blocks of {block_q} queries and {block_k} keys, each tile's part of the causal "
+            "mask as allowed, and out / row_sum at the end, differs from F.scaled_dot_product_attention(q, k, v, "
+            "attn_mask=causal) ({difference}). Each tile on its own passed the checks above, so look "
+            "at what carries over between tiles: the state you return is the next step's input.", q_len=q_len,
+            k_len=k_len, block_q=block_q, block_k=block_k, difference=difference(got, expected)))
 
 
 # -- exercise 3: the tiles a causal attention computes -------------------------------------------------------
@@ -786,20 +822,21 @@ def _visits_variant(q_len: int, k_len: int, block_q: int, block_k: int, mistake:
 
 
 VISIT_MISTAKES = {
-    "no offset": "You placed the queries at positions 0 .. q_len − 1: they are the last q_len of k_len positions "
-                 "(chapter 02's causal_mask), so query i sits at position i + k_len − q_len and reads keys up to "
-                 "there.",
-    "first query": "You decided each tile by the first query of its block: a tile is needed when ANY of its queries "
-                   "may read one of its keys, and the query that reads furthest is the last query of the block.",
-    "last key": "You asked whether the block's last key is readable, i.e. whether the whole tile is unmasked: a tile "
-                "is needed as soon as its first key is readable by the block's last query (a partly masked tile on "
-                "the diagonal is computed too).",
-    "last query + 1": "Your blocks' last queries are off by one: each tile is decided as if the block's last query "
-                      "sat one position later, (a + 1)·block_q instead of (a + 1)·block_q − 1 (capped at q_len − 1), "
-                      "so you compute tiles that no query of the block may read.",
-    "strict": "You skip each tile whose first key is exactly the last key its block's queries may read: a tile is "
-              "needed when its first key <= that position, equality included. A strict first_key < reads_up_to, or "
-              "first keys shifted by one (counted from 1), skips exactly these tiles.",
+    "no offset": marked("You placed the queries at positions 0 .. q_len − 1: they are the last q_len of k_len "
+                        "positions (chapter 02's causal_mask), so query i sits at position i + k_len − q_len and "
+                        "reads keys up to there."),
+    "first query": marked("You decided each tile by the first query of its block: a tile is needed when ANY of its "
+                          "queries may read one of its keys, and the query that reads furthest is the last query of "
+                          "the block."),
+    "last key": marked("You asked whether the block's last key is readable, i.e. whether the whole tile is unmasked: "
+                       "a tile is needed as soon as its first key is readable by the block's last query (a partly "
+                       "masked tile on the diagonal is computed too)."),
+    "last query + 1": marked("Your blocks' last queries are off by one: each tile is decided as if the block's last "
+                             "query sat one position later, (a + 1)·block_q instead of (a + 1)·block_q − 1 (capped at "
+                             "q_len − 1), so you compute tiles that no query of the block may read."),
+    "strict": marked("You skip each tile whose first key is exactly the last key its block's queries may read: a tile "
+                     "is needed when its first key <= that position, equality included. A strict first_key < "
+                     "reads_up_to, or first keys shifted by one (counted from 1), skips exactly these tiles."),
 }
 
 
@@ -816,12 +853,17 @@ def _same_axis_hint(fn: Callable[..., Any], shape: tuple[int, ...]) -> str:
         square = None
     if type(square) is not Tensor or tuple(square.shape) not in ((4, 1), (1, 4)):
         return ""
-    yours = f"Your result has shape {shape}, and" if shape else "Your code raises the error above, and"
-    return (f"{yours} with as many query blocks as key blocks, causal_block_visits(12, 12, 3, 3), gives shape "
-            f"{tuple(square.shape)} instead of (4, 4): the result never spreads over a (q_blocks, k_blocks) grid, as "
-            "when the two sides of the comparison lie along the same axis; they broadcast to a grid only when one "
-            "lies along each. Rearrange the first keys to "
-            "(1, k_blocks) and the last readable positions to (q_blocks, 1).")
+    if shape:
+        return t("Your result has shape {shape}, and with as many query blocks as key blocks, "
+                 "causal_block_visits(12, 12, 3, 3), gives shape {square} instead of (4, 4): the result never spreads "
+                 "over a (q_blocks, k_blocks) grid, as when the two sides of the comparison lie along the same axis; "
+                 "they broadcast to a grid only when one lies along each. Rearrange the first keys to (1, k_blocks) "
+                 "and the last readable positions to (q_blocks, 1).", shape=shape, square=tuple(square.shape))
+    return t("Your code raises the error above, and with as many query blocks as key blocks, "
+             "causal_block_visits(12, 12, 3, 3), gives shape {square} instead of (4, 4): the result never spreads "
+             "over a (q_blocks, k_blocks) grid, as when the two sides of the comparison lie along the same axis; "
+             "they broadcast to a grid only when one lies along each. Rearrange the first keys to (1, k_blocks) "
+             "and the last readable positions to (q_blocks, 1).", square=tuple(square.shape))
 
 
 def _expect_visits(fn: Callable[..., Any], q_len: int, k_len: int, block_q: int, block_k: int, what: str) -> None:
@@ -832,43 +874,53 @@ def _expect_visits(fn: Callable[..., Any], q_len: int, k_len: int, block_q: int,
             from failure
     expected = _visits_oracle(q_len, k_len, block_q, block_k)
     shape = tuple(expected.shape)
-    call_text = f"causal_block_visits(q_len={q_len}, k_len={k_len}, block_q={block_q}, block_k={block_k}) ({what})"
+    call_text = t("causal_block_visits(q_len={q_len}, k_len={k_len}, block_q={block_q}, block_k={block_k}) ({what})",
+                  q_len=q_len, k_len=k_len, block_q=block_q, block_k=block_k, what=what)
     if type(got) is not Tensor:
-        raise CheckFailure(f"{call_text} should return a torch.Tensor of booleans, got {kind(got)}.")
+        raise CheckFailure(t("{call} should return a torch.Tensor of booleans, got {kind}.", call=call_text,
+                             kind=kind(got)))
     if tuple(got.shape) != shape:
         q_blocks, k_blocks = shape
         if tuple(got.shape) == (k_blocks, q_blocks):
-            hint = "Your result is transposed: rows are query blocks, columns key blocks."
+            hint = t("Your result is transposed: rows are query blocks, columns key blocks.")
+        elif tuple(got.shape) in ((q_blocks + 1, k_blocks), (q_blocks, k_blocks + 1)) and got.shape[0] != q_blocks:
+            hint = t("The number of query blocks is off by one, one too many: ⌈q_len / block_q⌉ = {q_blocks} query "
+                     "blocks and ⌈k_len / block_k⌉ = {k_blocks} key blocks. Look at where the range of your blocks' "
+                     "last queries stops.", q_blocks=q_blocks, k_blocks=k_blocks)
         elif tuple(got.shape) in ((q_blocks + 1, k_blocks), (q_blocks, k_blocks + 1)):
-            axis = "query" if got.shape[0] != q_blocks else "key"
-            hint = (f"The number of {axis} blocks is off by one, one too many: ⌈q_len / block_q⌉ = {q_blocks} query "
-                    f"blocks and ⌈k_len / block_k⌉ = {k_blocks} key blocks. Look at where the range of your blocks' "
-                    f"{'last queries' if axis == 'query' else 'first keys'} stops.")
+            hint = t("The number of key blocks is off by one, one too many: ⌈q_len / block_q⌉ = {q_blocks} query "
+                     "blocks and ⌈k_len / block_k⌉ = {k_blocks} key blocks. Look at where the range of your blocks' "
+                     "first keys stops.", q_blocks=q_blocks, k_blocks=k_blocks)
         elif q_blocks > 1 and tuple(got.shape) in ((q_blocks, 1), (1, k_blocks), (k_blocks, 1), (1, q_blocks)):
-            hint = _same_axis_hint(fn, tuple(got.shape)) or ("There is one row per query block and one column "
-                                                             "per key block, ⌈length / block⌉ of each.")
+            hint = _same_axis_hint(fn, tuple(got.shape)) or t("There is one row per query block and one column "
+                                                              "per key block, ⌈length / block⌉ of each.")
         elif tuple(got.shape) in ((q_len // block_q, k_len // block_k), (q_len // block_q, k_blocks),
                                   (q_blocks, k_len // block_k)):
-            hint = ("The last query block is partial: with integer division a last block shorter than the others "
-                    "is dropped (and a block longer than the length gives none). There are ⌈q_len / block_q⌉ query "
-                    "blocks, -(-q_len // block_q), and ⌈k_len / block_k⌉ key blocks; the last of each may be "
-                    "shorter.")
+            hint = t("The last query block is partial: with integer division a last block shorter than the others "
+                     "is dropped (and a block longer than the length gives none). There are ⌈q_len / block_q⌉ query "
+                     "blocks, -(-q_len // block_q), and ⌈k_len / block_k⌉ key blocks; the last of each may be "
+                     "shorter.")
         else:
-            hint = "There is one row per query block and one column per key block, ⌈length / block⌉ of each."
-        raise CheckFailure(f"{call_text} should have shape (q_blocks, k_blocks) = {shape}; got {tuple(got.shape)}. "
-                           f"{hint}")
+            hint = t("There is one row per query block and one column per key block, ⌈length / block⌉ of each.")
+        raise CheckFailure(t("{call} should have shape (q_blocks, k_blocks) = {expected}; got {shape}. {hint}",
+                             call=call_text, expected=shape, shape=tuple(got.shape), hint=hint))
     if got.dtype != torch.bool:
-        raise CheckFailure(f"{call_text} should return booleans (True = compute the tile), got dtype {got.dtype}: "
-                           "a comparison such as first_key <= reads_up_to gives them.")
+        raise CheckFailure(t("{call} should return booleans (True = compute the tile), got dtype {dtype}: "
+                             "a comparison such as first_key <= reads_up_to gives them.", call=call_text,
+                             dtype=got.dtype))
     if torch.equal(got, expected):
         return
-    hint = next((text for mistake, text in VISIT_MISTAKES.items()
+    hint = next((tr(text) for mistake, text in VISIT_MISTAKES.items()
                  if torch.equal(got, _visits_variant(q_len, k_len, block_q, block_k, mistake))),
-                "A tile (a, b) is computed when the last query of block a, at position min((a + 1)·block_q, q_len) − 1"
-                " + k_len − q_len, may read the first key of block b, at b·block_k.")
-    shown = (f"\n  yours:\n{_grid(got)}\n  expected:\n{_grid(expected)}\n" if got.numel() <= 80
-             else f" ({int((got != expected).sum())} of {got.numel()} tiles differ) ")
-    raise CheckFailure(f"{call_text} marks the wrong tiles (rows: query blocks, columns: key blocks):{shown}{hint}")
+                t("A tile (a, b) is computed when the last query of block a, at position min((a + 1)·block_q, q_len) "
+                  "− 1 + k_len − q_len, may read the first key of block b, at b·block_k."))
+    if got.numel() <= 80:
+        raise CheckFailure(t("{call} marks the wrong tiles (rows: query blocks, columns: key blocks):\n  yours:\n"
+                             "{yours}\n  expected:\n{expected}\n{hint}", call=call_text, yours=_grid(got),
+                             expected=_grid(expected), hint=hint))
+    raise CheckFailure(t("{call} marks the wrong tiles (rows: query blocks, columns: key blocks): ({wrong} of {tiles} "
+                         "tiles differ) {hint}", call=call_text, wrong=int((got != expected).sum()),
+                         tiles=got.numel(), hint=hint))
 
 
 def _visits_error_hint(fn: Callable[..., Any], failure: CheckFailure, args: tuple[int, int, int, int]) -> str:
@@ -882,14 +934,13 @@ def _visits_error_hint(fn: Callable[..., Any], failure: CheckFailure, args: tupl
     zero = (0, *args[1:])
     if call(_error_of, fn, *zero) == "ValueError":
         return ""
-    return (f" Every length and block here is at least 1, while causal_block_visits{zero} raises no ValueError: your "
-            "test is inverted. Raise when min(q_len, k_len, block_q, block_k) < 1.")
+    return t(" Every length and block here is at least 1, while causal_block_visits{zero} raises no ValueError: your "
+             "test is inverted. Raise when min(q_len, k_len, block_q, block_k) < 1.", zero=zero)
 
 
 def _expect_value_error(fn: Callable[..., Any], args: tuple[int, int, int, int], why: str) -> None:
     error = call(_error_of, fn, *args)
     if error != "ValueError":
-        got = "no error" if error is None else f"a {error}"
         q_len, k_len, block_q, block_k = args
         hint = ""
         if min(args) == 0 and k_len >= q_len:
@@ -897,14 +948,20 @@ def _expect_value_error(fn: Callable[..., Any], args: tuple[int, int, int, int],
             slot = args.index(0)
             negative = tuple(-1 if i == slot else a for i, a in enumerate(args))
             if call(_error_of, fn, 0, 0, 0, 0) == "ValueError":
-                hint = (" It does raise for causal_block_visits(0, 0, 0, 0), all four below 1: the test must fire "
-                        "when any one of them is below 1, min(q_len, k_len, block_q, block_k) < 1, not only when the "
-                        "largest of them is.")
+                hint = t(" It does raise for causal_block_visits(0, 0, 0, 0), all four below 1: the test must fire "
+                         "when any one of them is below 1, min(q_len, k_len, block_q, block_k) < 1, not only when the "
+                         "largest of them is.")
             elif call(_error_of, fn, *negative) == "ValueError":
-                hint = (f" It does raise for causal_block_visits{negative}: your test lets 0 through, but 0 is below "
-                        "1 too (an empty length or block). Raise when min(q_len, k_len, block_q, block_k) < 1.")
-        raise CheckFailure(f"causal_block_visits(q_len={q_len}, k_len={k_len}, block_q={block_q}, block_k={block_k}) "
-                           f"should raise a ValueError ({why}); it raised {got}.{hint}")
+                hint = t(" It does raise for causal_block_visits{negative}: your test lets 0 through, but 0 is below "
+                         "1 too (an empty length or block). Raise when min(q_len, k_len, block_q, block_k) < 1.",
+                         negative=negative)
+        if error is None:
+            raise CheckFailure(t("causal_block_visits(q_len={q_len}, k_len={k_len}, block_q={block_q}, "
+                                 "block_k={block_k}) should raise a ValueError ({why}); it raised no error.{hint}",
+                                 q_len=q_len, k_len=k_len, block_q=block_q, block_k=block_k, why=why, hint=hint))
+        raise CheckFailure(t("causal_block_visits(q_len={q_len}, k_len={k_len}, block_q={block_q}, block_k={block_k}) "
+                             "should raise a ValueError ({why}); it raised a {error}.{hint}", q_len=q_len,
+                             k_len=k_len, block_q=block_q, block_k=block_k, why=why, error=error, hint=hint))
 
 
 def _visit_sizes(seed: int) -> tuple[int, int, int]:
@@ -921,17 +978,18 @@ def check_causal_block_visits_square(fn: Callable[..., Any], seed: int = 0) -> N
     """q_len == k_len with block sizes that divide the length (block_q != block_k, equal, 1); lengths or block sizes
     below 1 raise ValueError."""
     n, block_q, block_k = _visit_sizes(seed)
-    for args, what in (((n, n, block_q, block_k), "square, blocks that divide the length"),
-                       ((n, n, block_k, block_q), "square, the block sizes the other way round"),
-                       ((n, n, block_q, block_q), "square, equal blocks"),
-                       ((7, 7, 1, 1), "blocks of one position: the causal mask itself")):
+    for args, what in (((n, n, block_q, block_k), t("square, blocks that divide the length")),
+                       ((n, n, block_k, block_q), t("square, the block sizes the other way round")),
+                       ((n, n, block_q, block_q), t("square, equal blocks")),
+                       ((7, 7, 1, 1), t("blocks of one position: the causal mask itself"))):
         _expect_visits(fn, *args, what)
-    for args, why in (((0, n, block_q, block_k), "q_len must be at least 1"),
-                      ((n, n, 0, block_k), "block_q must be at least 1"),
-                      ((n, n, block_q, -1), "block_k must be at least 1")):
+    for args, why in (((0, n, block_q, block_k), t("q_len must be at least 1")),
+                      ((n, n, 0, block_k), t("block_q must be at least 1")),
+                      ((n, n, block_q, -1), t("block_k must be at least 1"))):
         _expect_value_error(fn, args, why)
-    passed(f"causal_block_visits for square causal attention (n = {n}, blocks of {block_q} and {block_k}, equal "
-           "blocks, blocks of 1); lengths and blocks below 1 raise ValueError")
+    passed(t("causal_block_visits for square causal attention (n = {n}, blocks of {block_q} and {block_k}, equal "
+             "blocks, blocks of 1); lengths and blocks below 1 raise ValueError", n=n, block_q=block_q,
+             block_k=block_k))
 
 
 @check
@@ -941,14 +999,14 @@ def check_causal_block_visits_partial(fn: Callable[..., Any], seed: int = 0) -> 
     g = torch.Generator().manual_seed(seed + 73)
     block_q, block_k = draw_sizes(g, ("block_q", "block_k"), span=4, first=3).values()
     n = next(m for m in range(int(torch.randint(13, 30, (1,), generator=g)), 100) if m % block_q and m % block_k)
-    for args, what in (((n, n, block_q, block_k), "square, blocks that do not divide the length"),
-                       ((n, n, block_k, block_q), "square, the block sizes the other way round"),
-                       ((n, n, n + 2, block_k), "a query block longer than the length: one query block"),
-                       ((n, n, block_q, n + 5), "a key block longer than the length: one key block"),
-                       ((block_q + 1, block_q + 1, block_q, 1), "a last query block of one query")):
+    for args, what in (((n, n, block_q, block_k), t("square, blocks that do not divide the length")),
+                       ((n, n, block_k, block_q), t("square, the block sizes the other way round")),
+                       ((n, n, n + 2, block_k), t("a query block longer than the length: one query block")),
+                       ((n, n, block_q, n + 5), t("a key block longer than the length: one key block")),
+                       ((block_q + 1, block_q + 1, block_q, 1), t("a last query block of one query"))):
         _expect_visits(fn, *args, what)
-    passed(f"causal_block_visits with partial last blocks (n = {n}, blocks of {block_q} and {block_k}) and blocks "
-           "longer than the length")
+    passed(t("causal_block_visits with partial last blocks (n = {n}, blocks of {block_q} and {block_k}) and blocks "
+             "longer than the length", n=n, block_q=block_q, block_k=block_k))
 
 
 @check
@@ -962,14 +1020,15 @@ def check_causal_block_visits_offset(fn: Callable[..., Any], seed: int = 0) -> N
     # An offset of block_q - 1 would make "the first query, placed k_len - q_len later" equal "the last query, placed
     # at 0": two different mistakes could not be told apart.
     k_len += block_k if k_len - q_len == block_q - 1 else 0
-    cases = (((q_len, k_len, block_q, block_k), "the queries the last q_len positions"),
-             ((q_len + 1, k_len + 2, block_q, block_k), "the same with partial last blocks"),
-             ((q_len, q_len + 1, block_k, block_q), "one position cached before the queries"),
-             ((1, k_len + 1, 4, block_k), "decoding: one query, the last position"),
-             ((block_q + 1, 4 * block_q + 3, block_q, block_q + 1), "a prefill after a longer cache"))
+    cases = (((q_len, k_len, block_q, block_k), t("the queries the last q_len positions")),
+             ((q_len + 1, k_len + 2, block_q, block_k), t("the same with partial last blocks")),
+             ((q_len, q_len + 1, block_k, block_q), t("one position cached before the queries")),
+             ((1, k_len + 1, 4, block_k), t("decoding: one query, the last position")),
+             ((block_q + 1, 4 * block_q + 3, block_q, block_q + 1), t("a prefill after a longer cache")))
     for args, what in cases:
         _expect_visits(fn, *args, what)
-    _expect_value_error(fn, (k_len, q_len, block_q, block_k), "k_len must be at least q_len: the queries are the last "
-                        "q_len of k_len positions")
-    passed(f"causal_block_visits with the queries the last q_len of k_len positions (q_len={q_len}, k_len={k_len}), "
-           "partial blocks, decoding and a prefill; k_len < q_len raises ValueError")
+    _expect_value_error(fn, (k_len, q_len, block_q, block_k), t("k_len must be at least q_len: the queries are the "
+                                                                "last q_len of k_len positions"))
+    passed(t("causal_block_visits with the queries the last q_len of k_len positions (q_len={q_len}, "
+             "k_len={k_len}), partial blocks, decoding and a prefill; k_len < q_len raises ValueError", q_len=q_len,
+             k_len=k_len))

@@ -37,16 +37,17 @@ from stepformer.checks._core import (
     passed,
     raised_error,
 )
+from stepformer.checks._messages import language, marked, t, tr
 from stepformer.checks._modules import error_of as _error_of
 from stepformer.checks._modules import parameters_of as _parameters_of
 
 # The loss is what exercise 1 asks students to write: PyTorch's versions of it are off limits there,
 # and in the exercises whose code calls the student's loss (the step, memorising).
 BUILT_IN_LOSS = {
-    "torch.nn.functional.cross_entropy": "PyTorch's cross-entropy, which does the smoothing and the padding",
-    "torch.nn.functional.nll_loss": "PyTorch's negative log-likelihood loss",
-    "torch.nn.CrossEntropyLoss": "PyTorch's cross-entropy module",
-    "torch.nn.NLLLoss": "PyTorch's negative log-likelihood module",
+    "torch.nn.functional.cross_entropy": marked("PyTorch's cross-entropy, which does the smoothing and the padding"),
+    "torch.nn.functional.nll_loss": marked("PyTorch's negative log-likelihood loss"),
+    "torch.nn.CrossEntropyLoss": marked("PyTorch's cross-entropy module"),
+    "torch.nn.NLLLoss": marked("PyTorch's negative log-likelihood module"),
 }
 
 
@@ -69,7 +70,10 @@ def _lengths(batch: int, longest: int, shortest: int, g: torch.Generator) -> lis
 def _then(failure: CheckFailure, hint: str) -> CheckFailure:
     """The failure's message with ``hint`` after it, as a sentence of its own."""
     text = str(failure).rstrip()
-    return failure.reworded(text + ("" if not hint or text.endswith(".") else ".") + hint)
+    # A Chinese message may end in either full stop.
+    if not hint or text.endswith((".", "。") if language() == "zh" else "."):
+        return failure.reworded(text + hint)
+    return failure.reworded(t("{failure}.{hint}", failure=text, hint=hint))
 
 
 def _raised_at(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, str] | None:
@@ -94,8 +98,8 @@ def _where(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     if type(found) is not tuple or len(found) != 2:
         return ""
     name, line = found
-    return f" The line that raised it, in {name}: `{line}`." if name.isidentifier() else \
-        f" The line that raised it: `{line}`."
+    return t(" The line that raised it, in {name}: `{line}`.", name=name, line=line) if name.isidentifier() else \
+        t(" The line that raised it: `{line}`.", line=line)
 
 
 def _unchecked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -264,36 +268,36 @@ def _diagnose_loss(fn: Callable[..., Any], logits: Tensor, target: Tensor, pad_i
         return _non_finite_loss(fn, logits, target, pad_id, smoothing, reduction, got)
     other = "sum" if reduction == "mean" else "mean"
     variants = {
-        "You averaged over padded positions too: divide the sum over real tokens by the number of real (non-padding) "
-        "target tokens, not by batch · tgt_len.": dict(count="all"),
-        "Your sum includes the padded positions: their losses must count for nothing (mask them out before "
-        "summing), as ignore_index does.": dict(mask_sum=False),
-        "Your loss ignores padding altogether: padded positions count neither in the sum nor in the number of "
-        "tokens.": dict(mask_sum=False, count="all"),
-        "You spread the smoothing over the vocab - 1 other tokens. PyTorch's convention (label_smoothing, and this "
-        "exercise's) spreads it over all vocab classes, the target included: 1 - smoothing on the target plus "
-        "smoothing / vocab on every token, so the smoothing term is the mean of -log p over the whole "
-        "vocabulary.": dict(spread="others"),
-        "Your loss ignores the smoothing: each position's loss is (1 - smoothing) · (-log p[target]) + smoothing · "
-        "(the mean of -log p over the vocabulary).": dict(spread="none"),
-        "Your loss is (1 - smoothing) · (-log p[target]) alone: the smoothing term, smoothing · (the mean over the "
-        "vocabulary of -log p), is missing.": dict(spread="dropped"),
-        "You used probabilities (softmax) where the loss needs log-probabilities: -log p[target], with "
-        "torch.log_softmax.": dict(log=False),
+        marked("You averaged over padded positions too: divide the sum over real tokens by the number of real "
+               "(non-padding) target tokens, not by batch · tgt_len."): dict(count="all"),
+        marked("Your sum includes the padded positions: their losses must count for nothing (mask them out before "
+               "summing), as ignore_index does."): dict(mask_sum=False),
+        marked("Your loss ignores padding altogether: padded positions count neither in the sum nor in the number of "
+               "tokens."): dict(mask_sum=False, count="all"),
+        marked("You spread the smoothing over the vocab - 1 other tokens. PyTorch's convention (label_smoothing, and "
+               "this exercise's) spreads it over all vocab classes, the target included: 1 - smoothing on the target "
+               "plus smoothing / vocab on every token, so the smoothing term is the mean of -log p over the whole "
+               "vocabulary."): dict(spread="others"),
+        marked("Your loss ignores the smoothing: each position's loss is (1 - smoothing) · (-log p[target]) + "
+               "smoothing · (the mean of -log p over the vocabulary)."): dict(spread="none"),
+        marked("Your loss is (1 - smoothing) · (-log p[target]) alone: the smoothing term, smoothing · (the mean over "
+               "the vocabulary of -log p), is missing."): dict(spread="dropped"),
+        marked("You used probabilities (softmax) where the loss needs log-probabilities: -log p[target], with "
+               "torch.log_softmax."): dict(log=False),
     }
     for hint, mistake in variants.items():
         if close(got, _loss_variant(logits, target, pad_id, smoothing, reduction, **mistake).to(got.dtype),
                  got.dtype):
-            return hint
+            return tr(hint)
     if close(got, _oracle_loss(logits, target, pad_id, smoothing, other).to(got.dtype), got.dtype):
-        return (f"Your result for reduction={reduction!r} is what reduction={other!r} should give: 'sum' is the sum "
-                "over real tokens, 'mean' that sum divided by their number.")
+        return t("Your result for reduction={reduction!r} is what reduction={other!r} should give: 'sum' is the sum "
+                 "over real tokens, 'mean' that sum divided by their number.", reduction=reduction, other=other)
     term = _loss_term_hint(fn, logits, target, pad_id, smoothing, reduction, got)
     if term:
         return term
-    return ("Each real position's loss is (1 - smoothing) · (-log p[target]) + smoothing · mean over the vocabulary "
-            "of (-log p), with log p = log_softmax(logits); sum it over the positions whose target is not pad_id, "
-            "and for 'mean' divide by their number.")
+    return t("Each real position's loss is (1 - smoothing) · (-log p[target]) + smoothing · mean over the vocabulary "
+             "of (-log p), with log p = log_softmax(logits); sum it over the positions whose target is not pad_id, "
+             "and for 'mean' divide by their number.")
 
 
 def _non_finite_loss(fn: Callable[..., Any], logits: Tensor, target: Tensor, pad_id: int, smoothing: float,
@@ -308,23 +312,27 @@ def _non_finite_loss(fn: Callable[..., Any], logits: Tensor, target: Tensor, pad
         ok = type(value) is Tensor and value.dim() == 0 and bool(torch.isfinite(value))
         return value if ok else None
 
-    seen = f"You returned the loss {got.item()} for these logits (largest |logit| {logits.abs().max().item():.3g})"
+    loss, largest = got.item(), logits.abs().max().item()
     padded = target == pad_id
     if bool(padded.any()):
         real_id = (pad_id + 1) % logits.shape[-1]
         unpadded = target.masked_fill(padded, real_id)
         value = finite(logits, unpadded)
         if value is not None:
-            return (f"{seen}, and {value.item():.6g} for the same logits with every padded target replaced by a real "
-                    f"token ({int(padded.sum())} positions): the padded positions reach the sum as -inf or NaN. Fill "
-                    "their per-position losses with 0, not -inf, before summing, so that they count for nothing.")
+            return t("You returned the loss {loss} for these logits (largest |logit| {largest:.3g}), and {value:.6g} "
+                     "for the same logits with every padded target replaced by a real token ({padded} positions): "
+                     "the padded positions reach the sum as -inf or NaN. Fill their per-position losses with 0, not "
+                     "-inf, before summing, so that they count for nothing.", loss=loss, largest=largest,
+                     value=value.item(), padded=int(padded.sum()))
     value = finite(logits / 100, target)
     if value is not None:
-        return (f"{seen}, and {value.item():.6g} for the same logits divided by 100: something overflows or reaches "
-                "log(0) when logits are large. torch.log_softmax computes log-probabilities without either (log "
-                "of a softmax, or exp then log, does not).")
-    return (f"{seen}, and not finite either with no padded target or with logits divided by 100. Look for a log of "
-            "0 or a division by 0 in your loss.")
+        return t("You returned the loss {loss} for these logits (largest |logit| {largest:.3g}), and {value:.6g} for "
+                 "the same logits divided by 100: something overflows or reaches log(0) when logits are large. "
+                 "torch.log_softmax computes log-probabilities without either (log of a softmax, or exp then log, "
+                 "does not).", loss=loss, largest=largest, value=value.item())
+    return t("You returned the loss {loss} for these logits (largest |logit| {largest:.3g}), and not finite either "
+             "with no padded target or with logits divided by 100. Look for a log of 0 or a division by 0 in your "
+             "loss.", loss=loss, largest=largest)
 
 
 def _loss_term_hint(fn: Callable[..., Any], logits: Tensor, target: Tensor, pad_id: int, smoothing: float,
@@ -342,9 +350,9 @@ def _loss_term_hint(fn: Callable[..., Any], logits: Tensor, target: Tensor, pad_
     moved = _oracle_loss(lifted, target, pad_id, smoothing, reduction).to(got.dtype)
     again = loss(lifted, smoothing)
     if again is not None and close(again, got, got.dtype) and not close(moved, got, got.dtype):
-        return (f"Raising every target's logit by 1 leaves your loss at {got.item():.6g}, where the right loss moves "
-                f"to {moved.item():.6g}: your loss does not read -log p[target], so its term (1 - smoothing) · "
-                "(-log p[target]) is missing.")
+        return t("Raising every target's logit by 1 leaves your loss at {got:.6g}, where the right loss moves to "
+                 "{moved:.6g}: your loss does not read -log p[target], so its term (1 - smoothing) · (-log p[target]) "
+                 "is missing.", got=got.item(), moved=moved.item())
     if smoothing == 0:
         return ""
     # Which part the smoothing adds, on these logits and on others: (loss - (1 - smoothing) · loss at 0) / smoothing.
@@ -361,10 +369,11 @@ def _loss_term_hint(fn: Callable[..., Any], logits: Tensor, target: Tensor, pad_
     (mine, right), (mine_other, right_other) = parts
     if close(mine, mine_other, got.dtype, tolerance=1e-4) and not close(right, right_other, got.dtype,
                                                                         tolerance=1e-4):
-        return (f"The part that smoothing adds to your loss, (loss - (1 - smoothing) · loss at smoothing 0) / "
-                f"smoothing, is {mine.item():.4g} on these logits and on other ones alike, where the mean over the "
-                f"vocabulary of -log p gives {right.item():.4g} and {right_other.item():.4g}: your smoothing term does "
-                "not depend on the logits, so the mean of -log p over the vocabulary is missing from it.")
+        return t("The part that smoothing adds to your loss, (loss - (1 - smoothing) · loss at smoothing 0) / "
+                 "smoothing, is {mine:.4g} on these logits and on other ones alike, where the mean over the "
+                 "vocabulary of -log p gives {right:.4g} and {right_other:.4g}: your smoothing term does not depend on "
+                 "the logits, so the mean of -log p over the vocabulary is missing from it.", mine=mine.item(),
+                 right=right.item(), right_other=right_other.item())
     return ""
 
 
@@ -389,33 +398,36 @@ def _loss_error_hint(fn: Callable[..., Any], dtype: torch.dtype) -> str:
     uniform = -log_probs.mean(dim=-1)
     real = target != 0
     variants = {
-        "taking the target's log-probability along dim -2, the positions, instead of the vocabulary: pick it with "
-        "log_probs.gather(-1, target[..., None])": -log_probs.gather(-2, target[..., None])[..., 0],
-        "a mean over the vocabulary whose axes are swapped, (tgt_len, batch): reduce 'batch tgt_len vocab -> "
-        "batch tgt_len'": None,
+        marked(" Where batch = tgt_len = vocab = {n} your function runs, and gives exactly the loss of taking the "
+               "target's log-probability along dim -2, the positions, instead of the vocabulary: pick it with "
+               "log_probs.gather(-1, target[..., None])."): -log_probs.gather(-2, target[..., None])[..., 0],
+        marked(" Where batch = tgt_len = vocab = {n} your function runs, and gives exactly the loss of a mean over the "
+               "vocabulary whose axes are swapped, (tgt_len, batch): reduce 'batch tgt_len vocab -> batch "
+               "tgt_len'."): None,
     }
-    shown = f" Where batch = tgt_len = vocab = {n} your function runs"
     for hint, picked in variants.items():
         per_token = 0.9 * nll + 0.1 * uniform.T if picked is None else 0.9 * picked + 0.1 * uniform
         wrong = per_token.masked_fill(~real, 0.0).sum() / real.sum()
         if close(got, wrong.to(got.dtype), got.dtype):
-            return f"{shown}, and gives exactly the loss of {hint}."
+            return tr(hint, n=n)
     if close(got, _oracle_loss(logits, target, 0, 0.1, "mean").to(got.dtype), got.dtype):
-        return (f"{shown} and gives the right loss: somewhere an axis is taken in the wrong place, which only shows "
-                "when the sizes differ (look at each dim= and einops pattern).")
+        return t(" Where batch = tgt_len = vocab = {n} your function runs and gives the right loss: somewhere an axis "
+                 "is taken in the wrong place, which only shows when the sizes differ (look at each dim= and einops "
+                 "pattern).", n=n)
     return ""
 
 
 def _expect_scalar(got: Any, what: str, dtype: torch.dtype) -> Tensor:
     """A 0-dimensional tensor in the logits' dtype, or in float32 (where the log-softmax may be computed)."""
     if type(got) is not Tensor:
-        raise CheckFailure(f"{what} should be a torch.Tensor (a 0-dimensional one, so that .backward() works), "
-                           f"got {kind(got)}.")
+        raise CheckFailure(t("{what} should be a torch.Tensor (a 0-dimensional one, so that .backward() works), got "
+                             "{kind}.", what=what, kind=kind(got)))
     if got.dim() != 0:
-        raise CheckFailure(f"{what} should be a single number (a 0-dimensional tensor), got shape {tuple(got.shape)}: "
-                           "reduce over every position.")
+        raise CheckFailure(t("{what} should be a single number (a 0-dimensional tensor), got shape {shape}: reduce "
+                             "over every position.", what=what, shape=tuple(got.shape)))
     if got.dtype not in (dtype, torch.float32):
-        raise CheckFailure(f"{what} should have dtype {dtype} like the logits (or float32), got {got.dtype}.")
+        raise CheckFailure(t("{what} should have dtype {dtype} like the logits (or float32), got {got}.", what=what,
+                             dtype=dtype, got=got.dtype))
     return got
 
 
@@ -433,68 +445,75 @@ def check_label_smoothed_loss(fn: Callable[..., Any], seed: int = 0, dtype: torc
                 if not raised_error(failure):
                     raise
                 raise _then(failure, _loss_error_hint(fn, dtype)) from None
-            got = _expect_scalar(result, f"The loss with {what}", dtype)
+            got = _expect_scalar(result, t("The loss with {what}", what=what), dtype)
             expected = _oracle_loss(logits, target, pad_id, smoothing, reduction)
             if not close(got, expected.to(got.dtype), got.dtype):
                 real = int((target != pad_id).sum())
-                raise CheckFailure(
-                    f"With {what} (batch={batch}, tgt_len={tgt_len}, vocab={vocab}, pad_id={pad_id}, {real} real "
-                    f"tokens of {target.numel()}), you returned the loss {got.item():.6g}; F.cross_entropy(..., "
-                    f"ignore_index=pad_id, label_smoothing={smoothing}, reduction={reduction!r}) gives "
-                    f"{expected.item():.6g}. {_diagnose_loss(fn, logits, target, pad_id, smoothing, reduction, got)}"
-                )
-    passed(f"label_smoothed_loss equals F.cross_entropy(ignore_index=pad_id, label_smoothing=...) for smoothing 0, 0.1 "
-           f"and 0.35, reductions 'mean' and 'sum' ({dtype_name(dtype)})")
+                raise CheckFailure(t(
+                    "With {what} (batch={batch}, tgt_len={tgt_len}, vocab={vocab}, pad_id={pad_id}, {real} real "
+                    "tokens of {total}), you returned the loss {got:.6g}; F.cross_entropy(..., ignore_index=pad_id, "
+                    "label_smoothing={smoothing}, reduction={reduction!r}) gives {expected:.6g}. {diagnosis}",
+                    what=what, batch=batch, tgt_len=tgt_len, vocab=vocab, pad_id=pad_id, real=real,
+                    total=target.numel(), got=got.item(), smoothing=smoothing, reduction=reduction,
+                    expected=expected.item(),
+                    diagnosis=_diagnose_loss(fn, logits, target, pad_id, smoothing, reduction, got)))
+    passed(t("label_smoothed_loss equals F.cross_entropy(ignore_index=pad_id, label_smoothing=...) for smoothing 0, "
+             "0.1 and 0.35, reductions 'mean' and 'sum' ({dtype})", dtype=dtype_name(dtype)))
 
 
 @check(forbid=BUILT_IN_LOSS)
 def check_label_smoothed_loss_edges(fn: Callable[..., Any], seed: int = 0) -> None:
     """Large logits do not overflow; an all-padding batch gives 0, not NaN; smoothing outside [0, 1) raises."""
     logits, target, pad_id = _loss_inputs(seed, torch.float32)
-    plain = _expect_scalar(call(fn, logits, target, pad_id, smoothing=0.1), "The loss", torch.float32)
-    shifted = _expect_scalar(call(fn, logits + 100, target, pad_id, smoothing=0.1), "The loss of logits + 100",
+    plain = _expect_scalar(call(fn, logits, target, pad_id, smoothing=0.1), t("The loss"), torch.float32)
+    shifted = _expect_scalar(call(fn, logits + 100, target, pad_id, smoothing=0.1), t("The loss of logits + 100"),
                              torch.float32)
     if not bool(torch.isfinite(shifted)):
-        raise CheckFailure(
-            f"With every logit raised by 100 your loss is {shifted.item()}: exp(100 + x) overflows float32. Adding a "
-            "constant to all logits changes no probability: use torch.log_softmax, which subtracts the largest logit "
-            "first, never exp then log."
-        )
+        raise CheckFailure(t(
+            "With every logit raised by 100 your loss is {loss}: exp(100 + x) overflows float32. Adding a constant to "
+            "all logits changes no probability: use torch.log_softmax, which subtracts the largest logit first, never "
+            "exp then log.", loss=shifted.item()))
     if not close(shifted, plain, torch.float32, tolerance=1e-4):
-        raise CheckFailure(
-            f"Adding 100 to every logit changes no probability, so it must not change the loss; yours goes from "
-            f"{plain.item():.6g} to {shifted.item():.6g}. Compute log-probabilities with torch.log_softmax."
-        )
+        raise CheckFailure(t(
+            "Adding 100 to every logit changes no probability, so it must not change the loss; yours goes from "
+            "{plain:.6g} to {shifted:.6g}. Compute log-probabilities with torch.log_softmax.", plain=plain.item(),
+            shifted=shifted.item()))
     empty = torch.full_like(target, pad_id)
     losses = {reduction: _expect_scalar(call(fn, logits, empty, pad_id, smoothing=0.1, reduction=reduction),
-                                        f"The loss of an all-padding batch (reduction={reduction!r})", torch.float32)
+                                        t("The loss of an all-padding batch (reduction={reduction!r})",
+                                          reduction=reduction), torch.float32)
               for reduction in ("mean", "sum")}
     for reduction, got in losses.items():
         if not bool(torch.isfinite(got)) or got.item() != 0.0:
             # 'sum' right and 'mean' not a number: the mean divided that 0 by a count of 0.
-            hint = (" Your 'sum' of it is 0, and your 'mean' divides that 0 by the number of real tokens, 0: divide by "
-                    "the count clamped to at least 1, real.sum().clamp(min=1)."
-                    if reduction == "mean" and losses["sum"].item() == 0.0 and bool(torch.isnan(got)) else "")
-            raise CheckFailure(
-                f"When every target is pad_id there is nothing to learn, so the loss (reduction={reduction!r}) must be "
-                f"0; yours is {got.item()}.{hint}"
-            )
+            hint = t(" Your 'sum' of it is 0, and your 'mean' divides that 0 by the number of real tokens, 0: divide "
+                     "by the count clamped to at least 1, real.sum().clamp(min=1).") \
+                if reduction == "mean" and losses["sum"].item() == 0.0 and bool(torch.isnan(got)) else ""
+            raise CheckFailure(t(
+                "When every target is pad_id there is nothing to learn, so the loss (reduction={reduction!r}) must be "
+                "0; yours is {loss}.{hint}", reduction=reduction, loss=got.item(), hint=hint))
     for smoothing in (1.0, -0.1, 1.5):
         error = call(_error_of, fn, logits, target, pad_id, smoothing=smoothing)
+        if error is None:
+            raise CheckFailure(t(
+                "label_smoothed_loss(..., smoothing={smoothing}) should raise a ValueError: smoothing is a share of "
+                "the target's probability, in [0, 1) (at 1 nothing would be left for the right token); it raised no "
+                "error.", smoothing=smoothing))
         if error != "ValueError":
-            raised = "no error" if error is None else f"a {error}"
-            raise CheckFailure(
-                f"label_smoothed_loss(..., smoothing={smoothing}) should raise a ValueError: smoothing is a share of "
-                f"the target's probability, in [0, 1) (at 1 nothing would be left for the right token); it raised "
-                f"{raised}."
-            )
+            raise CheckFailure(t(
+                "label_smoothed_loss(..., smoothing={smoothing}) should raise a ValueError: smoothing is a share of "
+                "the target's probability, in [0, 1) (at 1 nothing would be left for the right token); it raised a "
+                "{error}.", smoothing=smoothing, error=error))
     error = call(_error_of, fn, logits, target, pad_id, smoothing=0.1, reduction="none")
+    if error is None:
+        raise CheckFailure(t("label_smoothed_loss(..., reduction='none') should raise a ValueError: the loss knows "
+                             "'mean' and 'sum' only, and any other word is a typo to report; it raised no error."))
     if error != "ValueError":
-        raised = "no error" if error is None else f"a {error}"
-        raise CheckFailure(f"label_smoothed_loss(..., reduction='none') should raise a ValueError: the loss knows "
-                           f"'mean' and 'sum' only, and any other word is a typo to report; it raised {raised}.")
-    passed("label_smoothed_loss: no overflow at logits + 100, 0 for an all-padding batch, ValueError for smoothing "
-           "outside [0, 1) and for a reduction other than 'mean' or 'sum'")
+        raise CheckFailure(t("label_smoothed_loss(..., reduction='none') should raise a ValueError: the loss knows "
+                             "'mean' and 'sum' only, and any other word is a typo to report; it raised a {error}.",
+                             error=error))
+    passed(t("label_smoothed_loss: no overflow at logits + 100, 0 for an all-padding batch, ValueError for smoothing "
+             "outside [0, 1) and for a reduction other than 'mean' or 'sum'"))
 
 
 # -- exercise 2: the learning-rate schedule ------------------------------------------------
@@ -515,27 +534,30 @@ def _schedules(seed: int) -> list[tuple[int, int]]:
 
 def _diagnose_schedule(lr: dict[int, float], peak: float, warmup: int) -> str:
     tolerance = 1e-6 * peak
-    rise = (f"during warmup the rate rises in a straight line, step / warmup · peak_lr, from peak_lr / warmup = "
-            f"{peak / warmup:.4g} at step 1 to peak_lr at step warmup, and only then decays")
+    rise = t("during warmup the rate rises in a straight line, step / warmup · peak_lr, from peak_lr / warmup = "
+             "{start:.4g} at step 1 to peak_lr at step warmup, and only then decays", start=peak / warmup)
     if lr[1] > peak + tolerance:
-        return (f"At step 1 your rate, {lr[1]:.4g}, is above peak_lr: you took the larger of the rise and the decay. "
-                f"Take the smaller, min(step / warmup, sqrt(warmup / step)): {rise}.")
+        return t("At step 1 your rate, {first:.4g}, is above peak_lr: you took the larger of the rise and the decay. "
+                 "Take the smaller, min(step / warmup, sqrt(warmup / step)): {rise}.", first=lr[1], rise=rise)
     if abs(lr[1] - peak) <= tolerance or lr[1] > 2 * peak / warmup + tolerance:
-        return f"Your rate starts near its peak ({lr[1]:.4g} at step 1), with no warmup: {rise}."
+        return t("Your rate starts near its peak ({first:.4g} at step 1), with no warmup: {rise}.", first=lr[1],
+                 rise=rise)
     best = max(lr, key=lambda s: lr[s])
     if best in (warmup - 1, warmup + 1) or abs(lr.get(warmup - 1, 0.0) - peak) <= tolerance or \
             abs(lr[warmup + 1] - peak) <= tolerance:
         at = warmup - 1 if abs(lr.get(warmup - 1, 0.0) - peak) <= tolerance or best == warmup - 1 else warmup + 1
-        return (f"Off by one: your rate peaks at step {at}, not at step warmup = {warmup}. Steps count from 1, and "
-                f"the rate at step warmup is exactly peak_lr: peak_lr · min(step / warmup, sqrt(warmup / step)).")
+        return t("Off by one: your rate peaks at step {at}, not at step warmup = {warmup}. Steps count from 1, and "
+                 "the rate at step warmup is exactly peak_lr: peak_lr · min(step / warmup, sqrt(warmup / step)).",
+                 at=at, warmup=warmup)
     late = 10 * warmup
     if abs(lr[late] - peak / 10) <= 1e-3 * peak:
-        return (f"After warmup your rate falls as 1 / step: at 10 · warmup it is peak_lr / 10 = {lr[late]:.4g}. The "
-                f"paper's decays as 1 / sqrt(step): peak_lr · sqrt(warmup / step), {peak / math.sqrt(10):.4g} there.")
+        return t("After warmup your rate falls as 1 / step: at 10 · warmup it is peak_lr / 10 = {late:.4g}. The "
+                 "paper's decays as 1 / sqrt(step): peak_lr · sqrt(warmup / step), {right:.4g} there.",
+                 late=lr[late], right=peak / math.sqrt(10))
     if abs(lr[1] - peak / warmup) > tolerance:
-        return (f"At step 1 the rate is peak_lr / warmup = {peak / warmup:.4g}, the first step of a straight-line "
-                f"rise to peak_lr at step warmup; yours is {lr[1]:.4g}.")
-    return "The rate is peak_lr · min(step / warmup, sqrt(warmup / step)), steps counting from 1."
+        return t("At step 1 the rate is peak_lr / warmup = {start:.4g}, the first step of a straight-line rise to "
+                 "peak_lr at step warmup; yours is {first:.4g}.", start=peak / warmup, first=lr[1])
+    return t("The rate is peak_lr · min(step / warmup, sqrt(warmup / step)), steps counting from 1.")
 
 
 def _guard_hint(fn: Callable[..., Any], step: int, peak: float, warmup: int) -> str:
@@ -544,13 +566,14 @@ def _guard_hint(fn: Callable[..., Any], step: int, peak: float, warmup: int) -> 
         return call(_error_of, fn, s, peak, w)
 
     if warmup == 1 and error(step, 2) is None:
-        return (" Your guard on warmup rejects warmup = 1, which is valid (the peak at step 1, then the decay): only "
-                "warmup < 1 is an error.")
+        return t(" Your guard on warmup rejects warmup = 1, which is valid (the peak at step 1, then the decay): only "
+                 "warmup < 1 is an error.")
     if step == 1 and error(2, warmup) is None:
-        return " Your guard on step rejects step = 1, the first step: steps count from 1, so only step < 1 is an error."
+        return t(" Your guard on step rejects step = 1, the first step: steps count from 1, so only step < 1 is an "
+                 "error.")
     if error(step + 1, warmup) == "ValueError" and error(0, warmup) != "ValueError":
-        return (f" Your guard on step is inverted: it raises a ValueError for steps {step} and {step + 1}, which are "
-                "valid, and none for step 0, which is not: raise when step < 1.")
+        return t(" Your guard on step is inverted: it raises a ValueError for steps {step} and {step_after}, which "
+                 "are valid, and none for step 0, which is not: raise when step < 1.", step=step, step_after=step + 1)
     return ""
 
 
@@ -570,17 +593,19 @@ def check_inverse_sqrt_lr(fn: Callable[..., Any], seed: int = 0) -> None:
                     raise
                 raise _then(failure, _guard_hint(fn, step, peak, warmup)) from None
             if type(got) is not float:
-                raise CheckFailure(f"inverse_sqrt_lr({step}, {peak:.4g}, {warmup}) should return a Python float (the "
-                                   f"optimiser's lr), got {kind(got)}. Use math.sqrt on numbers, not tensors.")
+                raise CheckFailure(t("inverse_sqrt_lr({step}, {peak:.4g}, {warmup}) should return a Python float (the "
+                                     "optimiser's lr), got {kind}. Use math.sqrt on numbers, not tensors.", step=step,
+                                     peak=peak, warmup=warmup, kind=kind(got)))
             lr[step] = got
         for step in steps:
             expected = _paper_lr(step, d_model, warmup)
             if not math.isclose(lr[step], expected, rel_tol=1e-9, abs_tol=1e-15):
-                raise CheckFailure(
-                    f"With warmup={warmup} and peak_lr={peak:.6g} (the paper's (d_model · warmup)^-0.5 for "
-                    f"d_model={d_model}), the rate at step {step} is d_model^-0.5 · min(step^-0.5, step · "
-                    f"warmup^-1.5) = {expected:.6g}; yours is {lr[step]:.6g}. {_diagnose_schedule(lr, peak, warmup)}"
-                )
+                raise CheckFailure(t(
+                    "With warmup={warmup} and peak_lr={peak:.6g} (the paper's (d_model · warmup)^-0.5 for "
+                    "d_model={d_model}), the rate at step {step} is d_model^-0.5 · min(step^-0.5, step · "
+                    "warmup^-1.5) = {expected:.6g}; yours is {got:.6g}. {diagnosis}", warmup=warmup, peak=peak,
+                    d_model=d_model, step=step, expected=expected, got=lr[step],
+                    diagnosis=_diagnose_schedule(lr, peak, warmup)))
     # warmup = 1 is the shortest warmup there is: the peak at step 1, then the decay.
     for step in (1, 4):
         expected = 1e-3 * min(step, step ** -0.5)
@@ -591,17 +616,21 @@ def check_inverse_sqrt_lr(fn: Callable[..., Any], seed: int = 0) -> None:
                 raise
             raise _then(failure, _guard_hint(fn, step, 1e-3, 1)) from None
         if type(got) is not float or not math.isclose(got, expected, rel_tol=1e-9):
-            raise CheckFailure(f"With warmup=1 (no rise: the peak at step 1, then the decay) the rate at step {step} "
-                               f"with peak_lr=0.001 is {expected:.6g}; yours is {got!r}.")
-    for step, warmup, why in ((0, 10, "steps count from 1"), (-3, 10, "steps count from 1"),
-                              (5, 0, "warmup is at least 1 step")):
+            raise CheckFailure(t("With warmup=1 (no rise: the peak at step 1, then the decay) the rate at step {step} "
+                                 "with peak_lr=0.001 is {expected:.6g}; yours is {got!r}.", step=step,
+                                 expected=expected, got=got))
+    for step, warmup, why in ((0, 10, t("steps count from 1")), (-3, 10, t("steps count from 1")),
+                              (5, 0, t("warmup is at least 1 step"))):
         error = call(_error_of, fn, step, 1e-3, warmup)
+        if error is None:
+            raise CheckFailure(t("inverse_sqrt_lr(step={step}, peak_lr=0.001, warmup={warmup}) should raise a "
+                                 "ValueError ({why}); it raised no error.", step=step, warmup=warmup, why=why))
         if error != "ValueError":
-            raised = "no error" if error is None else f"a {error}"
-            raise CheckFailure(f"inverse_sqrt_lr(step={step}, peak_lr=0.001, warmup={warmup}) should raise a "
-                               f"ValueError ({why}); it raised {raised}.")
-    passed("inverse_sqrt_lr equals the paper's d_model^-0.5 · min(step^-0.5, step · warmup^-1.5): the rise, the "
-           "peak at step warmup, the 1/sqrt decay; ValueError for step < 1 and warmup < 1")
+            raise CheckFailure(t("inverse_sqrt_lr(step={step}, peak_lr=0.001, warmup={warmup}) should raise a "
+                                 "ValueError ({why}); it raised a {error}.", step=step, warmup=warmup, why=why,
+                                 error=error))
+    passed(t("inverse_sqrt_lr equals the paper's d_model^-0.5 · min(step^-0.5, step · warmup^-1.5): the rise, the "
+             "peak at step warmup, the 1/sqrt decay; ValueError for step < 1 and warmup < 1"))
 
 
 # -- exercise 3: one training step ----------------------------------------------------------
@@ -688,33 +717,34 @@ def _mistaken_step(model: nn.Module, optimizer: torch.optim.Optimizer, src: Tens
     return loss.item()
 
 
-_WHOLE_TARGET = ("Your decoder read the whole target, including the token it must predict: with the causal mask a "
-                 "position may read itself, so it learns to copy. Teacher forcing feeds tgt[:, :-1] (<s> y_1 ... "
-                 "y_n) to the decoder and trains each position to predict the next token, tgt[:, 1:] (y_1 ... </s>).")
-_STEP_MISTAKES = {
+_WHOLE_TARGET = marked("Your decoder read the whole target, including the token it must predict: with the causal mask "
+                       "a position may read itself, so it learns to copy. Teacher forcing feeds tgt[:, :-1] (<s> y_1 "
+                       "... y_n) to the decoder and trains each position to predict the next token, tgt[:, 1:] (y_1 "
+                       "... </s>).")
+_STEP_MISTAKES = {  # shown with tr()
     "reads": {
         "whole": _WHOLE_TARGET,
         "same": _WHOLE_TARGET,
-        "backwards": "You shifted the wrong way: the decoder reads tgt[:, :-1] (starting with <s>) and predicts "
-                     "tgt[:, 1:] (ending with </s>), not the reverse.",
+        "backwards": marked("You shifted the wrong way: the decoder reads tgt[:, :-1] (starting with <s>) and predicts "
+                            "tgt[:, 1:] (ending with </s>), not the reverse."),
     },
     "clip": {
-        "none": "No clipping: the parameters moved as if the gradients had not been clipped. Before the optimiser "
-                "step, scale the gradients so that their global norm is at most clip_norm "
-                "(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)).",
-        "value": "You clipped each gradient entry (clip_grad_value_); the recipe clips the global norm of all the "
-                 "gradients together (clip_grad_norm_), which keeps their direction.",
+        "none": marked("No clipping: the parameters moved as if the gradients had not been clipped. Before the "
+                       "optimiser step, scale the gradients so that their global norm is at most clip_norm "
+                       "(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))."),
+        "value": marked("You clipped each gradient entry (clip_grad_value_); the recipe clips the global norm of all "
+                        "the gradients together (clip_grad_norm_), which keeps their direction."),
     },
     "set_lr": {
-        "none": "lr not set: the optimiser stepped with the learning rate it was built with. Set group['lr'] = lr "
-                "for every group in optimizer.param_groups before optimizer.step().",
-        "first": "lr set on the first parameter group only (optimizer.param_groups[0]): an optimiser can hold "
-                 "several groups (say, with and without weight decay). Set group['lr'] = lr for every group in "
-                 "optimizer.param_groups.",
+        "none": marked("lr not set: the optimiser stepped with the learning rate it was built with. Set "
+                       "group['lr'] = lr for every group in optimizer.param_groups before optimizer.step()."),
+        "first": marked("lr set on the first parameter group only (optimizer.param_groups[0]): an optimiser can hold "
+                        "several groups (say, with and without weight decay). Set group['lr'] = lr for every group in "
+                        "optimizer.param_groups."),
     },
     "zero": {
-        False: "Gradients accumulate across steps: zero them. backward() adds to .grad, so the second step also "
-               "followed the first batch's gradients: call optimizer.zero_grad() after optimizer.step().",
+        False: marked("Gradients accumulate across steps: zero them. backward() adds to .grad, so the second step also "
+                      "followed the first batch's gradients: call optimizer.zero_grad() after optimizer.step()."),
     },
 }
 
@@ -758,7 +788,7 @@ def _diagnose_steps(seed: int, vocab: int, steps: list[tuple[Tensor, Tensor, flo
         for value, hint in hints.items():
             their_losses, their_params = _step_twin(seed, vocab, steps, **{switch: value})
             if _same_losses(losses, their_losses) and (check_losses or _same_parameters(params, their_params)):
-                return hint
+                return tr(hint)
     return ""
 
 
@@ -773,7 +803,7 @@ def _slice_of(part: Any, tgt: Tensor) -> str:
                 if b - a == part.shape[1] and torch.equal(part, tgt[:, a:b]):
                     end = "" if b == n else "0" if b == 0 else str(b - n)
                     return f"tgt[:, {a or ''}:{end}]"
-    return f"a tensor of shape {tuple(part.shape)}"
+    return t("a tensor of shape {shape}", shape=tuple(part.shape))
 
 
 def _observe_step(fn: Callable[..., Any], seed: int, vocab: int,
@@ -818,14 +848,15 @@ def _step_error_hint(fn: Callable[..., Any], seed: int, vocab: int,
         return ""
     decoder, target = seen.get("decoder") or [], seen.get("target") or []
     if decoder and decoder[0] != "tgt[:, :-1]":
-        return (f" Your train_step fed the decoder {decoder[0]}: teacher forcing feeds it tgt[:, :-1], every token but "
-                "the last, and the loss compares with tgt[:, 1:], the next token at each position.")
+        return t(" Your train_step fed the decoder {decoder}: teacher forcing feeds it tgt[:, :-1], every token but "
+                 "the last, and the loss compares with tgt[:, 1:], the next token at each position.",
+                 decoder=decoder[0])
     if target and target[0] != "tgt[:, 1:]":
-        return (f" Your decoder read tgt[:, :-1], as it should, but your loss compared its logits with {target[0]}: "
-                "each position predicts the next token, tgt[:, 1:].")
+        return t(" Your decoder read tgt[:, :-1], as it should, but your loss compared its logits with {target}: "
+                 "each position predicts the next token, tgt[:, 1:].", target=target[0])
     if not seen.get("error") and seen.get("returned") == "Tensor":
-        return (" Called without its annotations' checks, your train_step returns a tensor where its signature says "
-                "float: return loss.item(), a Python float that holds no graph.")
+        return t(" Called without its annotations' checks, your train_step returns a tensor where its signature says "
+                 "float: return loss.item(), a Python float that holds no graph.")
     src, tgt, lr, smoothing, clip_norm = steps[0]
     model = _step_model(seed, vocab)
     return _where(fn, model, _optimizer(model), src, tgt, _specials(seed, vocab)[0], lr, smoothing=smoothing,
@@ -842,31 +873,37 @@ def _compare_steps(fn: Callable[..., Any], seed: int, vocab: int,
         raise _then(failure, _step_error_hint(fn, seed, vocab, steps)) from None
     expected_losses, expected_params = _step_twin(seed, vocab, steps)
     for loss in losses:
+        if type(loss) is Tensor:
+            raise CheckFailure(t("train_step should return the batch's loss as a Python float (a tensor: return "
+                                 "loss.item()), got {kind}: a float holds no graph, so a training loop can keep a list "
+                                 "of them.", kind=kind(loss)))
         if type(loss) is not float:
-            hint = " (a tensor: return loss.item())" if type(loss) is Tensor else ""
-            raise CheckFailure(f"train_step should return the batch's loss as a Python float{hint}, got {kind(loss)}: "
-                               "a float holds no graph, so a training loop can keep a list of them.")
+            raise CheckFailure(t("train_step should return the batch's loss as a Python float, got {kind}: a float "
+                                 "holds no graph, so a training loop can keep a list of them.", kind=kind(loss)))
     for number, (loss, expected) in enumerate(zip(losses, expected_losses, strict=True), start=1):
         if not math.isclose(loss, expected, rel_tol=1e-6, abs_tol=1e-6):
             src, tgt, lr, smoothing, clip_norm = steps[number - 1]
-            hint = _diagnose_steps(seed, vocab, steps[:number], losses[:number], params, check_losses=True) or (
+            hint = _diagnose_steps(seed, vocab, steps[:number], losses[:number], params, check_losses=True) or t(
                 "The loss is your label_smoothed_loss of model(src, tgt[:, :-1]) against tgt[:, 1:], with pad_id and "
                 "smoothing, computed before the step.")
             batch, src_len = src.shape
-            raise CheckFailure(f"{what}: step {number} (smoothing={smoothing}; batch={batch}, src_len={src_len}, "
-                               f"tgt_len={tgt.shape[1]}, vocab={vocab}) returned the loss {loss:.6g}; the recipe's "
-                               f"step gives {expected:.6g}. {hint}")
+            raise CheckFailure(t("{what}: step {number} (smoothing={smoothing}; batch={batch}, src_len={src_len}, "
+                                 "tgt_len={tgt_len}, vocab={vocab}) returned the loss {loss:.6g}; the recipe's step "
+                                 "gives {expected:.6g}. {hint}", what=what, number=number, smoothing=smoothing,
+                                 batch=batch, src_len=src_len, tgt_len=tgt.shape[1], vocab=vocab, loss=loss,
+                                 expected=expected, hint=hint))
     if not _same_parameters(params, expected_params):
         if type(params) is not dict or set(params) != set(expected_params):
-            raise CheckFailure("train_step changed which parameters the model has: it should only update them.")
+            raise CheckFailure(t("train_step changed which parameters the model has: it should only update them."))
         wrong = [name for name, value in expected_params.items()
                  if not close(params[name], value, torch.float64, tolerance=1e-6)]
-        hint = _diagnose_steps(seed, vocab, steps, losses, params, check_losses=False) or (
+        hint = _diagnose_steps(seed, vocab, steps, losses, params, check_losses=False) or t(
             "After the loss: backward, clip the gradients' global norm to clip_norm, set lr on every parameter group, "
             "optimizer.step(), then clear the gradients.")
-        raise CheckFailure(f"{what}: your losses are right, but after the step {len(wrong)} of {len(expected_params)} "
-                           f"parameters differ from the recipe's (e.g. {wrong[0]}: "
-                           f"{difference(params[wrong[0]], expected_params[wrong[0]])}). {hint}")
+        raise CheckFailure(t("{what}: your losses are right, but after the step {wrong} of {total} parameters differ "
+                             "from the recipe's (e.g. {name}: {difference}). {hint}", what=what, wrong=len(wrong),
+                             total=len(expected_params), name=wrong[0],
+                             difference=difference(params[wrong[0]], expected_params[wrong[0]]), hint=hint))
 
 
 @check(forbid=BUILT_IN_LOSS)
@@ -879,13 +916,14 @@ def check_train_step(fn: Callable[..., Any], seed: int = 0) -> None:
         # Small enough that clipping changes the step: a third of the first gradient's norm.
         clip_norm = _gradient_norm(_step_model(seed, vocab), src, tgt, pad_id, 0.1) / 3
         for what, steps in (
-            (f"With smoothing 0.1 and clip_norm={clip_norm:.3g} (a third of the gradient's norm)",
-             [(src, tgt, 2e-3, 0.1, clip_norm)]),
-            ("With smoothing 0 and a clip_norm too large to matter", [(src, tgt, 5e-4, 0.0, _NO_CLIP)]),
+            (t("With smoothing 0.1 and clip_norm={clip_norm:.3g} (a third of the gradient's norm)",
+               clip_norm=clip_norm), [(src, tgt, 2e-3, 0.1, clip_norm)]),
+            (t("With smoothing 0 and a clip_norm too large to matter"), [(src, tgt, 5e-4, 0.0, _NO_CLIP)]),
         ):
             _compare_steps(fn, seed, vocab, steps, what)
-    passed(f"train_step equals the recipe's step (batch={batch}, src_len={src_len}, tgt_len={tgt_len}, vocab={vocab}): "
-           "teacher forcing, label smoothing, padding ignored, gradient clipping, lr set, the loss as a float")
+    passed(t("train_step equals the recipe's step (batch={batch}, src_len={src_len}, tgt_len={tgt_len}, "
+             "vocab={vocab}): teacher forcing, label smoothing, padding ignored, gradient clipping, lr set, the loss "
+             "as a float", batch=batch, src_len=src_len, tgt_len=tgt_len, vocab=vocab))
 
 
 @check(forbid=BUILT_IN_LOSS)
@@ -896,9 +934,9 @@ def check_train_steps(fn: Callable[..., Any], seed: int = 0) -> None:
     second = _sentence_batch(seed + 1000, batch, src_len, tgt_len, vocab)
     with one_thread():
         _compare_steps(fn, seed, vocab, [(*first, 1e-3, 0.0, _NO_CLIP), (*second, 3e-3, 0.0, _NO_CLIP)],
-                       "Two steps in a row (lr 0.001, then 0.003) on one model and optimiser")
-    passed("two train_steps in a row equal the recipe's: the gradients are cleared after each step, each step "
-           "uses its own lr")
+                       t("Two steps in a row (lr 0.001, then 0.003) on one model and optimiser"))
+    passed(t("two train_steps in a row equal the recipe's: the gradients are cleared after each step, each step "
+             "uses its own lr"))
 
 
 
@@ -928,9 +966,9 @@ def _brute_force(scores: Tensor, log_probs: Tensor, k: int) -> tuple[Tensor, Ten
     return torch.stack(best), torch.tensor(beams), torch.tensor(tokens)
 
 
-_PER_BEAM = ("You took the top candidates of each beam separately, so that every beam supplied its share of the "
-             "winners (even a beam scored -inf). All beam · vocab candidates of a sentence compete together: flatten "
-             "(beam vocab), then one topk; a strong beam may supply several winners and a weak one none.")
+_PER_BEAM = marked("You took the top candidates of each beam separately, so that every beam supplied its share of the "
+                   "winners (even a beam scored -inf). All beam · vocab candidates of a sentence compete together: "
+                   "flatten (beam vocab), then one topk; a strong beam may supply several winners and a weak one none.")
 
 
 def _beam_variants(scores: Tensor, log_probs: Tensor, k: int) -> list[tuple[str, Tensor, Tensor]]:
@@ -940,11 +978,11 @@ def _beam_variants(scores: Tensor, log_probs: Tensor, k: int) -> list[tuple[str,
     candidates = rearrange(scores, "batch beam -> batch beam 1") + log_probs
     flat = rearrange(candidates, "batch beam vocab -> batch (beam vocab)").topk(k, dim=-1).indices
     unscored = rearrange(log_probs, "batch beam vocab -> batch (beam vocab)").topk(k, dim=-1).indices
-    by_beam = ("You decoded the flat index with % beam and // beam: in the (beam vocab) order, candidate c extends "
-               "beam c // vocab with token c % vocab.")
+    by_beam = t("You decoded the flat index with % beam and // beam: in the (beam vocab) order, candidate c extends "
+                "beam c // vocab with token c % vocab.")
     return [
-        ("You ranked the candidates by the new token's log-probability alone: the previous scores were not added. A "
-         "candidate's score is scores[beam] + log_probs[beam, token].", unscored // vocab, unscored % vocab),
+        (t("You ranked the candidates by the new token's log-probability alone: the previous scores were not added. A "
+           "candidate's score is scores[beam] + log_probs[beam, token]."), unscored // vocab, unscored % vocab),
         (by_beam, flat // beam, flat % beam),
         (by_beam, flat % beam, flat // beam),
     ]
@@ -976,11 +1014,11 @@ def _beam_cases(seed: int, dtype: torch.dtype) -> list[tuple[str, Tensor, Tensor
     ahead[:, 0] = -0.5
     ahead -= torch.rand(batch, beam, generator=g, dtype=dtype)
     return [
-        ("the first step (only beam 0 is real, the others score -inf)", first, log_probs(), 2 * beam),
-        ("beams with different scores", scores, log_probs(), beam),
-        ("one beam far ahead of the others", ahead, log_probs(), 2 * beam),
+        (t("the first step (only beam 0 is real, the others score -inf)"), first, log_probs(), 2 * beam),
+        (t("beams with different scores"), scores, log_probs(), beam),
+        (t("one beam far ahead of the others"), ahead, log_probs(), 2 * beam),
         ("k = 1", scores, log_probs(), 1),
-        ("k = beam · vocab (every candidate, best first)", scores, log_probs(), beam * vocab),
+        (t("k = beam · vocab (every candidate, best first)"), scores, log_probs(), beam * vocab),
     ]
 
 
@@ -1010,19 +1048,22 @@ def _square_variants(scores: Tensor, log_probs: Tensor, k: int) -> dict[str, Ten
     """The winners' scores that the axis mix-ups give, where batch = beam = vocab."""
     right = rearrange(scores, "batch beam -> batch beam 1") + log_probs
     flat = rearrange(right, "batch beam vocab -> batch (beam vocab)")
-    return {
-        "its winners are those of each beam's score added along the vocab axis (scores broadcast as batch 1 beam): "
-        "a beam's score goes with every token of that beam, rearrange(scores, 'batch beam -> batch beam 1')":
+    return {  # each a template of the hint, with the size {n}: shown with tr()
+        marked(" Where batch = beam = vocab = {n} your beam_step runs, and its winners are those of each beam's score "
+               "added along the vocab axis (scores broadcast as batch 1 beam): a beam's score goes with every token "
+               "of that beam, rearrange(scores, 'batch beam -> batch beam 1')."):
             rearrange(rearrange(scores, "batch beam -> batch 1 beam") + log_probs,
                       "batch beam vocab -> batch (beam vocab)").topk(k, dim=-1).values,
-        "its winners are those of scores transposed, (beam, batch), before they are added: rearrange(scores, 'batch "
-        "beam -> batch beam 1')":
+        marked(" Where batch = beam = vocab = {n} your beam_step runs, and its winners are those of scores "
+               "transposed, (beam, batch), before they are added: rearrange(scores, 'batch beam -> batch beam 1')."):
             rearrange(rearrange(scores, "batch beam -> beam batch 1") + log_probs,
                       "batch beam vocab -> batch (beam vocab)").topk(k, dim=-1).values,
-        "its winners are those of a topk along the batch axis (dim -2 of the flattened (batch, beam · vocab) "
-        "scores): take it along dim=-1": flat.topk(k, dim=-2).values,
-        "its winners are those of candidates flattened to ((beam vocab), batch), a topk along the batch axis: "
-        "flatten 'batch beam vocab -> batch (beam vocab)'":
+        marked(" Where batch = beam = vocab = {n} your beam_step runs, and its winners are those of a topk along the "
+               "batch axis (dim -2 of the flattened (batch, beam · vocab) scores): take it along dim=-1."):
+            flat.topk(k, dim=-2).values,
+        marked(" Where batch = beam = vocab = {n} your beam_step runs, and its winners are those of candidates "
+               "flattened to ((beam vocab), batch), a topk along the batch axis: flatten 'batch beam vocab -> batch "
+               "(beam vocab)'."):
             rearrange(right, "batch beam vocab -> (beam vocab) batch").topk(k, dim=-1).values,
     }
 
@@ -1033,12 +1074,15 @@ def _beam_error_hint(fn: Callable[..., Any], scores: Tensor, log_probs: Tensor, 
     if error == "ValueError":
         accepted = call(_accepted, fn, scores, log_probs, beam * vocab)
         if accepted == list(range(1, vocab + 1)):
-            return (f" Your beam_step accepts k up to vocab = {vocab} and raises a ValueError above: your bound on k "
-                    f"is vocab, without the factor beam. All beam · vocab = {beam * vocab} candidates compete, so k "
-                    "may be anything from 1 to beam · vocab.")
+            return t(" Your beam_step accepts k up to vocab = {vocab} and raises a ValueError above: your bound on k "
+                     "is vocab, without the factor beam. All beam · vocab = {candidates} candidates compete, so k may "
+                     "be anything from 1 to beam · vocab.", vocab=vocab, candidates=beam * vocab)
+        if type(accepted) is list and k not in accepted and accepted:
+            return t(" k = {k} is valid (1 ≤ k ≤ beam · vocab = {candidates}); your beam_step accepts k in "
+                     "{accepted}: look at your check of k.", k=k, candidates=beam * vocab, accepted=accepted)
         if type(accepted) is list and k not in accepted:
-            return (f" k = {k} is valid (1 ≤ k ≤ beam · vocab = {beam * vocab}); your beam_step accepts k in "
-                    f"{accepted or 'none of them'}: look at your check of k.")
+            return t(" k = {k} is valid (1 ≤ k ≤ beam · vocab = {candidates}); your beam_step accepts k in none of "
+                     "them: look at your check of k.", k=k, candidates=beam * vocab)
     # One winner: a candidate set without the log-probabilities still runs, and shows it in its score.
     try:
         result = call(fn, scores, log_probs, 1)
@@ -1048,9 +1092,9 @@ def _beam_error_hint(fn: Callable[..., Any], scores: Tensor, log_probs: Tensor, 
     if type(best) is Tensor and best.shape == (scores.shape[0], 1) and close(
             best, scores.max(dim=-1, keepdim=True).values, scores.dtype) and not close(
             best, _brute_force(scores, log_probs, 1)[0], scores.dtype):
-        return (" With k = 1 your beam_step runs, and its winners' scores are the beams' own scores: the log_probs "
-                "were not added, without them there are only beam candidates. A candidate's score is scores[beam] + "
-                "log_probs[beam, token].")
+        return t(" With k = 1 your beam_step runs, and its winners' scores are the beams' own scores: the log_probs "
+                 "were not added, without them there are only beam candidates. A candidate's score is scores[beam] + "
+                 "log_probs[beam, token].")
     square, square_log_probs = _square_beams(scores.dtype)
     n = square.shape[0]
     try:
@@ -1062,11 +1106,11 @@ def _beam_error_hint(fn: Callable[..., Any], scores: Tensor, log_probs: Tensor, 
         return ""
     for hint, wrong in _square_variants(square, square_log_probs, 2).items():
         if close(got[0], wrong, scores.dtype):
-            return f" Where batch = beam = vocab = {n} your beam_step runs, and {hint}."
+            return tr(hint, n=n)
     if close(got[0], _brute_force(square, square_log_probs, 2)[0], scores.dtype):
-        return (f" Where batch = beam = vocab = {n} your beam_step runs and picks the right winners: somewhere an axis "
-                "is taken in the wrong place, which only shows when the sizes differ (look at each dim= and einops "
-                "pattern).")
+        return t(" Where batch = beam = vocab = {n} your beam_step runs and picks the right winners: somewhere an axis "
+                 "is taken in the wrong place, which only shows when the sizes differ (look at each dim= and einops "
+                 "pattern).", n=n)
     return ""
 
 
@@ -1082,51 +1126,57 @@ def check_beam_step(fn: Callable[..., Any], seed: int = 0, dtype: torch.dtype = 
                 raise
             raise _then(failure, _beam_error_hint(fn, scores, log_probs, k, error)) from None
         if type(result) is not tuple or len(result) != 3 or any(type(r) is not Tensor for r in result):
-            raise CheckFailure(f"beam_step should return a tuple of three tensors (scores, beams, tokens), got "
-                               f"{kind(result)}.")
+            raise CheckFailure(t("beam_step should return a tuple of three tensors (scores, beams, tokens), got "
+                                 "{kind}.", kind=kind(result)))
         best, beams, tokens = result
         expected_best, expected_beams, expected_tokens = _brute_force(scores, log_probs, k)
         for name, got in (("scores", best), ("beams", beams), ("tokens", tokens)):
             if tuple(got.shape) != (batch, k):
-                hint = (" That is one top-k per beam: all beam · vocab candidates of a sentence compete together, so "
-                        "flatten them to (batch, beam · vocab) before topk."
-                        if tuple(got.shape) in ((batch, beam, k), (batch, beam * k)) else "")
-                raise CheckFailure(f"For {what}, the {name} should have shape (batch={batch}, k={k}), got "
-                                   f"{tuple(got.shape)}.{hint}")
+                hint = t(" That is one top-k per beam: all beam · vocab candidates of a sentence compete together, "
+                         "so flatten them to (batch, beam · vocab) before topk.") \
+                    if tuple(got.shape) in ((batch, beam, k), (batch, beam * k)) else ""
+                raise CheckFailure(t("For {what}, the {name} should have shape (batch={batch}, k={k}), got "
+                                     "{shape}.{hint}", what=what, name=name, batch=batch, k=k, shape=tuple(got.shape),
+                                     hint=hint))
         if best.dtype != dtype:
-            raise CheckFailure(f"The scores should have dtype {dtype} like the inputs, got {best.dtype}.")
+            raise CheckFailure(t("The scores should have dtype {dtype} like the inputs, got {got}.", dtype=dtype,
+                                 got=best.dtype))
         if beams.dtype != torch.long or tokens.dtype != torch.long:
-            raise CheckFailure(f"The beams and tokens should be torch.long indices (as topk's are), got {beams.dtype} "
-                               f"and {tokens.dtype}.")
+            raise CheckFailure(t("The beams and tokens should be torch.long indices (as topk's are), got "
+                                 "{beams_dtype} and {tokens_dtype}.", beams_dtype=beams.dtype,
+                                 tokens_dtype=tokens.dtype))
         if torch.equal(beams, expected_beams) and torch.equal(tokens, expected_tokens) and close(
                 best, expected_best, dtype):
             continue
         if torch.equal(beams, expected_beams) and torch.equal(tokens, expected_tokens):
-            raise CheckFailure(f"For {what}, you chose the right candidates but returned other scores: each winner's "
-                               "score is scores[beam] + log_probs[beam, token].")
-        hint = next((h for h, b, t in _beam_variants(scores, log_probs, k)
-                     if torch.equal(beams, b) and torch.equal(tokens, t)), None)
+            raise CheckFailure(t("For {what}, you chose the right candidates but returned other scores: each "
+                                 "winner's score is scores[beam] + log_probs[beam, token].", what=what))
+        hint = next((h for h, b, tok in _beam_variants(scores, log_probs, k)
+                     if torch.equal(beams, b) and torch.equal(tokens, tok)), None)
         if hint is None and _shared_out(beams, expected_beams, beam, k):
-            hint = _PER_BEAM
+            hint = tr(_PER_BEAM)
         if hint is None and sorted(zip(beams.flatten().tolist(), tokens.flatten().tolist(), strict=True)) == sorted(
                 zip(expected_beams.flatten().tolist(), expected_tokens.flatten().tolist(), strict=True)):
-            hint = "You found the right winners but not best first: return them sorted by score, descending."
-        hint = hint or ("Score every candidate, scores[:, :, None] + log_probs, flatten (beam vocab), take the top k, "
-                        "and decode each flat index c as beam c // vocab, token c % vocab.")
+            hint = t("You found the right winners but not best first: return them sorted by score, descending.")
+        hint = hint or t("Score every candidate, scores[:, :, None] + log_probs, flatten (beam vocab), take the top "
+                         "k, and decode each flat index c as beam c // vocab, token c % vocab.")
         small = batch * k <= 12
-        shown = (f" Your (beam, token) pairs: {_pairs(beams, tokens)}; expected "
-                 f"{_pairs(expected_beams, expected_tokens)}." if small else "")
-        raise CheckFailure(f"For {what} (batch={batch}, beam={beam}, vocab={vocab}, k={k}), your winners differ from "
-                           f"the best k of all beam · vocab candidates.{shown} {hint}")
+        shown = t(" Your (beam, token) pairs: {pairs}; expected {expected}.", pairs=_pairs(beams, tokens),
+                  expected=_pairs(expected_beams, expected_tokens)) if small else ""
+        raise CheckFailure(t("For {what} (batch={batch}, beam={beam}, vocab={vocab}, k={k}), your winners differ from "
+                             "the best k of all beam · vocab candidates.{shown} {hint}", what=what, batch=batch,
+                             beam=beam, vocab=vocab, k=k, shown=shown, hint=hint))
     scores, log_probs = _beam_cases(seed, dtype)[1][1:3]
     for k in (0, beam * vocab + 1):
         error = call(_error_of, fn, scores, log_probs, k)
+        if error is None:
+            raise CheckFailure(t("beam_step with k={k} should raise a ValueError: k is between 1 and beam · vocab = "
+                                 "{candidates}; it raised no error.", k=k, candidates=beam * vocab))
         if error != "ValueError":
-            raised = "no error" if error is None else f"a {error}"
-            raise CheckFailure(f"beam_step with k={k} should raise a ValueError: k is between 1 and beam · vocab = "
-                               f"{beam * vocab}; it raised {raised}.")
-    passed(f"beam_step keeps the k best of all beam · vocab candidates, best first; -inf beams never win; ValueError "
-           f"for k outside [1, beam · vocab] ({dtype_name(dtype)})")
+            raise CheckFailure(t("beam_step with k={k} should raise a ValueError: k is between 1 and beam · vocab = "
+                                 "{candidates}; it raised a {error}.", k=k, candidates=beam * vocab, error=error))
+    passed(t("beam_step keeps the k best of all beam · vocab candidates, best first; -inf beams never win; ValueError "
+             "for k outside [1, beam · vocab] ({dtype})", dtype=dtype_name(dtype)))
 
 
 # -- exercise 5: memorise a batch, then decode it back ------------------------------------------
@@ -1155,9 +1205,9 @@ def _memorise_batch(seed: int) -> tuple[list[list[int]], list[list[int]], Tensor
         targets = [torch.randint(3, len(_ENGLISH), (int(n),), generator=g).tolist() for n in tgt_lengths]
     src = torch.full((4, max(map(len, sources))), _PAD)
     tgt = torch.full((4, max(map(len, targets)) + 2), _PAD)
-    for b, (s, t) in enumerate(zip(sources, targets, strict=True)):
-        src[b, :len(s)] = torch.tensor(s)
-        tgt[b, :len(t) + 2] = torch.tensor([_BOS, *t, _EOS])
+    for b, (source, target) in enumerate(zip(sources, targets, strict=True)):
+        src[b, :len(source)] = torch.tensor(source)
+        tgt[b, :len(target) + 2] = torch.tensor([_BOS, *target, _EOS])
     return sources, targets, src, tgt
 
 
@@ -1176,15 +1226,15 @@ def _recipe_losses(functions: tuple[Callable[..., Any], Callable[..., Any]], mod
             for step in range(1, steps + 1)]
 
 
-_MEMORISE_MISTAKES = {
-    "Your losses are those of a constant learning rate of peak_lr: at step s (1, 2, ...) pass "
-    "lr=inverse_sqrt_lr(s, peak_lr, warmup) to train_step.": dict(schedule=False),
-    "Your losses are those of AdamW's default betas (0.9, 0.999): build it with betas=(0.9, 0.98), the paper's, "
-    "whose second moments adapt faster.": dict(betas=(0.9, 0.999)),
-    "Your losses are those of torch.optim.Adam, which has no weight decay: use AdamW, whose decoupled weight decay "
-    "(0.01 by default) shrinks the weights a little at every step.": dict(adam=True),
-    "Your losses are those of label smoothing 0.1: pass smoothing=0.0 to train_step. With smoothing the best "
-    "loss is not 0, and the model is trained to keep some probability away from the right token.": dict(
+_MEMORISE_MISTAKES = {  # shown with tr()
+    marked("Your losses are those of a constant learning rate of peak_lr: at step s (1, 2, ...) pass "
+           "lr=inverse_sqrt_lr(s, peak_lr, warmup) to train_step."): dict(schedule=False),
+    marked("Your losses are those of AdamW's default betas (0.9, 0.999): build it with betas=(0.9, 0.98), the "
+           "paper's, whose second moments adapt faster."): dict(betas=(0.9, 0.999)),
+    marked("Your losses are those of torch.optim.Adam, which has no weight decay: use AdamW, whose decoupled weight "
+           "decay (0.01 by default) shrinks the weights a little at every step."): dict(adam=True),
+    marked("Your losses are those of label smoothing 0.1: pass smoothing=0.0 to train_step. With smoothing the best "
+           "loss is not 0, and the model is trained to keep some probability away from the right token."): dict(
         smoothing=0.1),
 }
 
@@ -1197,21 +1247,26 @@ def _check_memorise_arguments(memorise: Callable[..., Any], train_step: Callable
     """memorise with steps, peak_lr and warmup other than the defaults follows them, every step compared."""
     other = _OTHER_ARGUMENTS
     losses = call(memorise, _memorise_model(seed), src, tgt, _PAD, **other)
-    shown = f"{len(losses)} losses" if type(losses) is list else kind(losses)
-    if type(losses) is not list or len(losses) != other["steps"]:
-        raise CheckFailure(f"memorise(..., steps={other['steps']}, peak_lr={other['peak_lr']}, warmup="
-                           f"{other['warmup']}) returned {shown}: it should run `steps` steps, not a fixed number.")
+    if type(losses) is not list:
+        raise CheckFailure(t("memorise(..., steps={steps}, peak_lr={peak_lr}, warmup={warmup}) returned {kind}: it "
+                             "should run `steps` steps, not a fixed number.", steps=other["steps"],
+                             peak_lr=other["peak_lr"], warmup=other["warmup"], kind=kind(losses)))
+    if len(losses) != other["steps"]:
+        raise CheckFailure(t("memorise(..., steps={steps}, peak_lr={peak_lr}, warmup={warmup}) returned {count} "
+                             "losses: it should run `steps` steps, not a fixed number.", steps=other["steps"],
+                             peak_lr=other["peak_lr"], warmup=other["warmup"], count=len(losses)))
     recipe = call(_recipe_losses, (train_step, inverse_sqrt_lr), _memorise_model(seed), src, tgt, **other)
     if _same_losses(losses, recipe):
         return
     defaults = {**_MEMORISE, "steps": other["steps"]}
-    hint = ("they are those of the default peak_lr and warmup: pass your arguments on to inverse_sqrt_lr"
+    hint = (t("they are those of the default peak_lr and warmup: pass your arguments on to inverse_sqrt_lr")
             if _same_losses(losses, call(_recipe_losses, (train_step, inverse_sqrt_lr), _memorise_model(seed), src,
                                          tgt, **defaults)) else
-            "build a fresh AdamW and call train_step with lr=inverse_sqrt_lr(step, peak_lr, warmup) at each step")
-    raise CheckFailure(f"With steps={other['steps']}, peak_lr={other['peak_lr']} and warmup={other['warmup']} your "
-                       f"losses {[round(x, 4) for x in losses]} differ from the recipe's "
-                       f"{[round(x, 4) for x in recipe]}: {hint}.")
+            t("build a fresh AdamW and call train_step with lr=inverse_sqrt_lr(step, peak_lr, warmup) at each step"))
+    raise CheckFailure(t("With steps={steps}, peak_lr={peak_lr} and warmup={warmup} your losses {losses} differ from "
+                         "the recipe's {recipe}: {hint}.", steps=other["steps"], peak_lr=other["peak_lr"],
+                         warmup=other["warmup"], losses=[round(x, 4) for x in losses],
+                         recipe=[round(x, 4) for x in recipe], hint=hint))
 
 
 def _observe_memorise(memorise: Callable[..., Any], model: nn.Module, src: Tensor, tgt: Tensor, steps: int,
@@ -1251,27 +1306,51 @@ def _memorise_steps_hint(memorise: Callable[..., Any], seed: int, src: Tensor, t
     if type(asked) is not list or not all(type(a) is int for a in asked) or asked == list(range(1, n + 1)) or (
             raised and not (asked and asked[0] < 1)):
         return where()
-    calls = seen.get("steps")
-    rates = f"the rate of step {asked[0]}" if len(asked) == 1 else f"the rates of steps {_span(asked)}" if asked \
-        else "no rate"
-    shown = (f" Watched with steps={n}, your memorise asked inverse_sqrt_lr for {rates}"
-             + (f" and called train_step {calls} times" if type(calls) is int else ""))
-    recipe = "step s goes 1, 2, ..., steps: for step in range(1, steps + 1)."
+    shown = _watched(n, asked, seen.get("steps"))
+    recipe = t("step s goes 1, 2, ..., steps: for step in range(1, steps + 1).")
     if not asked:
-        return f"{shown}: its loop never ran, {recipe}"
+        return t("{watched}: its loop never ran, {recipe}", watched=shown, recipe=recipe)
     if asked[0] < 1:
-        return f"{shown}: it starts at step {asked[0]}, and steps count from 1: {recipe}"
+        return t("{watched}: it starts at step {first}, and steps count from 1: {recipe}", watched=shown,
+                 first=asked[0], recipe=recipe)
     if asked[0] > 1:
-        return f"{shown}: it starts at step {asked[0]}, so the first step, 1, is missing: {recipe}"
+        return t("{watched}: it starts at step {first}, so the first step, 1, is missing: {recipe}", watched=shown,
+                 first=asked[0], recipe=recipe)
     if asked[-1] < n:
         missing = list(range(asked[-1] + 1, n + 1))
-        which = f"the last step, {n}, is" if len(missing) == 1 else f"the last steps, {_span(missing)}, are"
-        return f"{shown}: it stops at step {asked[-1]}, so {which} missing: {recipe}"
+        if len(missing) == 1:
+            return t("{watched}: it stops at step {last}, so the last step, {steps}, is missing: {recipe}",
+                     watched=shown, last=asked[-1], steps=n, recipe=recipe)
+        return t("{watched}: it stops at step {last}, so the last steps, {missing}, are missing: {recipe}",
+                 watched=shown, last=asked[-1], missing=_span(missing), recipe=recipe)
     if asked[-1] > n:
         extra = asked[-1] - n
-        many = "one step" if extra == 1 else f"{extra} steps"
-        return f"{shown}: it runs on to step {asked[-1]}, {many} too many: {recipe}"
-    return f"{shown}. {recipe}"
+        if extra == 1:
+            return t("{watched}: it runs on to step {last}, one step too many: {recipe}", watched=shown,
+                     last=asked[-1], recipe=recipe)
+        return t("{watched}: it runs on to step {last}, {extra} steps too many: {recipe}", watched=shown,
+                 last=asked[-1], extra=extra, recipe=recipe)
+    return t("{watched}. {recipe}", watched=shown, recipe=recipe)
+
+
+def _watched(n: int, asked: list[int], calls: Any) -> str:
+    """' Watched with steps=12, your memorise asked inverse_sqrt_lr for ...': what memorise's loop did."""
+    if type(calls) is int:
+        if not asked:
+            return t(" Watched with steps={n}, your memorise asked inverse_sqrt_lr for no rate and called train_step "
+                     "{calls} times", n=n, calls=calls)
+        if len(asked) == 1:
+            return t(" Watched with steps={n}, your memorise asked inverse_sqrt_lr for the rate of step {step} and "
+                     "called train_step {calls} times", n=n, step=asked[0], calls=calls)
+        return t(" Watched with steps={n}, your memorise asked inverse_sqrt_lr for the rates of steps {steps} and "
+                 "called train_step {calls} times", n=n, steps=_span(asked), calls=calls)
+    if not asked:
+        return t(" Watched with steps={n}, your memorise asked inverse_sqrt_lr for no rate", n=n)
+    if len(asked) == 1:
+        return t(" Watched with steps={n}, your memorise asked inverse_sqrt_lr for the rate of step {step}", n=n,
+                 step=asked[0])
+    return t(" Watched with steps={n}, your memorise asked inverse_sqrt_lr for the rates of steps {steps}", n=n,
+             steps=_span(asked))
 
 
 def _words(ids: list[int], vocabulary: tuple[str, ...]) -> str:
@@ -1297,15 +1376,17 @@ def check_memorise(functions: tuple[Callable[..., Any], Callable[..., Any], Call
             if not raised_error(failure):
                 raise
             raise _then(failure, _memorise_steps_hint(memorise, seed, src, tgt, raised=True)) from None
-        if type(losses) is not list or len(losses) != steps or any(type(x) is not float for x in losses):
-            shown = f"a list of {len(losses)}" if type(losses) is list else kind(losses)
-            hint = _memorise_steps_hint(memorise, seed, src, tgt) if type(losses) is list else ""
-            raise CheckFailure(f"memorise(..., steps={steps}) should return the list of the {steps} losses that "
-                               f"train_step returned (Python floats), got {shown}.{hint}")
+        if type(losses) is not list:
+            raise CheckFailure(t("memorise(..., steps={steps}) should return the list of the {steps} losses that "
+                                 "train_step returned (Python floats), got {kind}.", steps=steps, kind=kind(losses)))
+        if len(losses) != steps or any(type(x) is not float for x in losses):
+            raise CheckFailure(t("memorise(..., steps={steps}) should return the list of the {steps} losses that "
+                                 "train_step returned (Python floats), got a list of {count}.{hint}", steps=steps,
+                                 count=len(losses), hint=_memorise_steps_hint(memorise, seed, src, tgt)))
         params = call(_parameters_of, model)
         names = {name for name, _ in model.named_parameters()}
         if type(params) is not dict or set(params) != names:
-            raise CheckFailure("memorise changed which parameters the model has: it should only train them.")
+            raise CheckFailure(t("memorise changed which parameters the model has: it should only train them."))
         recipe = call(_recipe_losses, (train_step, inverse_sqrt_lr), _memorise_model(seed), src, tgt,
                       _COMPARED_STEPS, peak_lr, warmup)
         if not _same_losses(losses[:_COMPARED_STEPS], recipe):
@@ -1313,33 +1394,34 @@ def check_memorise(functions: tuple[Callable[..., Any], Callable[..., Any], Call
                          if _same_losses(losses[:_COMPARED_STEPS],
                                          call(_recipe_losses, (train_step, inverse_sqrt_lr), _memorise_model(seed),
                                               src, tgt, _COMPARED_STEPS, peak_lr, warmup, **mistake))), None)
-            raise CheckFailure(
-                f"Your first {_COMPARED_STEPS} losses {[round(x, 4) for x in losses[:_COMPARED_STEPS]]} differ from "
-                f"those of the recipe run with your own train_step and inverse_sqrt_lr "
-                f"{[round(x, 4) for x in recipe]}. "
-                + (hint or "Build torch.optim.AdamW(model.parameters(), betas=(0.9, 0.98)), then for step = 1, ..., "
-                           "steps call train_step(model, optimizer, src, tgt, pad_id, inverse_sqrt_lr(step, peak_lr, "
-                           "warmup), smoothing=0.0) and keep what it returns.")
-            )
+            raise CheckFailure(t(
+                "Your first {compared} losses {losses} differ from those of the recipe run with your own train_step "
+                "and inverse_sqrt_lr {recipe}. {hint}", compared=_COMPARED_STEPS,
+                losses=[round(x, 4) for x in losses[:_COMPARED_STEPS]], recipe=[round(x, 4) for x in recipe],
+                hint=tr(hint) if hint else t(
+                    "Build torch.optim.AdamW(model.parameters(), betas=(0.9, 0.98)), then for step = 1, ..., steps "
+                    "call train_step(model, optimizer, src, tgt, pad_id, inverse_sqrt_lr(step, peak_lr, warmup), "
+                    "smoothing=0.0) and keep what it returns.")))
         _check_memorise_arguments(memorise, train_step, inverse_sqrt_lr, seed, src, tgt)
     if not losses[-1] < _FINAL_LOSS:
-        raise CheckFailure(f"After {steps} steps the loss is still {losses[-1]:.4g} (it started at {losses[0]:.4g}); "
-                           f"a model that has learnt these four sentences by heart is under {_FINAL_LOSS}. Your "
-                           f"memorise's first {_COMPARED_STEPS} steps follow the recipe, so look at train_step and "
-                           "inverse_sqrt_lr: does the lr rise to peak_lr and do the parameters move?")
+        raise CheckFailure(t("After {steps} steps the loss is still {last:.4g} (it started at {first:.4g}); a model "
+                             "that has learnt these four sentences by heart is under {final}. Your memorise's first "
+                             "{compared} steps follow the recipe, so look at train_step and inverse_sqrt_lr: does the "
+                             "lr rise to peak_lr and do the parameters move?", steps=steps, last=losses[-1],
+                             first=losses[0], final=_FINAL_LOSS, compared=_COMPARED_STEPS))
     decoder = _load(_memorise_model(seed), params)
     decoded = _greedy(decoder, src, _BOS, _EOS)
     if decoded != targets:
-        rows = "\n".join(f"  {_words(s, _GERMAN)}  →  {_words(d, _ENGLISH)}   (expected: {_words(t, _ENGLISH)})"
-                         for s, d, t in zip(sources, decoded, targets, strict=True))
-        raise CheckFailure(
-            f"The loss fell to {losses[-1]:.4g}, yet greedy decoding does not give the targets back:\n{rows}\n"
-            f"Your memorise's first {_COMPARED_STEPS} steps follow the recipe, so look at your train_step. A "
-            "decoder that read, during training, the token it had to predict has learnt to copy its input, which "
-            "it does not have when it generates: the decoder reads tgt[:, :-1] and the loss compares with "
-            "tgt[:, 1:]. Gradients that are never cleared pile up from step to step."
-        )
+        rows = "\n".join(t("  {source}  →  {decoded}   (expected: {target})", source=_words(source, _GERMAN),
+                           decoded=_words(got, _ENGLISH), target=_words(target, _ENGLISH))
+                         for source, got, target in zip(sources, decoded, targets, strict=True))
+        raise CheckFailure(t(
+            "The loss fell to {last:.4g}, yet greedy decoding does not give the targets back:\n{rows}\nYour "
+            "memorise's first {compared} steps follow the recipe, so look at your train_step. A decoder that read, "
+            "during training, the token it had to predict has learnt to copy its input, which it does not have when "
+            "it generates: the decoder reads tgt[:, :-1] and the loss compares with tgt[:, 1:]. Gradients that are "
+            "never cleared pile up from step to step.", last=losses[-1], rows=rows, compared=_COMPARED_STEPS))
     rows = "\n".join(f"    {_words(s, _GERMAN)}  →  {_words(d, _ENGLISH)}"
                      for s, d in zip(sources, decoded, strict=True))
-    passed(f"memorise: the loss fell from {losses[0]:.3g} to {losses[-1]:.2g} in {steps} steps, and greedy decoding "
-           f"gives every target back:\n{rows}")
+    passed(t("memorise: the loss fell from {first:.3g} to {last:.2g} in {steps} steps, and greedy decoding gives every "
+             "target back:\n{rows}", first=losses[0], last=losses[-1], steps=steps, rows=rows))

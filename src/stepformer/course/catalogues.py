@@ -210,6 +210,142 @@ def statistics(root: Path = ROOT) -> tuple[int, int, int]:
     return translated, fuzzy, total
 
 
+# -- the checks' messages ------------------------------------------------------------------
+
+CHECKS = Path("src") / "stepformer" / "checks"
+CHECKS_CATALOGUES = CHECKS / "locale" / LANGUAGE / "LC_MESSAGES"
+# The grader's own sentences in a student's feedback (a check's points withheld, and why, and what its scan of the
+# cells found): in the catalogues `worker.po` and `trusted.po`, beside the checks'.
+CHECKED_ELSEWHERE = (Path("src") / "stepformer" / "course" / "worker.py",
+                     Path("src") / "stepformer" / "course" / "trusted.py")
+# What shows a message to the student: an argument of one of these calls is a message, and goes through t().
+MESSAGE_CALLS = frozenset({"CheckFailure", "CodeRaised", "GivenError", "passed", "print", "reworded", "warn", "note"})
+
+
+def check_templates(root: Path = ROOT) -> tuple[dict[str, dict[str, list[int]]], list[str]]:
+    """Every ``t("template", ...)`` and ``marked("template")`` of the checks (and of the grader's modules that speak
+    to students, :data:`CHECKED_ELSEWHERE`), by module (``attention``, ``_core``) and template, with its lines; and
+    what is wrong in how messages are written: a ``t()`` whose template is not one string literal, or whose fields
+    are not its keywords, and a string or f-string given straight to a call that shows a message."""
+    import ast
+    import string
+
+    found: dict[str, dict[str, list[int]]] = {}
+    wrong = []
+    for path in [*sorted((root / CHECKS).glob("*.py")), *(root / p for p in CHECKED_ELSEWHERE)]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        where = path.relative_to(root).as_posix()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            if name in ("t", "marked") and isinstance(node.func, ast.Name):
+                first = node.args[0] if node.args else None
+                if not (isinstance(first, ast.Constant) and isinstance(first.value, str)) or len(node.args) != 1:
+                    wrong.append(f"{where}:{node.lineno}: {name}() takes one string literal (the English template)")
+                    continue
+                try:
+                    names = {f[1].split(".")[0].split("[")[0] for f in string.Formatter().parse(first.value)
+                             if f[1] is not None}
+                except ValueError as error:
+                    wrong.append(f"{where}:{node.lineno}: the template does not parse ({error})")
+                    continue
+                given = {k.arg for k in node.keywords}
+                if name == "t" and None not in given and names != given:
+                    wrong.append(f"{where}:{node.lineno}: fields {sorted(names)} but keywords {sorted(given)}")
+                found.setdefault(path.stem, {}).setdefault(first.value, []).append(node.lineno)
+            elif name in MESSAGE_CALLS and path.parent.name == "checks":
+                for arg in node.args:
+                    if _literal_text(arg):
+                        wrong.append(f"{where}:{arg.lineno}: a message written in place, not through t(): "
+                                     f"{ast.unparse(arg)[:80]}")
+    return found, wrong
+
+
+def _literal_text(node: object) -> bool:
+    """Whether an expression is (or concatenates) a string literal with words in it, or an f-string."""
+    import ast
+
+    if isinstance(node, ast.JoinedStr):
+        return True
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return bool(re.search(r"[A-Za-z]{2}", node.value))
+    if isinstance(node, ast.BinOp):
+        return _literal_text(node.left) or _literal_text(node.right)
+    return False
+
+
+def checks_catalogues(root: Path = ROOT) -> dict[str, Path]:
+    """The checks' Chinese catalogues, by module."""
+    return {path.stem: path for path in sorted((root / CHECKS_CATALOGUES).glob("*.po"))}
+
+
+def update_checks(root: Path = ROOT, modules: list[str] | None = None) -> list[str]:
+    """Bring each checks module's catalogue (or those of ``modules``) to its current templates: a new template is
+    untranslated, a changed one keeps its old translation marked fuzzy, a removed one is dropped; a line per
+    catalogue that changed."""
+    templates, _ = check_templates(root)
+    if modules:
+        templates = {module: found for module, found in templates.items() if module in modules}
+    folder = root / CHECKS_CATALOGUES
+    folder.mkdir(parents=True, exist_ok=True)
+    changed = []
+    for module, found in templates.items():
+        wanted = Catalog(locale=LANGUAGE, project=PROJECT, version="", fuzzy=False)
+        for template in found:
+            wanted.add(template)  # no locations: a moved line would change the catalogue
+        path = folder / f"{module}.po"
+        before = path.read_bytes() if path.is_file() else None
+        catalog = load(path) if before is not None else Catalog(locale=LANGUAGE, project=PROJECT, version="",
+                                                                fuzzy=False)
+        catalog.update(wanted, update_creation_date=False)
+        catalog.obsolete.clear()
+        catalog.fuzzy = False
+        save(catalog, path)
+        if path.read_bytes() != before:
+            changed.append(f"{path.relative_to(root)}: {'updated' if before else 'new catalogue'}")
+    for module, path in checks_catalogues(root).items():
+        if module not in templates and not modules:
+            path.unlink()
+            changed.append(f"{path.relative_to(root)}: removed (no messages left in {module}.py)")
+    return changed
+
+
+def checks_problems(root: Path = ROOT) -> list[str]:
+    """What keeps the checks' messages from being complete in Chinese: a template without its catalogue entry,
+    an entry no template has, an untranslated or fuzzy entry, a translation whose fields differ from its
+    template's (numbers, shapes and code are formatted by the same fields in both languages), a message
+    written in place of t()."""
+    from stepformer.checks._messages import fields
+
+    templates, found = check_templates(root)
+    pos = checks_catalogues(root)
+    for module, wanted in templates.items():
+        if module not in pos:
+            found.append(f"{module}: no catalogue ({CHECKS_CATALOGUES.as_posix()}/{module}.po); run "
+                         "`python -m stepformer.course.catalogues checks --update`")
+            continue
+        catalog = load(pos[module])
+        held = {message.id for _, message in messages(catalog)}
+        found += [f"{module}: no entry for {text[:80]!r}" for text in sorted(wanted.keys() - held)]
+        found += [f"{module}: an entry no check uses: {text[:80]!r}" for text in sorted(held - wanted.keys())]
+        found += [f"{module}: {line}" for line in problems(catalog)]
+        for _, message in messages(catalog):
+            if message.string and sorted(fields(message.id)) != sorted(fields(message.string)):
+                found.append(f"{module}: fields {fields(message.string)} instead of {fields(message.id)} in "
+                             f"{message.string[:60]!r}")
+    found += [f"{module}: a catalogue, but {module}.py has no messages" for module in sorted(pos.keys() - templates)]
+    # The catalogues are read as one (stepformer.checks._messages): a template says one thing in every module.
+    said: dict[str, dict[str, str]] = {}
+    for module, path in pos.items():
+        for _, message in messages(load(path)):
+            if message.string:
+                said.setdefault(message.id, {}).setdefault(message.string, module)
+    found += [f"{' and '.join(sorted(ways.values()))}: {text[:60]!r} translated {len(ways)} ways: "
+              f"{' / '.join(sorted(ways))}" for text, ways in sorted(said.items()) if len(ways) > 1]
+    return found
+
+
 @dataclass(frozen=True)
 class Term:
     """One entry of the glossary: its English names and the Chinese forms that translate them."""
@@ -259,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     check_cmd.add_argument("po", type=Path, nargs="+")
     commands.add_parser("stat", help="how much of the Chinese edition is translated")
     commands.add_parser("update", help="extract the book's messages again and merge them into the catalogues")
+    checks_cmd = commands.add_parser("checks", help="the checks' messages: what lacks a Chinese entry")
+    checks_cmd.add_argument("--update", action="store_true", help="first bring the catalogues to the checks' code")
+    checks_cmd.add_argument("--module", action="append", help="only this checks module (attention, _core, ...)")
     args = parser.parse_args(argv)
     if args.command == "stat":
         translated, fuzzy, total = statistics()
@@ -272,6 +411,18 @@ def main(argv: list[str] | None = None) -> int:
             changed = update(extract(Path(out)))
         print("\n".join(changed) or "the catalogues hold the book's messages: nothing to update")
         return 0
+    if args.command == "checks":
+        if args.update:
+            print("\n".join(update_checks(modules=args.module))
+                  or "the checks' catalogues hold their messages: nothing to update")
+        found = checks_problems()
+        if args.module:
+            found = [line for line in found if any(line.startswith(f"{m}:") or f"/{m}.py:" in line.split(" ")[0]
+                                                   for m in args.module)]
+        total = sum(len(found_in) for found_in in check_templates()[0].values())
+        print("\n".join(found))
+        print(f"the checks: {total} messages, {len(found)} problems")
+        return 1 if found else 0
     if args.command == "dump":
         sys.stdout.write(dump(args.po, args.all))
         return 0

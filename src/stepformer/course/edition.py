@@ -38,7 +38,7 @@ DIST_NAME = "stepformer-checks"
 # read from this checkout's _config.yml when first used, is that argument as the cell quotes it.
 QUOTED_INSTALL = re.compile(f'"{GIT_INSTALL.pattern}"')
 # What the checks and the notebooks import; the translator's own packages serve the full library only.
-STUDENT_DEPENDENCIES = ("torch", "einops", "jaxtyping", "beartype", "matplotlib", "numpy", "tqdm")
+STUDENT_DEPENDENCIES = ("torch", "einops", "jaxtyping", "beartype", "matplotlib", "numpy", "tqdm", "babel")
 CLASS_NOTE = (
     "**Class edition.** The cells below define your own answers from the earlier chapters' notebooks, "
     "which must lie beside this one's folder as you fetched them. When your work is graded, the course's "
@@ -180,6 +180,9 @@ def build_student_dist(root: Path, out: Path) -> Path:
             "",
             "[tool.setuptools.packages.find]",
             'where = ["src"]',
+            "",
+            "[tool.setuptools.package-data]",
+            '"stepformer.checks" = ["locale/zh_CN/LC_MESSAGES/*.po"]',
             "",
         ]))
         # No build isolation: setuptools is already here, and nothing needs downloading.

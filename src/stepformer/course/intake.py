@@ -698,7 +698,10 @@ class _Reader:
 
         chosen = self._match(expected, candidates, folder, intake)
         used = set(chosen.values())
-        unused = [f for f in candidates if f not in used]
+        # The twin not graded is named by the note that says which one was (_answered_twin), not as ignored.
+        twins = {t for f in used for t in (f.parent / TRANSLATION_FOLDER / f.name, f.parent.parent / f.name)
+                 if _language_twins([f, t])}
+        unused = [f for f in candidates if f not in used and f not in twins]
         misplaced = [f for f in unused if _norm_stem(f.name) in self.others]
         for f in misplaced:
             intake.problems.append(f"{_rel(f, folder)} is the notebook of assignment "
@@ -730,7 +733,11 @@ class _Reader:
         chosen: dict[str, Path] = {}
         for name in expected:
             exact = [f for f in candidates if unicodedata.normalize("NFC", f.name) == name]
-            if exact:
+            twins = _language_twins(exact)
+            if twins:
+                chosen[name], note = _answered_twin(*twins, folder)
+                intake.problems.append(note)
+            elif exact:
                 chosen[name] = exact[0]  # the shallowest copy
                 if len(exact) > 1:
                     intake.problems.append(f"{len(exact)} copies of {name}; used {_rel(exact[0], folder)}")
@@ -816,6 +823,44 @@ class _Reader:
         target.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(notebook, target)
         return target
+
+
+# A Chinese notebook lies in zh/ beside its English twin (stepformer.course.translation); a student answers one.
+TRANSLATION_FOLDER = "zh"
+
+
+def _language_twins(exact: list[Path]) -> tuple[Path, Path] | None:
+    """(English, Chinese) when the copies of a notebook are exactly an assignment's two languages: ``x.ipynb``
+    and ``zh/x.ipynb`` beside it."""
+    if len(exact) != 2:
+        return None
+    english, chinese = sorted(exact, key=lambda f: len(f.parts))
+    if chinese.parent.name == TRANSLATION_FOLDER and chinese.parent.parent == english.parent:
+        return english, chinese
+    return None
+
+
+def _answered_twin(english: Path, chinese: Path, folder: Path | None) -> tuple[Path, str]:
+    """The twin the student answered, with a note saying which: the one with fewer answer cells left as
+    nbgrader's stub, else (both answered alike) the one saved last."""
+    def left(path: Path) -> int:
+        try:
+            cells = json.loads(path.read_text(encoding="utf-8-sig")).get("cells", [])
+        except (OSError, ValueError, AttributeError):
+            return 1 << 30  # unreadable: the other one, if it can be read
+        return sum(1 for c in cells if isinstance(c, dict) and c.get("metadata", {}).get("nbgrader", {}).get("solution")
+                   and "NotImplementedError" in "".join(c.get("source", [])) and "YOUR CODE HERE" in
+                   "".join(c.get("source", [])))
+
+    stubs = {english: left(english), chinese: left(chinese)}
+    if stubs[english] != stubs[chinese]:
+        used = min((english, chinese), key=stubs.get)
+        why = "it has fewer answers left to write"
+    else:
+        used = max((english, chinese), key=lambda f: f.stat().st_mtime)
+        why = "both are answered alike, and it was saved last"
+    other = chinese if used == english else english
+    return used, f"graded {_rel(used, folder)}, not {_rel(other, folder)}: {why}"
 
 
 def _timestamp(path: Path, intake: Intake) -> str | None:

@@ -1,4 +1,5 @@
-"""The student release: ``exercises/`` is nbgrader's ``generate_assignment`` of ``solutions/``."""
+"""The student release: ``exercises/`` is nbgrader's ``generate_assignment`` of ``solutions/``, and each notebook's
+Chinese twin in ``exercises/<assignment>/zh/`` (:mod:`stepformer.course.translation`)."""
 
 import filecmp
 import shutil
@@ -7,6 +8,7 @@ from pathlib import Path
 
 from stepformer.course.nbgrader_setup import api, load_config
 from stepformer.course.paths import assignments
+from stepformer.course.translation import write_release_chinese
 
 
 class ReleaseError(RuntimeError):
@@ -34,6 +36,12 @@ def release(root: Path, target: Path | None = None, names: list[str] | None = No
             result = grader.generate_assignment(name, force=True)
             if not result["success"]:
                 raise ReleaseError(f"nbgrader generate_assignment {name} failed:\n{result['error']}\n{result['log']}")
+    # Each notebook's Chinese twin, beside it in zh/ (stepformer.course.translation). A missing translation does not
+    # stop the English release: the twin is left out, said here, and `release --check` fails until it is written.
+    # The class edition's notebooks (another source) have prose of their own that no catalogue holds yet: English.
+    if source is None:
+        for problem in write_release_chinese(root, target, names or assignments(root)):
+            print(f"the Chinese notebook was not written: {problem}")
     return target
 
 

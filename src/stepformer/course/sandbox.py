@@ -41,6 +41,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from stepformer.checks._messages import LANGUAGE_ENV
+
 BWRAP = "bwrap"
 # The package folder (src/stepformer or site-packages/stepformer), found without importing it.
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -149,7 +151,7 @@ def _within(path: Path, folder: Path) -> bool:
 
 
 def _environment() -> dict[str, str]:
-    """The kernel's whole environment (nothing of the grader's leaks in but NBGRADER_EXECUTION)."""
+    """The kernel's whole environment (nothing of the grader's leaks in but NBGRADER_EXECUTION and the language)."""
     env = {
         "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
         "HOME": "/tmp",
@@ -167,6 +169,9 @@ def _environment() -> dict[str, str]:
     # Notebooks may skip slow work while autograded; nbgrader sets this in the grader.
     if "NBGRADER_EXECUTION" in os.environ:
         env["NBGRADER_EXECUTION"] = os.environ["NBGRADER_EXECUTION"]
+    # The language the checks speak: the submission's (set by the grading worker).
+    if LANGUAGE_ENV in os.environ:
+        env[LANGUAGE_ENV] = os.environ[LANGUAGE_ENV]
     return env
 
 

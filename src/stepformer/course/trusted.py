@@ -38,6 +38,7 @@ import torch
 
 import stepformer.checks
 from stepformer.checks._core import RECORD_ENV, CheckFailure, replaying
+from stepformer.checks._messages import t, tr
 
 SUSPECT_MODULES = ("stepformer",)
 ALLOWED_MODULES = ("stepformer.checks",)
@@ -341,39 +342,40 @@ def _tampering(tree: ast.Module | None, own: set[str] = frozenset()) -> str | No
                 imported = [(node.module or "", a.name) for a in node.names]
             for module, name in imported:
                 if module == "sys" and name in ("modules", "_getframe"):
-                    return f"imports sys.{name}"
+                    return t("imports sys.{name}", name=name)
                 if module.split(".")[0] in HONEST_USES and (name is None or name in HONEST_USES[module.split(".")[0]]):
                     continue  # ``import gc`` then ``gc.collect()``: its uses are judged below
                 if module == "stepformer" and name == "checks":
                     module = "stepformer.checks"
                 if _within(module, TAMPER_MODULES):
-                    return f"imports {module}, the grading machinery or Python's internals"
+                    return t("imports {module}, the grading machinery or Python's internals", module=module)
         elif isinstance(node, ast.Name):
             if node.id in ("__builtins__", "ctypes", "builtins") or node.id in private:
-                return f"uses {node.id}"
+                return t("uses {name}", name=node.id)
             if node.id in HONEST_USES and id(node) not in honest_reads and node.id not in own:
-                return f"uses {node.id} (only {', '.join(sorted(HONEST_USES[node.id]))} is allowed)"
+                return t("uses {name} (only {allowed} is allowed)", name=node.id,
+                         allowed=", ".join(sorted(HONEST_USES[node.id])))
     for node in ast.walk(tree):
         # Code compiled at run time cannot be read here: a solution has no use for it.
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in RUNTIME_CODE
                 and not getattr(node, "code_was_read", False)):
-            return f"runs code built at run time ({node.func.id})"
+            return t("runs code built at run time ({call})", call=node.func.id)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
                 "run_cell", "run_code", "run_source", "runcode", "runsource"):
-            return f"runs code built at run time ({node.func.attr})"
+            return t("runs code built at run time ({call})", call=node.func.attr)
     for holder, attr in _attribute_accesses(tree):
         if attr in TAMPER_ATTRS:
-            return f"reaches into .{attr}"
+            return t("reaches into .{attr}", attr=attr)
         if attr == "modules" and _is_sys(holder, sys_names):
-            return "reaches into sys.modules"
+            return t("reaches into sys.modules")
         if attr in ("checks", "_core") and not _on_self(holder):
-            return f"reaches into .{attr}, the grading machinery"
+            return t("reaches into .{attr}, the grading machinery", attr=attr)
         if attr in private and not _on_self(holder):
-            return f"reaches into .{attr}, the grading machinery"
+            return t("reaches into .{attr}, the grading machinery", attr=attr)
         fetched = (isinstance(holder, ast.Name) and holder.id in dynamic) or (
             isinstance(holder, ast.Call) and _called(holder) in IMPORTERS)
         if fetched and attr.startswith("_") and not attr.startswith("__") and attr not in TORCH_INTERNALS:
-            return f"reaches into .{attr} of a module fetched at run time"
+            return t("reaches into .{attr} of a module fetched at run time", attr=attr)
     for node in ast.walk(tree):
         # Rebinding something inside a module fetched at run time: how a check's helpers are swapped.
         target = None
@@ -384,20 +386,20 @@ def _tampering(tree: ast.Module | None, own: set[str] = frozenset()) -> str | No
         if target is not None and not _on_self(target) and (
                 (isinstance(target, ast.Name) and target.id in dynamic)
                 or (isinstance(target, ast.Call) and _called(target) in IMPORTERS)):
-            return "rebinds an attribute of a module fetched at run time"
+            return t("rebinds an attribute of a module fetched at run time")
     for text in _readings(tree):
         for word in TAMPER_TEXT:
             if word in text:
-                return f"names {word} in a string"
+                return t("names {word} in a string", word=word)
         for word in (*TAMPER_WORDS, *private):
             if re.search(rf"(?<![A-Za-z0-9_]){re.escape(word)}(?![A-Za-z0-9_])", text):
-                return f"names {word} in a string"
+                return t("names {word} in a string", word=word)
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and _called(node) in IMPORTERS and node.args:
             name = _static_str(node.args[0]) or ""
             for text in (name, name[::-1]):
                 if _within(text, TAMPER_MODULES) or text == "sys.modules":
-                    return f"imports {text} by name, the grading machinery or Python's internals"
+                    return t("imports {text} by name, the grading machinery or Python's internals", text=text)
     return None
 
 
@@ -458,14 +460,14 @@ def _torch_internals(tree: ast.Module, torch_names: set[str]) -> str | None:
             for module in modules:
                 parts = module.split(".")
                 if parts[0] == "torch" and len(parts) > 1 and (parts[1] in TORCH_INTERNALS or parts[1] == "ops"):
-                    return f"{module} (PyTorch's internal operators)"
+                    return t("{name} (PyTorch's internal operators)", name=module)
     for holder, attr in _attribute_accesses(tree):
         if attr in TORCH_INTERNALS and not _on_self(holder):
-            return f"{attr} (PyTorch's internal operators)"
+            return t("{name} (PyTorch's internal operators)", name=attr)
         on_torch = (isinstance(holder, ast.Name) and holder.id in torch_names) or (
             isinstance(holder, ast.Call) and _called(holder) in (*IMPORTERS, "getattr"))
         if attr == "ops" and on_torch:
-            return "torch.ops (PyTorch's internal operators)"
+            return t("{name} (PyTorch's internal operators)", name="torch.ops")
     return None
 
 
@@ -487,7 +489,7 @@ def _suspect(source: str, tree: ast.Module | None, own: set[str], names: dict[st
     if tree is None:
         for name, label in names.items():
             if re.search(rf"\b{name}\b", source):
-                return f"{name} ({label})"
+                return t("{name} ({label})", name=name, label=tr(label))
         return None
     if internal := _torch_internals(tree, set(torch_names)):
         return internal
@@ -496,28 +498,28 @@ def _suspect(source: str, tree: ast.Module | None, own: set[str], names: dict[st
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             for module in modules:
                 if module.startswith(SUSPECT_MODULES) and not module.startswith(ALLOWED_MODULES):
-                    return f"{module} (the course's reference library)"
+                    return t("{name} (the course's reference library)", name=module)
             if isinstance(node, ast.ImportFrom):
                 for alias in node.names:
                     if alias.name in names:
-                        return f"{alias.name} ({names[alias.name]})"
+                        return t("{name} ({label})", name=alias.name, label=tr(names[alias.name]))
                     if alias.name == "*" and (star := _star_imported(node.module or "", names)):
-                        return f"{star} ({names[star]}, imported with *)"
+                        return t("{name} ({label}, imported with *)", name=star, label=tr(names[star]))
         if isinstance(node, ast.Name) and node.id in names and node.id not in own:
-            return f"{node.id} ({names[node.id]})"
+            return t("{name} ({label})", name=node.id, label=tr(names[node.id]))
         if isinstance(node, ast.Call) and (func := _called(node)) in DYNAMIC:
             # A name built from strings at run time: look at the pieces.
             text = "".join("".join(c.value.split()) for a in node.args for c in ast.walk(a)
                            if isinstance(c, ast.Constant) and isinstance(c.value, str))
             for suspect in (*names, *SUSPECT_MODULES):
                 if suspect in text or suspect in text[::-1]:
-                    return f"{suspect} (reached by name through {func})"
+                    return t("{name} (reached by name through {call})", name=suspect, call=func)
     for _, attr in _attribute_accesses(tree):
         if attr in names:
-            return f"{attr} ({names[attr]})"
+            return t("{name} ({label})", name=attr, label=tr(names[attr]))
     # A forbidden name anywhere in the cell's strings, joined or reversed: ``vars(F)["...."[::-1]]``.
     for text in _readings(tree):
         for name, label in names.items():
             if name in text:
-                return f"{name} ({label}, named in a string)"
+                return t("{name} ({label}, named in a string)", name=name, label=tr(label))
     return None

@@ -24,9 +24,12 @@ from pathlib import Path
 import nbformat
 import torch
 
+from stepformer.checks._messages import LANGUAGE_ENV, notebook_language, t
 from stepformer.course.execute import entries, records_folder
 from stepformer.course.nbgrader_setup import api, load_config
 from stepformer.course.sandbox import RUNTIME_ENV, make_runtime
+from stepformer.course.translation import LANGUAGE as TRANSLATED
+from stepformer.course.translation import TranslationMissing, catalogue_of, translated, translations
 from stepformer.course.trusted import exercise_of, recheck, reference_use
 
 PREPROCESSORS = [
@@ -71,6 +74,9 @@ def grade_student(root: Path, workdir: Path, assignment: str, student: str, limi
     from traitlets.utils.importstring import import_item
 
     config = course_config(root, workdir)
+    # The checks in the kernel and in the re-check speak the submission's language (stepformer.checks._messages).
+    language = submission_language(workdir / "submitted" / student / assignment)
+    os.environ[LANGUAGE_ENV] = language
     config.Autograde.autograde_preprocessors = [import_item(name) for name in PREPROCESSORS]
     # A deleted check cell is put back and graded, rather than silently skipped.
     config.OverwriteCells.add_missing_cells = True
@@ -101,11 +107,42 @@ def grade_student(root: Path, workdir: Path, assignment: str, student: str, limi
     sealed = Path(tempfile.mkdtemp(prefix="stepformer-sealed-", dir="/tmp" if os.path.isdir("/tmp") else None))
     config.GradingExecute.sealed_dir = str(sealed)
     try:
-        return _autograde(api(config), workdir, assignment, student, sealed)
+        result = _autograde(api(config), workdir, assignment, student, sealed)
+        result["language"] = language
+        if language == TRANSLATED and result["status"] == "graded":
+            result["notes"] += translate_graded(root, workdir / "autograded" / student / assignment)
+        return result
     finally:
         shutil.rmtree(sealed, ignore_errors=True)
         if kernel:
             shutil.rmtree(runtime, ignore_errors=True)
+
+
+def submission_language(folder: Path) -> str:
+    """The language of a student's submitted notebooks, from their metadata: ``zh`` if any says so (a Chinese
+    notebook is graded in its English twin's place), else ``en``."""
+    for path in sorted(folder.glob("*.ipynb")):
+        try:
+            if notebook_language(json.loads(path.read_text(encoding="utf-8"))) == TRANSLATED:
+                return TRANSLATED
+        except (OSError, ValueError, AttributeError):
+            continue
+    return "en"
+
+
+def translate_graded(root: Path, folder: Path) -> list[str]:
+    """Put the Chinese prose back into a Chinese submission's graded notebooks (nbgrader's autograde restored the
+    locked cells' English source), so that its feedback is Chinese; notes for what could not be translated."""
+    notes = []
+    for path in sorted(folder.glob("*.ipynb")):
+        catalogue = catalogue_of(root, folder.name, path.name)
+        try:
+            nb = translated(nbformat.read(path, as_version=4), translations(catalogue))
+        except (OSError, TranslationMissing) as error:
+            notes.append(f"{path.name}: the feedback stays in English ({error})")
+            continue
+        nbformat.write(nb, path)
+    return notes
 
 
 def remove_special_files(folder: Path) -> list[str]:
@@ -151,23 +188,26 @@ def _autograde(grader, workdir: Path, assignment: str, student: str, sealed: Pat
                     continue
                 grade_id = meta["grade_id"]
                 grade = gb.find_grade(grade_id, path.stem, assignment, student)
-                reason = None
+                reason = label = None  # what the student reads (in their language), what the instructor's report says
                 if tampering and tampering.cell < index:
-                    reason = (f"Points withheld: cell {tampering.cell + 1}, before this check, {tampering.what}; "
-                              "after that the grader cannot trust what a check records (only checks before it "
-                              "keep their points).")
+                    label = "Points withheld"
+                    reason = t("Points withheld: cell {cell}, before this check, {what}; after that the grader "
+                               "cannot trust what a check records (only checks before it keep their points).",
+                               cell=tampering.cell + 1, what=tampering.what)
                 elif exercise_of(grade_id) in refused:
                     f = refused[exercise_of(grade_id)]
-                    reason = f"Not your own work: your solution uses {f.what}; write it yourself."
+                    label = "Not your own work"
+                    reason = t("Not your own work: your solution uses {what}; write it yourself.", what=f.what)
                 elif grade_id in verdicts and not verdicts[grade_id].passed and (grade.auto_score or 0) > 0:
-                    reason = f"The grader's re-run of this check failed: {verdicts[grade_id].reason}"
+                    label = "The grader's re-run of this check failed"
+                    reason = t("The grader's re-run of this check failed: {reason}", reason=verdicts[grade_id].reason)
                 # The automatic score is lowered, never the manual one: an instructor's score in
                 # formgrader overrides the grader's, and survives a regrade.
                 if reason and (grade.auto_score or 0) > 0:
                     grade.auto_score = 0.0
                     cell.outputs.append(nbformat.v4.new_output(
                         "error", ename="GradingCheck", evalue=reason, traceback=[f"GradingCheck: {reason}"]))
-                    result["notes"].append(f"{grade_id}: {reason.split(':')[0]}")
+                    result["notes"].append(f"{grade_id}: {label}")
             graded_cells = [i for i, c in enumerate(nb.cells)
                             if c.cell_type == "code" and c.get("metadata", {}).get("nbgrader", {}).get("grade")]
             if tampering and not any(i > tampering.cell for i in graded_cells):
