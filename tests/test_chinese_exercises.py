@@ -8,7 +8,10 @@ answered.
 """
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -187,3 +190,29 @@ def test_a_chinese_notebook_takes_earlier_answers_from_the_chinese_notebooks_fir
     assert namespace["helper"]() == "zh"
     assert "02_b/a.ipynb" in given("not_a_course_module.other", "02_b/a.ipynb", namespace)
     assert namespace["other"]() == "en"
+
+
+def test_no_check_translates_at_import_time():
+    """A message chosen at import would keep the language of the first reader: the grader's re-check serves students
+    of both languages in one process. Imported under Chinese, no module-level value of the checks holds Chinese."""
+    program = (
+        "import importlib, pkgutil, re, stepformer.checks as c\n"
+        "found = []\n"
+        "def walk(value, where, depth=0):\n"
+        "    if isinstance(value, str):\n"
+        "        if re.search(r'[\\u4e00-\\u9fff]', value): found.append(where)\n"
+        "    elif isinstance(value, (list, tuple, set, frozenset)) and depth < 3:\n"
+        "        for item in value: walk(item, where, depth + 1)\n"
+        "    elif isinstance(value, dict) and depth < 3:\n"
+        "        for k, v in value.items(): walk(k, where, depth + 1); walk(v, where, depth + 1)\n"
+        "for m in pkgutil.iter_modules(c.__path__):\n"
+        "    module = importlib.import_module('stepformer.checks.' + m.name)\n"
+        "    for name, value in vars(module).items():\n"
+        "        walk(value, m.name + '.' + name)\n"
+        "        walk(getattr(value, 'forbid', None), m.name + '.' + name + '.forbid')\n"
+        "print('\\n'.join(found))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          env={**os.environ, LANGUAGE_ENV: "zh"}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert not proc.stdout.strip(), proc.stdout

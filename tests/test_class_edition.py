@@ -118,6 +118,13 @@ def test_the_class_course_refuses_to_overwrite_an_instructors_source(tmp_path):
     assert 'given(\\"stepformer.attention.scaled_dot_product_attention\\"' in handed_out
     assert "weights = masked_softmax(scores, mask)" not in handed_out  # a line of the course's attention
     assert "has_key = mask.any(dim=-1, keepdim=True)" not in handed_out  # ... and of its masked_softmax
+    # Its Chinese twin: the same code, the class edition's own note in Chinese too.
+    english = nbformat.read(tmp_path / "release" / "02_masks" / "masks.ipynb", as_version=4)
+    chinese = nbformat.read(tmp_path / "release" / "02_masks" / "zh" / "masks.ipynb", as_version=4)
+    assert [c.source for c in chinese.cells if c.cell_type == "code"] == [
+        c.source for c in english.cells if c.cell_type == "code"]
+    intro = next(c.source for c in chinese.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "given-intro")
+    assert intro.startswith("**课堂版。**") and "参考答案" not in intro and "Class edition" not in intro
 
 
 def test_the_cli_writes_the_class_course(tmp_path):
@@ -126,6 +133,8 @@ def test_the_cli_writes_the_class_course(tmp_path):
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "source" / "03_multihead" / "multihead.ipynb").is_file()
+    assert (tmp_path / "release" / "03_multihead" / "zh" / "multihead.ipynb").is_file()
+    assert "not written" not in proc.stdout + proc.stderr
     again = subprocess.run([sys.executable, "-m", "stepformer.course.cli", "class-edition", "--out", str(tmp_path),
                             "--assignment", "03_multihead"], cwd=ROOT, capture_output=True, text=True)
     assert again.returncode == 2 and "Pass --replace" in again.stderr

@@ -294,7 +294,9 @@ def _chinese_launch(app: Sphinx, pagename: str, templatename: str, context: dict
     english, chinese = f"{pagename}.ipynb", f"{folder}/{ZH_FOLDER}/{name}.ipynb"
     for group in context.get("header_buttons", []):
         for button in group.get("buttons", []) if isinstance(group, dict) else []:
-            if isinstance(button.get("url"), str):
+            # Launch buttons only (Binder, Colab: absolute addresses); the download button's relative link to
+            # _sources/ already serves the Chinese notebook (_chinese_notebooks).
+            if isinstance(button.get("url"), str) and button["url"].startswith(("https://", "http://")):
                 button["url"] = button["url"].replace(english, chinese)
 
 

@@ -54,6 +54,11 @@ def _translate(message: str, values: dict[str, Any]) -> str:
     return template.format(**values)
 
 
+def chinese(message: str, /) -> str | None:
+    """The Chinese entry of a template (whatever the reader's language), or None where it has none."""
+    return _chinese().get(message)
+
+
 def language() -> str:
     """``"en"`` or ``"zh"``: the language the checks speak in this process (see the module's docstring)."""
     chosen = os.environ.get(LANGUAGE_ENV, "")

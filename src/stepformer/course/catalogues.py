@@ -215,9 +215,11 @@ def statistics(root: Path = ROOT) -> tuple[int, int, int]:
 CHECKS = Path("src") / "stepformer" / "checks"
 CHECKS_CATALOGUES = CHECKS / "locale" / LANGUAGE / "LC_MESSAGES"
 # The grader's own sentences in a student's feedback (a check's points withheld, and why, and what its scan of the
-# cells found): in the catalogues `worker.po` and `trusted.po`, beside the checks'.
+# cells found) and the class edition's own prose in its notebooks: in the catalogues `worker.po`, `trusted.po` and
+# `edition.po`, beside the checks'.
 CHECKED_ELSEWHERE = (Path("src") / "stepformer" / "course" / "worker.py",
-                     Path("src") / "stepformer" / "course" / "trusted.py")
+                     Path("src") / "stepformer" / "course" / "trusted.py",
+                     Path("src") / "stepformer" / "course" / "edition.py")
 # What shows a message to the student: an argument of one of these calls is a message, and goes through t().
 MESSAGE_CALLS = frozenset({"CheckFailure", "CodeRaised", "GivenError", "passed", "print", "reworded", "warn", "note"})
 

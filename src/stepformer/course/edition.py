@@ -29,6 +29,7 @@ from pathlib import Path
 
 import nbformat
 
+from stepformer.checks._messages import marked
 from stepformer.course.paths import assignments
 from stepformer.course.sync import GIT_INSTALL, course_install
 
@@ -39,11 +40,15 @@ DIST_NAME = "stepformer-checks"
 QUOTED_INSTALL = re.compile(f'"{GIT_INSTALL.pattern}"')
 # What the checks and the notebooks import; the translator's own packages serve the full library only.
 STUDENT_DEPENDENCIES = ("torch", "einops", "jaxtyping", "beartype", "matplotlib", "numpy", "tqdm", "babel")
-CLASS_NOTE = (
+# The class edition's own prose in its notebooks (their Chinese twins read it from the catalogue `edition.po`):
+# the note above the given cells, and the phrase it takes out of their introduction.
+CLASS_NOTE_TEXT = marked(
     "**Class edition.** The cells below define your own answers from the earlier chapters' notebooks, "
     "which must lie beside this one's folder as you fetched them. When your work is graded, the course's "
-    "versions are used instead, so a mistake there costs no points here.\n\n"
+    "versions are used instead, so a mistake there costs no points here."
 )
+CLASS_NOTE = CLASS_NOTE_TEXT + "\n\n"
+SOLUTION_PHRASE = marked(" (this is the course's solution; run the cell)")
 
 
 class EditionError(RuntimeError):
@@ -103,7 +108,7 @@ def class_notebook(nb: nbformat.NotebookNode, answers: dict[str, Answer], packag
             cell.source = given_cell_source(answers[meta["library"]])
             cell.outputs, cell.execution_count = [], None
         elif grade_id == "given-intro" and cell.cell_type == "markdown":
-            cell.source = CLASS_NOTE + cell.source.replace(" (this is the course's solution; run the cell)", "")
+            cell.source = CLASS_NOTE + cell.source.replace(SOLUTION_PHRASE, "")
         elif grade_id == "setup" and (install := QUOTED_INSTALL.search(cell.source)):
             cell.source = cell.source.replace(
                 "this installs the course's\n# checks",

@@ -36,12 +36,11 @@ def release(root: Path, target: Path | None = None, names: list[str] | None = No
             result = grader.generate_assignment(name, force=True)
             if not result["success"]:
                 raise ReleaseError(f"nbgrader generate_assignment {name} failed:\n{result['error']}\n{result['log']}")
-    # Each notebook's Chinese twin, beside it in zh/ (stepformer.course.translation). A missing translation does not
-    # stop the English release: the twin is left out, said here, and `release --check` fails until it is written.
-    # The class edition's notebooks (another source) have prose of their own that no catalogue holds yet: English.
-    if source is None:
-        for problem in write_release_chinese(root, target, names or assignments(root)):
-            print(f"the Chinese notebook was not written: {problem}")
+    # Each notebook's Chinese twin, beside it in zh/ (stepformer.course.translation), in both editions. A missing
+    # translation does not stop the English release: the twin is left out, said here, and `release --check` (and
+    # the class edition's test) fail until it is written.
+    for problem in write_release_chinese(root, target, names or assignments(root)):
+        print(f"the Chinese notebook was not written: {problem}")
     return target
 
 

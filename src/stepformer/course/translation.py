@@ -47,8 +47,24 @@ def catalogue_of(root: Path, assignment: str, notebook: str) -> Path:
 
 
 def translations(path: Path) -> dict[str, str]:
-    """English message -> Chinese of a catalogue (translated, not fuzzy)."""
-    return {m.id: m.string for m in load(path) if m.id and m.string and not m.fuzzy}
+    """English message -> Chinese of a catalogue (translated, not fuzzy), with what the class edition's notebooks
+    say in their own words (:func:`class_messages`)."""
+    found = {m.id: m.string for m in load(path) if m.id and m.string and not m.fuzzy}
+    return {**found, **class_messages(found)}
+
+
+def class_messages(messages: dict[str, str]) -> dict[str, str]:
+    """The class edition's prose (stepformer.course.edition.class_notebook), in Chinese: its note above the given
+    cells, and each given cells' introduction of ``messages`` without the phrase the class edition takes out."""
+    from stepformer.checks._messages import chinese
+    from stepformer.course.edition import CLASS_NOTE_TEXT, SOLUTION_PHRASE
+
+    found = {CLASS_NOTE_TEXT: note} if (note := chinese(CLASS_NOTE_TEXT)) else {}
+    phrase = chinese(SOLUTION_PHRASE)
+    for english, translation in messages.items():
+        if phrase and SOLUTION_PHRASE in english and phrase in translation:
+            found[english.replace(SOLUTION_PHRASE, "")] = translation.replace(phrase, "")
+    return found
 
 
 def translated(nb: Any, messages: dict[str, str]) -> Any:
