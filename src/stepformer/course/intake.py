@@ -39,6 +39,9 @@ from pathlib import Path, PurePosixPath
 import nbformat
 from anyascii import anyascii
 
+# A Chinese notebook lies in zh/ beside its English twin (stepformer.course.translation); a student answers one.
+from stepformer.checks.given import TRANSLATION_FOLDER
+
 MB = 1024 * 1024
 MAX_NOTEBOOK_BYTES = 20 * MB
 MAX_TOTAL_BYTES = 500 * MB  # all zips of one run together, after unpacking
@@ -825,8 +828,6 @@ class _Reader:
         return target
 
 
-# A Chinese notebook lies in zh/ beside its English twin (stepformer.course.translation); a student answers one.
-TRANSLATION_FOLDER = "zh"
 
 
 def _language_twins(exact: list[Path]) -> tuple[Path, Path] | None:

@@ -26,10 +26,10 @@ from typing import Any
 
 import nbformat
 
+from stepformer.checks.given import TRANSLATION_FOLDER as FOLDER  # the Chinese notebook's folder
 from stepformer.course.catalogues import catalogue_dir, load
 
 LANGUAGE = "zh"
-FOLDER = "zh"  # the Chinese notebook's folder inside its assignment's folder
 
 
 class TranslationMissing(LookupError):
