@@ -219,7 +219,12 @@ os._exit(1)
         while manager.is_alive() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert (paths["sock"] / "ipc").is_symlink()
+        # A fresh client: the old one's IOPub queue still holds the dead kernel's messages, which
+        # would let wait_for_ready return before IOPub is connected to the new kernel.
+        client.stop_channels()
         manager.restart_kernel(now=True)
+        client = manager.client()
+        client.start_channels()
         client.wait_for_ready(timeout=60)
         stdout = []
         reply = client.execute_interactive(f"""
@@ -235,6 +240,42 @@ for path in [{str(solutions / "secret.ipynb")!r}, {str(solutions / "planted.txt"
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
+
+
+def test_the_launcher_imports_only_the_standard_library():
+    """The launcher runs twice per kernel start (outside, then inside bwrap): an import of the checks (torch)
+    there would cost every student about three seconds."""
+    import subprocess
+    import sys
+
+    from stepformer.course import sandbox
+
+    probe = ("import runpy, sys\nbefore = set(sys.modules)\nsys.argv = [sys.argv[1], '--help']\n"
+             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print(' '.join(sorted(set(sys.modules) - before)))")
+    result = subprocess.run([sys.executable, "-I", "-c", probe, sandbox.__file__], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    imported = {name.split(".")[0] for name in result.stdout.splitlines()[-1].split()}
+    assert "argparse" in imported and imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+
+
+def test_the_kernel_gets_only_the_variables_passed_to_it(tmp_path, monkeypatch):
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    make_runtime(runtime)
+    connection = runtime / "kernel.json"
+    connection.write_text("{}")
+    monkeypatch.setenv("STEPFORMER_LANG", "zh")
+    monkeypatch.setenv("STEPFORMER_GRADER_SECRET", "x")
+    command = bwrap_command(LIMITS, [], connection, tmp_path, runtime, passed=["STEPFORMER_LANG"])
+    assert ["--setenv", "STEPFORMER_LANG", "zh"] == command[command.index("STEPFORMER_LANG") - 1:
+                                                            command.index("STEPFORMER_LANG") + 2]
+    assert "STEPFORMER_GRADER_SECRET" not in command
+    assert "STEPFORMER_LANG" not in bwrap_command(LIMITS, [], connection, tmp_path, runtime)
+    spec = json.loads((Path(install_kernelspec(tmp_path / "kernels", limits=LIMITS, hidden=[]) and
+                            tmp_path / "kernels" / "stepformer-sandbox" / "kernel.json")).read_text())
+    assert spec["argv"][spec["argv"].index("--pass") + 1] == "STEPFORMER_LANG"
 
 
 def test_launcher_refuses_a_linked_runtime_folder(tmp_path):

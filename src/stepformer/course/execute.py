@@ -204,16 +204,25 @@ class GradingExecute(Execute):
         msg_id = self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
         self.wait_for_reply(msg_id)
 
-    def _restart(self, index: int) -> None:
+    def _restart_kernel(self) -> None:
         run_sync(self.km.restart_kernel)(now=True)
+        # The dead kernel's messages still queued on IOPub would let wait_for_ready (which waits for
+        # any IOPub message) return before IOPub is connected to the new kernel, and its output be lost.
+        while True:
+            try:
+                run_sync(self.kc.iopub_channel.get_msg)(timeout=0.1)
+            except Empty:
+                break
         run_sync(self.kc.wait_for_ready)(timeout=self.startup_timeout)
+
+    def _restart(self, index: int) -> None:
+        self._restart_kernel()
         for earlier, cell in enumerate(self.nb.cells[:index]):
             if cell.cell_type == "code" and earlier not in self._killers and cell.source.strip():
                 try:
                     self._silent(cell.source)
                 except (DeadKernelError, TimeoutError):
-                    run_sync(self.km.restart_kernel)(now=True)
-                    run_sync(self.kc.wait_for_ready)(timeout=self.startup_timeout)
+                    self._restart_kernel()
                     self._killers.add(earlier)
 
 

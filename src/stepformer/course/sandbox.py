@@ -38,10 +38,9 @@ import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-from stepformer.checks._messages import LANGUAGE_ENV
 
 BWRAP = "bwrap"
 # The package folder (src/stepformer or site-packages/stepformer), found without importing it.
@@ -124,12 +123,16 @@ def install_kernelspec(kernels_dir: Path, *, limits: Limits, hidden: list[Path],
     grader's home is hidden too unless ``hide_home`` is false (it holds keys that a student could
     print into the feedback). Put ``kernels_dir.parent`` on JUPYTER_PATH.
     """
+    from stepformer.checks._messages import LANGUAGE_ENV
+
     folders = [Path(p).resolve() for p in hidden]
     if hide_home:
         folders.append(Path.home().resolve())
     argv = [sys.executable, "-I", str(Path(__file__).resolve()), "--limits", limits.to_json()]
     for folder in folders:
         argv += ["--hide", str(folder)]
+    # Named here, not imported by the launcher: importing the checks imports torch, twice a kernel start.
+    argv += ["--pass", LANGUAGE_ENV]
     argv += ["--", "{connection_file}"]
     spec = {
         "argv": argv,
@@ -150,8 +153,9 @@ def _within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def _environment() -> dict[str, str]:
-    """The kernel's whole environment (nothing of the grader's leaks in but NBGRADER_EXECUTION and the language)."""
+def _environment(passed: Sequence[str] = ()) -> dict[str, str]:
+    """The kernel's whole environment: nothing of the grader's leaks in but NBGRADER_EXECUTION and the variables
+    ``passed`` (the checks' language, which the grading worker sets to the submission's)."""
     env = {
         "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
         "HOME": "/tmp",
@@ -169,9 +173,9 @@ def _environment() -> dict[str, str]:
     # Notebooks may skip slow work while autograded; nbgrader sets this in the grader.
     if "NBGRADER_EXECUTION" in os.environ:
         env["NBGRADER_EXECUTION"] = os.environ["NBGRADER_EXECUTION"]
-    # The language the checks speak: the submission's (set by the grading worker).
-    if LANGUAGE_ENV in os.environ:
-        env[LANGUAGE_ENV] = os.environ[LANGUAGE_ENV]
+    for variable in passed:
+        if variable in os.environ and variable not in env:
+            env[variable] = os.environ[variable]
     return env
 
 
@@ -208,11 +212,13 @@ def _socket_folders() -> list[Path]:
     return found
 
 
-def bwrap_command(limits: Limits, hidden: list[Path], connection_file: Path, cwd: Path, runtime: Path) -> list[str]:
+def bwrap_command(limits: Limits, hidden: list[Path], connection_file: Path, cwd: Path, runtime: Path,
+                  passed: Sequence[str] = ()) -> list[str]:
     """The bwrap command line that runs the kernel of ``connection_file`` in the sandbox.
 
     ``runtime`` is the grader's runtime folder: only its ``sock/`` and ``records/`` sub-folders are
     bound writable. ``cwd`` is covered by an empty tmpfs. Nothing is read from the connection file.
+    ``passed``: environment variables the kernel gets from the launcher's environment.
     """
     runtime = Path(os.path.abspath(runtime))
     writable = [runtime / name for name in RUNTIME_FOLDERS]
@@ -261,7 +267,7 @@ def bwrap_command(limits: Limits, hidden: list[Path], connection_file: Path, cwd
         if folder.is_dir() and folder not in writable and folder != cwd:  # not a bind on the same path
             command += ["--remount-ro", str(folder)]
     command += ["--remount-ro", "/dev", "--clearenv"]
-    for variable, value in _environment().items():
+    for variable, value in _environment(passed).items():
         command += ["--setenv", variable, value]
     command += ["--chdir", str(cwd), "--",
                 sys.executable, "-I", str(Path(__file__).resolve()), "--inside", "--limits", limits.to_json(),
@@ -337,6 +343,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limits", type=Limits.from_json, default=Limits())
     parser.add_argument("--hide", type=Path, action="append", default=[])
+    parser.add_argument("--pass", dest="passed", action="append", default=[],
+                        help="an environment variable the kernel gets, if set")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("connection_file")
     args = parser.parse_args(argv)
@@ -351,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     if not runtime or not os.path.isabs(runtime):
         sys.exit(f"stepformer sandbox: {RUNTIME_ENV} must name the grader's runtime folder (an absolute path)")
     try:
-        command = bwrap_command(limits, args.hide, Path(args.connection_file), Path.cwd(), Path(runtime))
+        command = bwrap_command(limits, args.hide, Path(args.connection_file), Path.cwd(), Path(runtime), args.passed)
     except SandboxError as error:
         sys.exit(f"stepformer sandbox: {error}")
     if os.geteuid() == 0:
