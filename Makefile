@@ -17,11 +17,16 @@ RUN ?= runs/$(PRESET)-de-en
 DATA_FLAG := $(if $(DATA_DIR),--data-dir $(DATA_DIR),)
 # `make book`: the open edition (answers shown, for self-learners) or EDITION=class (for a graded class).
 EDITION ?= open
-# `make book`: the English site (into _build/html) or BOOK_LANG=zh, the Chinese one (into _build/zh/_build/html,
-# then copied to _build/html/zh, where the published site has it). Not LANG: that is the shell's locale.
+# `make book`: the English site or BOOK_LANG=zh, the Chinese one. Not LANG: that is the shell's locale. Each site is
+# built in a folder of its own; a Chinese one is then copied into its edition's English site, under zh/, where the
+# published site has it:
+#   open edition:  English into _build/html,                Chinese into _build/zh, copied to _build/html/zh
+#   class edition: English into _build/class/_build/html,   Chinese into _build/class-zh, copied to _build/class/_build/html/zh
 BOOK_LANG ?= en
-BOOK_OUT := $(if $(filter class,$(EDITION)),--path-output _build/class,$(if $(filter zh,$(BOOK_LANG)),--path-output _build/zh,))
-BOOK_HTML := $(if $(filter class,$(EDITION)),_build/class/_build/html,$(if $(filter zh,$(BOOK_LANG)),_build/html/zh,_build/html))
+BOOK_BUILD := $(if $(filter class,$(EDITION)),_build/class$(if $(filter zh,$(BOOK_LANG)),-zh,),$(if $(filter zh,$(BOOK_LANG)),_build/zh,))
+BOOK_OUT := $(if $(BOOK_BUILD),--path-output $(BOOK_BUILD),)
+ENGLISH_HTML := $(if $(filter class,$(EDITION)),_build/class/_build/html,_build/html)
+BOOK_HTML := $(if $(filter zh,$(BOOK_LANG)),$(ENGLISH_HTML)/zh,$(ENGLISH_HTML))
 # One cache of executed pages for every build (both languages, both editions): only the first executes the chapters.
 EXECUTION_CACHE := $(CURDIR)/_build/.jupyter_cache
 
@@ -40,14 +45,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install the course and its tools
 
-book: $(STAMP) ## build the site into _build/html (BOOK_LANG=zh: the Chinese site, into _build/html/zh; EDITION=class: without the answers)
+book: $(STAMP) ## build the site into _build/html (BOOK_LANG=zh: the Chinese site, into _build/html/zh; EDITION=class: without the answers, into _build/class/_build/html)
 	@case "$(BOOK_LANG)" in en|zh) ;; *) echo "BOOK_LANG=$(BOOK_LANG): the languages are en (the default) and zh"; exit 2;; esac
-	@if [ "$(BOOK_LANG)" = zh ] && [ "$(EDITION)" = class ]; then \
-		echo "The class edition's site is built in English only for now (its notebooks' Chinese twins are in the class"; \
-		echo "course that stepformer-course class-edition writes)."; exit 2; fi
 	STEPFORMER_EDITION=$(EDITION) STEPFORMER_LANG=$(BOOK_LANG) STEPFORMER_EXECUTION_CACHE=$(EXECUTION_CACHE) $(if $(DATA_DIR),STEPFORMER_DATA_DIR=$(abspath $(DATA_DIR)),) $(BIN)/jupyter-book build . --warningiserror --keep-going $(BOOK_OUT)
 ifeq ($(BOOK_LANG),zh)
-	rm -rf _build/html/zh && mkdir -p _build/html && cp -r _build/zh/_build/html _build/html/zh
+	rm -rf $(ENGLISH_HTML)/zh && mkdir -p $(ENGLISH_HTML) && cp -r $(BOOK_BUILD)/_build/html $(ENGLISH_HTML)/zh
 	@$(BIN)/python -m stepformer.course.catalogues stat
 endif
 	@echo "Open: file://$(CURDIR)/$(BOOK_HTML)/index.html"

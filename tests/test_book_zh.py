@@ -27,6 +27,7 @@ from stepformer.course.catalogues import (
 )
 from stepformer.course.translation import chinese_path
 from tests.fixtures.answers import page_text
+from tests.fixtures.chinese import CJK
 from tests.test_book import (
     LEAKS,
     PAGES,
@@ -58,7 +59,6 @@ pytestmark = pytest.mark.slow
 
 # Local iteration only: test a Chinese site built earlier (its _build/html folder); CI never sets it.
 REUSE_ZH_SITE = "STEPFORMER_TEST_ZH_SITE"
-CJK = re.compile(r"[\u4e00-\u9fff]")
 
 
 @pytest.fixture(scope="session")

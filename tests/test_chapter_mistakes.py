@@ -1,21 +1,29 @@
 """The grader catches real mistakes: per chapter, the solution gets full marks, the untouched
 release gets zero, and each realistic mistake gets its exact partial marks with a feedback line
-that names it (fixtures: tests/fixtures/mistakes_<module>.py).
+that names it (fixtures: tests/fixtures/mistakes_<module>.py). A hostile submission per chapter
+(the second exercise's answer patches torch for every later check) keeps the points of the checks
+before it and loses the others.
 
-Every other mistake of a chapter is handed in as a Chinese notebook (the student answered
-``<assignment>/zh/<notebook>``): it must get the same exact points, and its feedback speaks Chinese,
-every check failure included. Each case is graded once, in one language, so that both languages
-cost one grading run (tests/test_corpus.py grades Chinese twins of the same code side by side)."""
+Every case is handed in twice in one grading run: as the English notebook (student ``<case>``) and
+as the Chinese one (student ``zh_<case>``, who answered ``<assignment>/zh/<notebook>`` with the same
+code). The Chinese twin gets the same points, cell by cell; its feedback shows the same checks
+passing and failing, in Chinese, where the English twin's is English."""
 
 import importlib
-import re
 from pathlib import Path
 
 import pytest
 
 from stepformer.course.grade import grade
 from stepformer.course.sandbox import sandbox_problem
-from tests.fixtures.submissions import write_chinese_twins, write_submissions
+from tests.fixtures.chinese import CJK
+from tests.fixtures.submissions import (
+    FAILURE_LINE,
+    first_heading,
+    tampering_case,
+    write_chinese_twins,
+    write_submissions,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = [importlib.import_module(f"tests.fixtures.{p.stem}")
@@ -23,19 +31,22 @@ CHAPTERS = [importlib.import_module(f"tests.fixtures.{p.stem}")
 pytestmark = pytest.mark.slow
 
 
+def _cases(chapter) -> list:
+    return [*chapter.CASES, tampering_case(chapter.ASSIGNMENT, chapter.NOTEBOOK)]
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    """Grade a chapter's fixtures on first use, so that ``-k 07_encoder`` grades that chapter only."""
+    """Grade a chapter's fixtures, both twins of each, on first use, so that ``-k 07_encoder`` grades that chapter
+    only."""
     found = {}
 
     def chapter_results(chapter):
         if chapter.ASSIGNMENT not in found:
             base = tmp_path_factory.mktemp(chapter.ASSIGNMENT)
-            english = [case for case in chapter.CASES if not _in_chinese(chapter, case)]
-            chinese = [case for case in chapter.CASES if _in_chinese(chapter, case)]
-            write_submissions(english, chapter.ASSIGNMENT, chapter.NOTEBOOK, ROOT / "exercises", base / "subs")
-            write_chinese_twins(chinese, chapter.ASSIGNMENT, chapter.NOTEBOOK, ROOT / "exercises", base / "subs",
-                                prefix="")
+            cases = _cases(chapter)
+            write_submissions(cases, chapter.ASSIGNMENT, chapter.NOTEBOOK, ROOT / "exercises", base / "subs")
+            write_chinese_twins(cases, chapter.ASSIGNMENT, chapter.NOTEBOOK, ROOT / "exercises", base / "subs")
             results = grade(ROOT, base / "subs", chapter.ASSIGNMENT, base / "out", base / "work", workers=2,
                             sandbox=sandbox_problem() is None, progress=False)
             found[chapter.ASSIGNMENT] = ({r.student: r for r in results}, base / "out")
@@ -44,19 +55,15 @@ def graded(tmp_path_factory):
     return chapter_results
 
 
-CASES = [(chapter, case) for chapter in CHAPTERS for case in chapter.CASES]
-# A check's failure as the feedback page shows it: the traceback cut to its last line (ShortTracebacks).
-FAILURE_LINE = re.compile(r"CheckFailure: ([^<\n]*)")
-CJK = re.compile(r"[\u4e00-\u9fff]")
+CASES = [(chapter, case) for chapter in CHAPTERS for case in _cases(chapter)]
+IDS = [f"{c.ASSIGNMENT}-{k.name}" for c, k in CASES]
 
 
-def _in_chinese(chapter, case) -> bool:
-    """Whether a case is handed in as a Chinese notebook: every other mistake (never the solution or the stub)."""
-    mistakes = [c.name for c in chapter.CASES if c.name not in ("correct", "untouched")]
-    return case.name in mistakes[1::2]
+def _page(out: Path, student: str, chapter) -> str:
+    return (out / "feedback" / student / chapter.ASSIGNMENT / chapter.NOTEBOOK.replace(".ipynb", ".html")).read_text()
 
 
-@pytest.mark.parametrize(("chapter", "case"), CASES, ids=[f"{c.ASSIGNMENT}-{k.name}" for c, k in CASES])
+@pytest.mark.parametrize(("chapter", "case"), CASES, ids=IDS)
 def test_mistake_gets_its_points_and_names_the_mistake(graded, chapter, case):
     results, out = graded(chapter)
     result = results[case.name]
@@ -65,18 +72,36 @@ def test_mistake_gets_its_points_and_names_the_mistake(graded, chapter, case):
         assert result.score == result.max_score - result.by_hand  # all but the answers graded by hand
     elif case.name == "untouched":
         assert result.score == 0
-    else:
+    elif case.name != "patches_torch":
         assert 0 < result.score < result.max_score - result.by_hand or case.points == 0
-    page = (out / "feedback" / case.name / chapter.ASSIGNMENT / chapter.NOTEBOOK.replace(".ipynb", ".html")).read_text()
-    failures = FAILURE_LINE.findall(page)
-    if not _in_chinese(chapter, case):
-        assert case.feedback in page + result.detail
-        assert not [line for line in failures if CJK.search(line)], failures
-        return
-    # The same points in Chinese; every check that failed says so in Chinese, and the English phrase is not shown.
-    assert "zh/" in result.detail, result.detail
-    assert failures and all(CJK.search(line) for line in failures), failures
-    assert case.feedback not in "".join(failures)
+    page = _page(out, case.name, chapter)
+    assert case.feedback in page + result.detail
+    assert not [line for line in FAILURE_LINE.findall(page) if CJK.search(line)]
+
+
+@pytest.mark.parametrize(("chapter", "case"), CASES, ids=IDS)
+def test_the_chinese_twin_gets_the_same_points_and_its_feedback_in_chinese(graded, chapter, case):
+    results, out = graded(chapter)
+    english, chinese = results[case.name], results[f"zh_{case.name}"]
+    assert (chinese.score, chinese.status, chinese.cells) == (english.score, english.status, english.cells), \
+        chinese.detail
+    assert "zh/" in chinese.detail, chinese.detail
+    english_page, chinese_page = _page(out, case.name, chapter), _page(out, f"zh_{case.name}", chapter)
+    # The same checks pass and fail: as many ✔ lines, check failures and grader's verdicts on both pages.
+    for mark in ("✔", "CheckFailure:", "GradingCheck:"):
+        assert chinese_page.count(mark) == english_page.count(mark), mark
+    # Every failure in Chinese, the English phrase not shown; the notebook's own prose in Chinese.
+    failures = FAILURE_LINE.findall(chinese_page)
+    assert all(CJK.search(line) for line in failures), failures
+    # (A phrase of the solution's own code, an error message it raises, is shown as raised, in English.)
+    solution = (ROOT / "solutions" / chapter.ASSIGNMENT / chapter.NOTEBOOK).read_text()
+    assert case.feedback == "✔" or case.feedback in solution or case.feedback not in "".join(failures)
+    title, zh_title = first_heading(chapter.ASSIGNMENT, chapter.NOTEBOOK)
+    assert zh_title in chinese_page and title not in chinese_page
+    if case.name == "untouched":
+        assert "尚未实现" in chinese_page
+    if case.name == "patches_torch":
+        assert "不计分" in chinese_page
 
 
 def test_every_chapter_has_at_least_two_mistakes():

@@ -30,10 +30,10 @@ from stepformer.course.translation import (
     translations,
     write_chinese,
 )
+from tests.fixtures.chinese import CJK
 
 ROOT = Path(__file__).resolve().parents[1]
 RELEASE = sorted((ROOT / "exercises").glob("*/*.ipynb"))
-CJK = re.compile(r"[\u4e00-\u9fff]")
 
 
 def test_every_assignment_has_its_chinese_notebook_and_it_is_current():

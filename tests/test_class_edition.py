@@ -7,6 +7,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import nbformat
 import pytest
@@ -138,6 +139,11 @@ def test_the_cli_writes_the_class_course(tmp_path):
     again = subprocess.run([sys.executable, "-m", "stepformer.course.cli", "class-edition", "--out", str(tmp_path),
                             "--assignment", "03_multihead"], cwd=ROOT, capture_output=True, text=True)
     assert again.returncode == 2 and "Pass --replace" in again.stderr
+    # The class site's exercise page shows and downloads the notebooks that the students get, in each language.
+    site = _edition_extension()
+    for lang, path in (("en", "multihead.ipynb"), ("zh", "zh/multihead.ipynb")):
+        served = site.class_exercise(_site_config(lang), "exercises/03_multihead/multihead")
+        assert served == nbformat.read(tmp_path / "release" / "03_multihead" / path, as_version=4), lang
 
 
 # -- the students' environment --------------------------------------------------------------
@@ -218,12 +224,24 @@ def test_every_exercises_checks_run_in_the_students_environment(student_python, 
             assert "your own answer in" in outputs and "the course's copy" not in outputs, notebook.name
 
 
-def test_the_class_site_hides_tagged_cells_whatever_the_order_of_their_options():
+def _edition_extension():
+    """The book's extension (book/_ext/stepformer_edition.py) as a module."""
     sys.path.insert(0, str(ROOT / "book" / "_ext"))
     try:
         import stepformer_edition
     finally:
         sys.path.pop(0)
+    return stepformer_edition
+
+
+def _site_config(lang: str) -> SimpleNamespace:
+    """What the extension reads of a class site's Sphinx configuration, in ``lang``."""
+    return SimpleNamespace(stepformer_lang=lang, stepformer_edition="class", stepformer_package_url=URL,
+                           html_baseurl="")
+
+
+def test_the_class_site_hides_tagged_cells_whatever_the_order_of_their_options():
+    stepformer_edition = _edition_extension()
     page = ("```{code-cell} ipython3\n:mystnb:\n  image:\n    alt: a plot\n:tags: [hide-in-class]\nsecret()\n```\n\n"
             "```{code-cell} ipython3\nshown()\n```\n\n```{code-cell} ipython3\n:tags: [hide-input, hide-in-class]\n"
             "also_secret()\n```\n")
@@ -231,6 +249,40 @@ def test_the_class_site_hides_tagged_cells_whatever_the_order_of_their_options()
     assert out.count(stepformer_edition.HIDDEN_NOTE) == 2 and "hide-in-class" not in out
     assert ":tags: [remove-input]\nsecret()" in out and ":tags: [hide-input, remove-input]\nalso_secret()" in out
     assert "```{code-cell} ipython3\nshown()" in out
+    # What the site serves for download leaves the hidden cells' code out; the Chinese site's note is Chinese.
+    served = stepformer_edition.hide_answer_cells(page, ":::{note}\n注\n:::\n\n", keep_code=False)
+    assert "secret()" not in served and served.count(":::{note}\n注\n:::") == 2 and "shown()" in served
+    assert ":tags: [remove-input]\n```" in served
+    assert "```{code-cell} ipython3\n:tags: [hide-input, remove-input]\n```" in served
+
+
+@pytest.mark.parametrize("assignment", assignments(ROOT))
+def test_the_class_sites_exercise_pages_are_the_class_notebooks_in_the_sites_language(assignment):
+    """An exercise page of the class site, in either language: the class notebook, whose locked cells carry nbgrader's
+    checksums of what they now say; the Chinese one has the English one's code, and prose in Chinese, the class
+    edition's own note included."""
+    from nbgrader.utils import compute_checksum
+
+    from stepformer.checks._messages import chinese
+    from stepformer.course.edition import CLASS_NOTE_TEXT
+
+    site = _edition_extension()
+    for path in sorted((ROOT / "exercises" / assignment).glob("*.ipynb")):
+        docname = f"exercises/{assignment}/{path.stem}"
+        english, zh = (site.class_exercise(_site_config(lang), docname) for lang in ("en", "zh"))
+        for nb in (english, zh):
+            stale = [c.metadata["nbgrader"]["grade_id"] for c in nb.cells
+                     if "checksum" in c.metadata.get("nbgrader", {}) and c.metadata["nbgrader"]["checksum"]
+                     != compute_checksum(c)]
+            assert not stale, (path.name, stale)
+        setup = next(c.source for c in english.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "setup")
+        assert json.dumps(URL) in setup and COURSE_INSTALL not in setup
+        assert zh.metadata["stepformer"]["language"] == "zh"
+        assert "language" not in english.metadata.get("stepformer", {})
+        assert [c.source for c in zh.cells if c.cell_type == "code"] == [
+            c.source for c in english.cells if c.cell_type == "code"]
+        intro = [c.source for c in zh.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "given-intro"]
+        assert all(text.startswith(chinese(CLASS_NOTE_TEXT)) and "Class edition" not in text for text in intro)
 
 
 def test_the_open_sites_exercise_pages_fold_each_rubric_after_its_answer():

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fixtures.chinese import CJK
+
 REPO = Path(__file__).resolve().parents[1]
 GLOSSARY = REPO / "book" / "glossary.md"
 SUMMARIES = REPO / "book" / "summaries.md"
@@ -228,7 +230,6 @@ def test_every_chapter_term_is_in_the_glossary():
         "to NOT_TERMS in tests/test_glossary.py:\n" + "\n".join(missing))
 
 
-CJK = re.compile(r"[\u4e00-\u9fff]")
 
 
 def summaries() -> dict[str, str]:

@@ -4,6 +4,7 @@ cell both follow."""
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import nbformat
@@ -72,7 +73,24 @@ def test_the_pages_workflow_deploys_what_make_book_builds():
     deploy = workflow["jobs"]["deploy"]
     assert deploy["needs"] == "build" and deploy["environment"]["name"] == "github-pages"
     assert any(step.get("uses", "").startswith("actions/deploy-pages@") for step in deploy["steps"])
-    makefile = (ROOT / "Makefile").read_text()
-    assert ("BOOK_HTML := $(if $(filter class,$(EDITION)),_build/class/_build/html,"
-            "$(if $(filter zh,$(BOOK_LANG)),_build/html/zh,_build/html))") in makefile
-    assert "cp -r _build/zh/_build/html _build/html/zh" in makefile  # the Chinese site lands inside the upload
+    assert f"Open: file://{ROOT}/_build/html/index.html" in _make_book()
+    # The Chinese site lands inside the upload.
+    assert "cp -r _build/zh/_build/html _build/html/zh" in _make_book("BOOK_LANG=zh")
+
+
+def test_each_editions_chinese_site_lands_in_its_english_site():
+    """The class edition is laid out as the open one: its Chinese site is built apart, then copied under zh/."""
+    english, chinese = _make_book("EDITION=class"), _make_book("EDITION=class", "BOOK_LANG=zh")
+    assert "--path-output _build/class\n" in english.replace(" \n", "\n")
+    assert f"Open: file://{ROOT}/_build/class/_build/html/index.html" in english
+    assert "STEPFORMER_EDITION=class STEPFORMER_LANG=zh" in chinese and "--path-output _build/class-zh" in chinese
+    assert "cp -r _build/class-zh/_build/html _build/class/_build/html/zh" in chinese
+    assert f"Open: file://{ROOT}/_build/class/_build/html/zh/index.html" in chinese
+
+
+def _make_book(*variables: str) -> str:
+    """The commands that ``make book`` with ``variables`` runs (``make -n``), the installation into .venv left out."""
+    proc = subprocess.run(["make", "-n", "-o", ".venv/.installed", "book", *variables], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout

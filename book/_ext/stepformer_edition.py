@@ -15,8 +15,10 @@ pages also fold, after each answer graded by hand, its rubric, read from ``solut
   becomes a note that names the exercise;
 - a chapter's code cell tagged ``hide-in-class`` (teaching code close to an answer) keeps its
   output and loses its code (myst-nb's ``remove-input``), after a note that says so;
-- the exercise pages are the class edition's notebooks (:func:`stepformer.course.edition.class_notebook`):
-  earlier answers are loaded from the student's own notebooks, never printed;
+- the exercise pages are the class edition's notebooks (:func:`stepformer.course.edition.class_release_notebook`):
+  earlier answers are loaded from the student's own notebooks, never printed; their download buttons serve the
+  same notebooks, the ones nbgrader releases from the class edition's source (not the open edition's, which
+  Sphinx copies);
 - the students' package (the checks without the answers) is built into ``_static/``, and the
   exercise pages' set-up cell installs it (from ``STEPFORMER_PACKAGE_URL`` when given, else from
   the site's ``html_baseurl``);
@@ -24,7 +26,9 @@ pages also fold, after each answer graded by hand, its rubric, read from ``solut
 
 The Chinese site (``STEPFORMER_LANG=zh``) serves the same students' wheel, for readers who cannot reach GitHub:
 its set-up page links to it with ``{stepformer-wheel}`` (book/setup.md). The text this extension writes into pages
-is in the site's language (book/_ext/stepformer_language.py).
+is in the site's language (book/_ext/stepformer_language.py). The Chinese class site's exercise pages show, and
+download, the class notebooks' Chinese twins (:func:`stepformer.course.translation.chinese_twin`): the notebooks
+that a Chinese class student gets from ``stepformer-course class-edition``.
 """
 
 import functools
@@ -41,9 +45,16 @@ from sphinx.config import Config
 from sphinx.directives.code import LiteralInclude
 from sphinx.errors import ExtensionError
 from sphinx.util.docutils import SphinxDirective, SphinxRole
-from stepformer_language import text  # book/_ext, beside this file: the text it writes, in the site's language
+from stepformer_language import language, text  # book/_ext, beside this file: the text it writes, in the language
 
-from stepformer.course.edition import build_student_dist, class_notebook, graded_answers, open_notebook, wheel_name
+from stepformer.course.edition import (
+    build_student_dist,
+    class_release_notebook,
+    graded_answers,
+    open_notebook,
+    wheel_name,
+)
+from stepformer.course.translation import TranslationMissing, chinese_twin
 
 EDITIONS = ("open", "class")
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,9 +109,12 @@ class GradedLiteralInclude(LiteralInclude):
             return super().run()
         if config.stepformer_edition != "class":
             return self._folded(target, answer)
+        number, notebook = _number(answer), f"{answer.assignment}/{answer.notebook}"
+        exercise = text(config, "exercise {number} of {notebook}", number=number, notebook=notebook) if number \
+            else notebook
         note = nodes.note()
-        note += nodes.paragraph(
-            text=f"The code of {target} is not shown in this edition: writing it is {answer.exercise}.")
+        note += nodes.paragraph(text=text(config, "The code of {target} is not shown in this edition: writing it is "
+                                                  "{exercise}.", target=target, exercise=exercise))
         return [note]
 
     def _folded(self, target: str, answer: Any) -> list[nodes.Node]:
@@ -223,16 +237,40 @@ def _package_url(config: Config) -> str:
     return f"{base}/_static/{wheel_name(ROOT)}" if base else f"_static/{wheel_name(ROOT)}"
 
 
-# A code cell's opening line and its option lines (":tags: [...]", ":mystnb: ...", in any order).
-HIDDEN_CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(?:[: ][^\n]*\n)*?:tags: \[[^\]\n]*\bhide-in-class\b[^\]\n]*\]",
-                         re.MULTILINE)
-HIDDEN_NOTE = (":::{note}\nThe code of the next cell is left out of the class edition: it shows much of an exercise's "
-               "answer. Its output is kept.\n:::\n\n")
+# A hidden code cell: its opening line and its option lines (":tags: [...]", ":mystnb: ...", in any order), then
+# its code, up to the closing fence.
+HIDDEN_CELL = re.compile(r"^(?P<head>```\{code-cell\}[^\n]*\n(?:[: ][^\n]*\n)*?"
+                         r":tags: \[[^\]\n]*\bhide-in-class\b[^\]\n]*\][^\n]*\n(?:[: ][^\n]*\n)*)(?P<code>.*?)^```",
+                         re.MULTILINE | re.DOTALL)
+HIDDEN_NOTE_TEXT = ("The code of the next cell is left out of the class edition: it shows much of an exercise's "
+                    "answer. Its output is kept.")
+HIDDEN_NOTE = f":::{{note}}\n{HIDDEN_NOTE_TEXT}\n:::\n\n"
 
 
-def hide_answer_cells(page: str) -> str:
-    """A chapter's MyST text with each ``hide-in-class`` cell's code removed (its output kept), after a note."""
-    return HIDDEN_CELL.sub(lambda m: HIDDEN_NOTE + m.group(0).replace("hide-in-class", "remove-input"), page)
+def hide_answer_cells(page: str, note: str = HIDDEN_NOTE, *, keep_code: bool = True) -> str:
+    """A chapter's MyST text with ``note`` before each ``hide-in-class`` cell, whose output is kept and whose code is
+    hidden (myst-nb's ``remove-input``) or, without ``keep_code``, left out of the text.
+
+    The page keeps the code in its text, so that its cached outputs still match it; the text that the site serves
+    for download leaves it out."""
+    return HIDDEN_CELL.sub(lambda m: note + m["head"].replace("hide-in-class", "remove-input")
+                           + (m["code"] if keep_code else "") + "```", page)
+
+
+def class_exercise(config: Config, docname: str) -> nbformat.NotebookNode:
+    """The notebook that the class site's exercise page ``docname`` shows and downloads: the class edition's release
+    of ``<docname>.ipynb``; on the Chinese site, its Chinese twin (both as ``stepformer-course class-edition`` writes
+    them)."""
+    assignment, name = docname.removeprefix("exercises/").split("/")
+    nb = class_release_notebook(nbformat.read(ROOT / f"{docname}.ipynb", as_version=4), _answers(),
+                                _package_url(config))
+    if language(config) != "zh":
+        return nb
+    try:
+        return chinese_twin(ROOT, assignment, f"{name}.ipynb", nb)
+    except (TranslationMissing, FileNotFoundError) as error:
+        raise ExtensionError(f"{docname}: the Chinese class notebook cannot be written: {error} (run `make "
+                             "catalogues`, then translate what it lists: book/locale/README.md)") from error
 
 
 def _edition_source(app: Sphinx, docname: str, source: list[str]) -> None:
@@ -245,10 +283,32 @@ def _edition_source(app: Sphinx, docname: str, source: list[str]) -> None:
             source[0] = nbformat.writes(open_notebook(nb, solution))
         return
     if docname.startswith("exercises/"):
-        nb = nbformat.reads(source[0], as_version=4)
-        source[0] = nbformat.writes(class_notebook(nb, _answers(), _package_url(app.config)))
+        source[0] = nbformat.writes(class_exercise(app.config, docname))
     else:
-        source[0] = hide_answer_cells(source[0])
+        source[0] = hide_answer_cells(source[0], _hidden_note(app.config))
+
+
+def _hidden_note(config: Config) -> str:
+    # Written in the site's language: the catalogues, extracted from the open edition, do not hold the note.
+    return f":::{{note}}\n{text(config, HIDDEN_NOTE_TEXT)}\n:::\n\n"
+
+
+def _class_downloads(app: Sphinx, error: Exception | None) -> None:
+    """The class site's pages download their class edition: Sphinx copied the open edition's sources into
+    ``_sources/``, whose exercise notebooks print the earlier answers in their given cells and whose chapters hold
+    the code of their ``hide-in-class`` cells. An exercise page downloads the notebook it shows
+    (:func:`class_exercise`); a chapter, its text without that code."""
+    if error is not None or app.config.stepformer_edition != "class" or app.builder.format != "html":
+        return
+    sources = Path(app.outdir) / "_sources"
+    for docname in sorted(app.env.found_docs):
+        for target in sources.glob(f"{docname}.*"):
+            if docname.startswith("exercises/") and target.suffix == ".ipynb":
+                target.write_text(nbformat.writes(class_exercise(app.config, docname)) + "\n", encoding="utf-8")
+            elif target.suffix == ".md":
+                page = hide_answer_cells(Path(app.env.doc2path(docname)).read_text(encoding="utf-8"),
+                                         _hidden_note(app.config), keep_code=False)
+                target.write_text(page, encoding="utf-8")
 
 
 def _serves_wheel(config: Config) -> bool:
@@ -283,6 +343,7 @@ def setup(app: Sphinx) -> dict[str, object]:
     app.connect("config-inited", _check)
     app.connect("source-read", _edition_source)
     app.connect("build-finished", _students_wheel)
+    app.connect("build-finished", _class_downloads)
     app.connect("doctree-read", _try_first)
     app.add_node(answer_block, html=(_visit_answer_html, _depart_answer_html), latex=(_pass, _pass),
                  text=(_pass, _pass), man=(_pass, _pass), texinfo=(_pass, _pass))

@@ -18,11 +18,12 @@ This extension, in the Chinese build:
   translation.
 
 Its exercise pages download, and launch on Binder and Colab, the Chinese exercise notebooks
-(``exercises/<assignment>/zh/``).
+(``exercises/<assignment>/zh/``). The Chinese class site (``STEPFORMER_EDITION=class``) has no launch buttons, and its
+exercise pages show and download the class notebooks' Chinese twins (book/_ext/stepformer_edition.py).
 
 In both builds it puts in the top bar of every page a link to the same page in the other language. The published
 site holds the English pages at its root and the Chinese ones under ``zh/``: ``book/01_attention.html`` and
-``zh/book/01_attention.html``.
+``zh/book/01_attention.html``; the class edition's site is laid out the same way.
 """
 
 import gettext
@@ -64,6 +65,13 @@ CHINESE = {
     " asks you to write is folded at the end of the page, after the exercise. Write your own first, let the checks "
     "teach you, then open the library's version to compare.":
         "要求你编写的代码，课程库中的版本折叠在页面末尾的练习之后。先自己写，让检查告诉你哪里不对，再展开课程库中的版本对照。",
+    # The class edition's notes: a graded object's code left out, a hide-in-class cell's code left out.
+    "The code of {target} is not shown in this edition: writing it is {exercise}.":
+        "课堂版不展示 {target} 的代码：它留给你在 {exercise} 中编写。",
+    "exercise {number} of {notebook}": "{notebook} 的练习 {number}",
+    "The code of the next cell is left out of the class edition: it shows much of an exercise's answer. "
+    "Its output is kept.":
+        "课堂版略去了下一个单元格的代码，因为它透露了练习答案的大部分；它的输出仍然保留。",
 }
 
 
@@ -93,9 +101,6 @@ def _set_language(app: Sphinx, config: Config) -> None:
                                          *(("gettext", mime, rank) for mime, rank in html.items())]
     if config.stepformer_lang != "zh":
         return
-    if getattr(config, "stepformer_edition", "open") == "class":
-        raise ExtensionError("the class edition is built in English only (STEPFORMER_LANG=zh with "
-                             "STEPFORMER_EDITION=class): its Chinese exercise notebooks do not exist yet")
     config.language = LOCALE
     config.html_search_language = "zh"
     config.html_search_options = {**(config.html_search_options or {}), "dict": str(_jieba_words(app))}
@@ -275,9 +280,12 @@ def _top_bar(app: Sphinx, config: Config) -> None:
 
 
 def _chinese_notebooks(app: Sphinx, error: Exception | None) -> None:
-    """The Chinese site's exercise pages download the Chinese notebooks (``exercises/<a>/zh/<n>.ipynb``, instructions
-    and the checks' messages in Chinese) in place of the English ones the page was built from."""
+    """The Chinese open site's exercise pages download the Chinese notebooks (``exercises/<a>/zh/<n>.ipynb``,
+    instructions and the checks' messages in Chinese) in place of the English ones the page was built from. (The
+    class site's download the class notebooks' twins: book/_ext/stepformer_edition.py.)"""
     if error is not None or language(app.config) != "zh" or app.builder.format != "html":
+        return
+    if getattr(app.config, "stepformer_edition", "open") == "class":
         return
     sources = Path(app.outdir) / "_sources"
     for chinese in sorted(ROOT.glob("exercises/*/zh/*.ipynb")):

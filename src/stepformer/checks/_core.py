@@ -648,10 +648,19 @@ def _digest(args: tuple, kwargs: dict) -> str:
 # -- helpers for writing checks ------------------------------------------------------------
 
 def describe(x: Any) -> str:
-    """A short description of an argument: shape and dtype for a tensor, repr otherwise."""
+    """A short description of an argument, on one line: shape and dtype for a tensor; for a module, its class and
+    settings (its repr lists every submodule, a line each); for an object without a repr of its own, its class (its
+    address would differ from run to run); repr otherwise."""
     if isinstance(x, Tensor):
         return f"Tensor{tuple(x.shape)} {dtype_name(x.dtype)}"
-    return repr(x)
+    try:
+        if isinstance(x, torch.nn.Module):
+            return f"{type(x).__name__}({x.extra_repr()})"
+        if type(x).__repr__ is object.__repr__:
+            return f"{type(x).__name__} object"
+        return repr(x)
+    except Exception:  # a student's class whose repr fails
+        return f"{type(x).__name__} object"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -11,6 +11,8 @@ Built from the same sources as the open edition:
 - :func:`write_class_course`: both, as an instructor's nbgrader ``source/`` folder, its
   ``release/`` (the students' copies), and the wheel to hand out (a hub's image, or a web
   address for Colab);
+- :func:`class_release_notebook`: :func:`class_notebook` of a released notebook, with nbgrader's checksums
+  (what that release holds): the class site's exercise pages show and download it;
 - the book's extension (``book/_ext/stepformer_edition.py``) uses :func:`graded_answers` to replace each
   graded function's code by a note pointing to its exercise (the open edition folds it after the exercise),
   and, in the open edition only, :func:`open_notebook` to show each hand-graded answer's rubric, folded.
@@ -115,6 +117,22 @@ def class_notebook(nb: nbformat.NotebookNode, answers: dict[str, Answer], packag
                 "this installs the course's\n# checks (the class edition's package: the checks without the answers)",
             ).replace(install.group(), json.dumps(package))
     return nb
+
+
+def class_release_notebook(nb: nbformat.NotebookNode, answers: dict[str, Answer],
+                           package: str) -> nbformat.NotebookNode:
+    """The class edition of a released notebook (``exercises/``): :func:`class_notebook`, with nbgrader's checksum
+    of each locked cell it changed computed again. It is the notebook that nbgrader releases from the class
+    edition's source (what :func:`write_class_course` hands out), which the class site serves."""
+    from nbgrader.utils import compute_checksum
+
+    out = class_notebook(nb, answers, package)
+    for before, cell in zip(nb.cells, out.cells, strict=True):
+        meta = cell.metadata.get("nbgrader", {})
+        # A stale checksum would make nbgrader's Validate report the cell as changed by the student.
+        if "checksum" in meta and cell.source != before.source:
+            meta["checksum"] = compute_checksum(cell)
+    return out
 
 
 SOLUTION = re.compile(r"^### BEGIN SOLUTION\n(.*?)^### END SOLUTION", re.MULTILINE | re.DOTALL)

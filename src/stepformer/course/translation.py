@@ -67,6 +67,12 @@ def class_messages(messages: dict[str, str]) -> dict[str, str]:
     return found
 
 
+def chinese_twin(root: Path, assignment: str, notebook: str, nb: Any) -> Any:
+    """The Chinese twin of ``nb``, the released notebook ``<assignment>/<notebook>`` of either edition: its prose from
+    the exercise page's catalogue. Raises :class:`TranslationMissing`, and ``FileNotFoundError`` without a catalogue."""
+    return translated(nb, translations(catalogue_of(root, assignment, notebook)))
+
+
 def translated(nb: Any, messages: dict[str, str]) -> Any:
     """A copy of ``nb`` whose prose is Chinese (see the module's docstring); raises :class:`TranslationMissing`."""
     from nbgrader.utils import compute_checksum
@@ -161,7 +167,7 @@ def write_chinese(root: Path, notebook: Path, *, check: bool = False) -> list[st
         return [f"{shown}: no catalogue {catalogue.relative_to(root)}"]
     english = nbformat.read(notebook, as_version=4)
     try:
-        chinese = translated(english, translations(catalogue))
+        chinese = chinese_twin(root, assignment, notebook.name, english)
     except TranslationMissing as error:
         return [f"{shown}: {error} in {catalogue.relative_to(root)} (run `make catalogues`, then translate what it "
                 "lists)"]
