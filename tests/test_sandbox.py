@@ -273,8 +273,8 @@ def test_the_kernel_gets_only_the_variables_passed_to_it(tmp_path, monkeypatch):
                                                             command.index("STEPFORMER_LANG") + 2]
     assert "STEPFORMER_GRADER_SECRET" not in command
     assert "STEPFORMER_LANG" not in bwrap_command(LIMITS, [], connection, tmp_path, runtime)
-    spec = json.loads((Path(install_kernelspec(tmp_path / "kernels", limits=LIMITS, hidden=[]) and
-                            tmp_path / "kernels" / "stepformer-sandbox" / "kernel.json")).read_text())
+    name = install_kernelspec(tmp_path / "kernels", limits=LIMITS, hidden=[])
+    spec = json.loads((tmp_path / "kernels" / name / "kernel.json").read_text())
     assert spec["argv"][spec["argv"].index("--pass") + 1] == "STEPFORMER_LANG"
 
 

@@ -29,7 +29,7 @@ from stepformer.course.execute import entries, records_folder
 from stepformer.course.nbgrader_setup import api, load_config
 from stepformer.course.sandbox import RUNTIME_ENV, make_runtime
 from stepformer.course.translation import LANGUAGE as TRANSLATED
-from stepformer.course.translation import TranslationMissing, catalogue_of, translated, translations
+from stepformer.course.translation import TranslationMissing, chinese_twin
 from stepformer.course.trusted import exercise_of, recheck, reference_use
 
 PREPROCESSORS = [
@@ -138,9 +138,8 @@ def translate_graded(root: Path, folder: Path) -> list[str]:
     locked cells' English source), so that its feedback is Chinese; notes for what could not be translated."""
     notes = []
     for path in sorted(folder.glob("*.ipynb")):
-        catalogue = catalogue_of(root, folder.name, path.name)
         try:
-            nb = translated(nbformat.read(path, as_version=4), translations(catalogue))
+            nb = chinese_twin(root, folder.name, path.name, nbformat.read(path, as_version=4))
         except (OSError, TranslationMissing) as error:
             notes.append(f"{path.name}: the feedback stays in English ({error})")
             continue
